@@ -1,0 +1,1 @@
+"""Transforms that rewrite a Step into a collective-aware Step."""

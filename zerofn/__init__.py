@@ -1,0 +1,1 @@
+"""zerofn: DeepSpeed's ZeRO as composable transforms over a pure training step."""
