@@ -1,0 +1,79 @@
+"""``zf.functional(module)``: a pure ``apply(params, *args)`` over any nn.Module.
+
+Example:
+    >>> import torch, zerofn as zf
+    >>> model = torch.nn.Linear(3, 2)
+    >>> apply = zf.functional(model)
+    >>> sorted(apply.params)
+    ['bias', 'weight']
+    >>> apply(apply.params, torch.ones(1, 3)).shape
+    torch.Size([1, 2])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch.func import functional_call
+
+__all__ = ["Functional", "functional"]
+
+
+class Functional:
+    """A module's forward as a function of a parameter dict.
+
+    Attributes:
+        module: the wrapped nn.Module (its buffers are used as they are).
+        params: dict name -> tensor keyed like ``module.named_parameters()``:
+            detached copies that keep each parameter's ``requires_grad``
+            flag (``False`` marks a frozen parameter: no gradient, no
+            optimizer state). A tied parameter appears once, under its
+            first name.
+        tied: dict alias name -> first name, for parameters shared under
+            several names.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"zf.functional expects a torch.nn.Module, got {type(module).__name__}. "
+                "Wrap your model: apply = zf.functional(model)."
+            )
+        self.module = module
+        self.params: dict[str, torch.Tensor] = {
+            name: p.detach().clone().requires_grad_(p.requires_grad)
+            for name, p in module.named_parameters()
+        }
+        first: dict[int, str] = {}
+        self.tied: dict[str, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            key = id(p)
+            if key in first and first[key] != name:
+                self.tied[name] = first[key]
+            first.setdefault(key, name)
+
+    def __call__(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        """Run the module's forward with ``params`` in place of its parameters."""
+        return functional_call(self.module, dict(params), args, kwargs, tie_weights=True, strict=False)
+
+    def __repr__(self) -> str:
+        n = sum(p.numel() for p in self.params.values())
+        return f"functional({type(self.module).__name__}, {len(self.params)} params, {n:,} elements)"
+
+
+def functional(module: torch.nn.Module) -> Functional:
+    """Return ``apply(params, *args, **kwargs)``, the module's forward as a pure function.
+
+    Args:
+        module: any ``torch.nn.Module``.
+
+    Returns:
+        A :class:`Functional`: callable as ``apply(params, *args, **kwargs)``
+        (``torch.func.functional_call``; buffers come from the module), with
+        ``apply.params`` the initial parameter dict and ``apply.module``.
+
+    Raises:
+        TypeError: ``module`` is not an nn.Module.
+    """
+    return Functional(module)

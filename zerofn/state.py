@@ -1,0 +1,236 @@
+"""TrainState and the flat bucket layout every Step shares.
+
+Trainable parameters live in flat 1-D buffers, one per *bucket*: a run of
+parameters of one dtype and device, at most ``bucket_bytes`` long (a larger
+parameter gets a bucket of its own), in the reverse of registration order so
+that backward fills buckets roughly one after another. A bucket is padded to
+a multiple of its shard count; shard ``r`` of a bucket is the contiguous
+slice ``[r * k, (r + 1) * k)``. Without sharding the shard count is 1.
+
+This one layout serves every stage: gradients are reduced bucket by bucket
+as backward produces them, the optimizer sees a dict of per-bucket tensors
+(the full buffer, or this rank's slice of it), and publishing updated
+parameters is one all-gather per bucket.
+
+Example:
+    >>> import torch
+    >>> from zerofn.state import Layout
+    >>> lay = Layout.build({"w": torch.zeros(3, 5), "b": torch.zeros(5)}, shards=4, bucket_bytes=1 << 20)
+    >>> [(b.numel, b.padded, b.shard_numel) for b in lay.buckets]
+    [(20, 20, 5)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from zerofn import tree as T
+
+__all__ = ["Bucket", "Layout", "Slot", "StateSpec", "TrainState", "DonatedStateError"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one trainable parameter lives inside its bucket's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A flat buffer of parameters of one dtype and device."""
+
+    dtype: torch.dtype
+    device: str
+    slots: tuple[Slot, ...]
+    numel: int
+    padded: int
+    shards: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded // self.shards
+
+    @property
+    def nbytes(self) -> int:
+        return self.padded * _itemsize(self.dtype)
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        k = self.shard_numel
+        return rank * k, (rank + 1) * k
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a params tree maps onto flat buckets (static, hashable)."""
+
+    buckets: tuple[Bucket, ...]
+    names: tuple[str, ...]  # every parameter, in the params tree's leaf order
+    frozen: tuple[str, ...]  # parameters with no gradient and no optimizer state
+
+    @staticmethod
+    def build(
+        trainable: Mapping[str, torch.Tensor],
+        *,
+        shards: int,
+        bucket_bytes: int,
+        names: tuple[str, ...] | None = None,
+        frozen: tuple[str, ...] = (),
+    ) -> "Layout":
+        """Group ``trainable`` into buckets, last-registered first (backward order)."""
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        groups: dict[tuple[torch.dtype, str], list[tuple[str, torch.Tensor]]] = {}
+        for name, p in reversed(list(trainable.items())):
+            groups.setdefault((p.dtype, str(p.device)), []).append((name, p))
+        buckets: list[Bucket] = []
+        for (dtype, device), items in groups.items():
+            limit = max(1, bucket_bytes // _itemsize(dtype))
+            run: list[Slot] = []
+            size = 0
+            for name, p in items:
+                n = p.numel()
+                if run and size + n > limit:
+                    buckets.append(_bucket(dtype, device, run, size, shards))
+                    run, size = [], 0
+                run.append(Slot(name, tuple(p.shape), size, n))
+                size += n
+            if run:
+                buckets.append(_bucket(dtype, device, run, size, shards))
+        return Layout(tuple(buckets), tuple(names or trainable), tuple(frozen))
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(b.numel for b in self.buckets)
+
+    def views(self, flats: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        """name -> view of the parameter inside its bucket's flat buffer."""
+        out = {}
+        for b, flat in zip(self.buckets, flats):
+            for s in b.slots:
+                out[s.name] = flat[s.offset : s.offset + s.numel].view(s.shape)
+        return out
+
+
+def _bucket(dtype, device, slots, numel, shards) -> Bucket:
+    padded = -(-max(numel, 1) // shards) * shards
+    return Bucket(dtype, device, tuple(slots), numel, padded, shards)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What made a state: the step's chain, the world size and the layout."""
+
+    chain: str
+    world_size: int
+    layout: Layout
+    treedef: Any  # the params tree's structure, to rebuild it for loss_fn
+
+
+class DonatedStateError(RuntimeError):
+    """A state was used after a step donated its buffers."""
+
+
+DONATED_HELP = """\
+this TrainState was donated to a step: its buffers now hold the new state's
+numbers, so reading it would give wrong results. Use the state the step
+returned:
+
+    state, metrics = step(state, batch)      # rebind the name
+
+or build the step with donate=False to keep input states intact (at the cost
+of one copy of the state per step):
+
+    step = zf.train_step(loss_fn, optimizer, donate=False)
+"""
+
+
+@T.state_class
+class TrainState:
+    """Everything a training run holds between steps, as a pytree.
+
+    Fields:
+        params: one flat buffer per bucket of trainable parameters (full on
+            every rank unless the parameters are sharded).
+        frozen: name -> parameter for parameters that get no gradient.
+        opt_state: the optimizer's state over its view of ``params`` (this
+            rank's slices under ``shard_optimizer``).
+        count: number of optimizer updates applied (int64).
+        micro: micro-steps accumulated towards the next update (int64).
+        grad_accum: per-bucket gradient sums between micro-steps, or None.
+        spec: static: the chain, world size and layout that made the state.
+    """
+
+    params: tuple
+    frozen: dict
+    opt_state: Any
+    count: torch.Tensor
+    micro: torch.Tensor
+    grad_accum: Any
+    spec: StateSpec = T.field(static=True)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name != "__dict__" and not name.startswith("__") and self.__dict__.get("_donated", False):
+            raise DonatedStateError(DONATED_HELP)
+        return object.__getattribute__(self, name)
+
+    def _donate(self) -> None:
+        object.__setattr__(self, "_donated", True)
+
+    @property
+    def donated(self) -> bool:
+        return False  # reaching this means __getattribute__ let us through
+
+    def replace(self, **changes: Any) -> "TrainState":
+        return dataclasses.replace(self, **changes)
+
+    def __repr__(self) -> str:
+        if self.__dict__.get("_donated", False):
+            return "TrainState(<donated>)"
+        return describe(self)
+
+
+def _placement(leaves: list) -> str:
+    devices = sorted({str(t.device) for t in leaves if isinstance(t, torch.Tensor)})
+    return ",".join(devices) or "-"
+
+
+def _bytes(leaves: list) -> int:
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def describe(state: TrainState) -> str:
+    """A readable summary: what is sharded, where it lives, bytes on this rank."""
+    spec = state.spec
+    lay = spec.layout
+    sharded = any(b.shards > 1 for b in lay.buckets)
+    rows = [
+        ("params", T.tree_leaves(state.params), f"{len(lay.buckets)} buckets, {lay.trainable_numel:,} trainable"),
+        ("frozen", T.tree_leaves(state.frozen), f"{len(lay.frozen)} tensors"),
+        ("opt_state", T.tree_leaves(state.opt_state), f"sharded 1/{spec.world_size}" if sharded else "replicated"),
+        ("grad_accum", T.tree_leaves(state.grad_accum), "between micro-steps"),
+    ]
+    lines = [f"TrainState({spec.chain}, world_size={spec.world_size}, count={int(state.count)}, micro={int(state.micro)})"]
+    for label, leaves, note in rows:
+        if leaves or label in ("params", "opt_state"):
+            lines.append(f"  {label:<10} {_fmt_bytes(_bytes(leaves)):>12}  on {_placement(leaves):<8} {note}")
+    return "\n".join(lines)

@@ -1,0 +1,428 @@
+"""``zf.train_step`` and the Step protocol that transforms rewrite.
+
+A Step is a pure function from the outside, ``step(state, batch) -> (state,
+metrics)``, with ``step.init(params) -> state``. Inside, one call runs these
+phases, and a transform replaces some of them (``Phases``):
+
+1. ``layout``     group trainable parameters into flat buckets (at init).
+2. ``opt_view``   what the optimizer updates: a bucket's buffer, or a slice.
+3. forward and backward on ``torch.autograd`` over fresh leaves that view
+   the buckets; a post-accumulate-grad hook copies each gradient into its
+   bucket's gradient buffer and frees it.
+4. ``reduce``     launched per bucket, in bucket order, as soon as backward
+   has filled it (overlapping the rest of backward): all-reduce for the
+   plain step (DDP semantics), reduce-scatter under ``shard_optimizer``.
+5. gradient processing and the optimizer update, in place on the buffers
+   the state owns (the input state is donated).
+6. ``publish``    make updated parameters visible on every rank (nothing
+   for the plain step, an all-gather per bucket when the update was
+   sharded).
+
+Collectives per step of the plain ``train_step`` on N > 1 ranks: one
+all-reduce per bucket (2 x parameter bytes), plus two tiny ones (batch-shape
+agreement, and loss / gradient norm / finiteness).
+
+Example:
+    >>> import torch, zerofn as zf
+    >>> model = torch.nn.Linear(4, 1)
+    >>> apply = zf.functional(model)
+    >>> def loss_fn(params, batch):
+    ...     return ((apply(params, batch["x"]) - batch["y"]) ** 2).mean()
+    >>> step = zf.train_step(loss_fn, zf.optim.sgd(0.1))
+    >>> state = step.init(apply.params)
+    >>> batch = {"x": torch.ones(8, 4), "y": torch.zeros(8, 1)}
+    >>> state, metrics = step(state, batch)
+    >>> sorted(metrics)
+    ['comm_bytes', 'grad_norm', 'loss', 'skipped']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from zerofn import collectives as C
+from zerofn import optim as O
+from zerofn import tree as T
+from zerofn.state import Bucket, Layout, StateSpec, TrainState
+
+__all__ = ["Phases", "Step", "train_step", "DEFAULT_BUCKET_BYTES"]
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # torch DDP's default bucket_cap_mb
+
+
+class Phases(NamedTuple):
+    """The pieces of a step a transform may replace.
+
+    Attributes:
+        shards: world_size -> how many shards each bucket is split into.
+        opt_view: (flat, bucket, rank) -> the tensor the optimizer updates.
+        reduce: (grad_flat, bucket, rank) -> Handle whose wait() gives the
+            reduced gradient matching ``opt_view`` (summed over ranks).
+        grads_replicated: True when every rank ends with the same reduced
+            gradient (so one rank's norm is the global norm).
+        publish: (flats, layout, rank) -> None; make the updated parameters
+            whole on every rank.
+    """
+
+    shards: Callable[[int], int]
+    opt_view: Callable[[torch.Tensor, Bucket, int], torch.Tensor]
+    reduce: Callable[[torch.Tensor, Bucket, int], C.Handle]
+    grads_replicated: bool
+    publish: Callable[[tuple, Layout, int], None]
+
+
+def _replicated_reduce(grad: torch.Tensor, bucket: Bucket, rank: int) -> C.Handle:
+    return C.all_reduce(grad, "sum", async_op=True)
+
+
+DDP_PHASES = Phases(
+    shards=lambda world: 1,
+    opt_view=lambda flat, bucket, rank: flat,
+    reduce=_replicated_reduce,
+    grads_replicated=True,
+    publish=lambda flats, layout, rank: None,
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A training step ``step(state, batch) -> (state, metrics)``; see module docs.
+
+    Build one with :func:`train_step` and rewrite it with the transforms in
+    ``zerofn.transforms``.
+    """
+
+    loss_fn: Callable
+    optimizer: O.GradientTransformation
+    accumulate_steps: int = 1
+    donate: bool = True
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    transforms: tuple[str, ...] = ()
+    phases: Phases = DDP_PHASES
+    options: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------ naming
+
+    @property
+    def name(self) -> str:
+        out = "train_step"
+        for t in self.transforms:
+            out = f"{t}({out})"
+        return out
+
+    def __repr__(self) -> str:
+        return f"<Step {self.name}, accumulate_steps={self.accumulate_steps}, donate={self.donate}>"
+
+    def replace(self, **changes: Any) -> "Step":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------ init
+
+    def init(self, params: Any) -> TrainState:
+        """Build the state for ``params`` (a tree of tensors, e.g. ``apply.params``).
+
+        Tensors with ``requires_grad=False`` (or a non-float dtype) are frozen:
+        no gradient, no optimizer state.
+        """
+        paths, leaves, treedef = T.tree_flatten_with_path(params)
+        if not leaves:
+            raise ValueError(f"{self.name}.init: params holds no tensors; pass apply.params from zf.functional(model)")
+        named: dict[str, torch.Tensor] = {}
+        for path, leaf in zip(paths, leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"{self.name}.init: params leaf {T.keystr(path)} is a {type(leaf).__name__}, expected a "
+                    "torch.Tensor. Pass a tree of tensors such as apply.params."
+                )
+            named[T.keystr(path)] = leaf
+        trainable = {k: v for k, v in named.items() if v.requires_grad and v.is_floating_point()}
+        frozen = {k: v.detach().clone() for k, v in named.items() if k not in trainable}
+        world, rank = C.world_size(), C.rank()
+        layout = Layout.build(
+            trainable,
+            shards=self.phases.shards(world),
+            bucket_bytes=self.bucket_bytes,
+            names=tuple(named),
+            frozen=tuple(frozen),
+        )
+        flats = []
+        for b in layout.buckets:
+            flat = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            for s in b.slots:
+                flat[s.offset : s.offset + s.numel].copy_(trainable[s.name].detach().reshape(-1))
+            flats.append(flat)
+        flats = tuple(flats)
+        opt_params = self._opt_params(flats, layout, rank)
+        opt_state = self.optimizer.init(opt_params)
+        spec = StateSpec(self.name, world, layout, treedef)
+        return TrainState(
+            params=flats,
+            frozen=frozen,
+            opt_state=opt_state,
+            count=torch.zeros((), dtype=torch.int64),
+            micro=torch.zeros((), dtype=torch.int64),
+            grad_accum=None,
+            spec=spec,
+        )
+
+    def _opt_params(self, flats, layout: Layout, rank: int) -> dict[str, torch.Tensor]:
+        return {f"b{i}": self.phases.opt_view(f, b, rank) for i, (f, b) in enumerate(zip(flats, layout.buckets))}
+
+    # ------------------------------------------------------------ views
+
+    def full_params(self, state: TrainState) -> Any:
+        """The full parameters (a new tree shaped like the ``init`` input) on every rank."""
+        self._check_state(state)
+        return self._params_tree(state, lambda t: t.detach().clone())
+
+    def _params_tree(self, state: TrainState, trainable_fn: Callable) -> Any:
+        views = state.spec.layout.views(state.params)
+        leaves = [
+            trainable_fn(views[name]) if name in views else state.frozen[name] for name in state.spec.layout.names
+        ]
+        return T.tree_unflatten(state.spec.treedef, leaves)
+
+    # ------------------------------------------------------------ checks
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"{self.name}(state, batch): state is a {type(state).__name__}, expected the TrainState made by "
+                f"this step's init: state = step.init(apply.params)"
+            )
+        spec = state.spec  # raises DonatedStateError on a donated state
+        world = C.world_size()
+        if spec.chain != self.name or spec.world_size != world:
+            raise ValueError(
+                f"{self.name}(state, batch): state was made by {spec.chain} on world size {spec.world_size}, "
+                f"but this step is {self.name} on world size {world}. Build the state with this step's init: "
+                f"state = step.init(params), or carry the parameters over: "
+                f"state = step.init(other_step.full_params(old_state))."
+            )
+
+    def _check_batch(self, batch: Any) -> None:
+        """All ranks must feed batches of one structure, shapes and dtypes."""
+        if C.world_size() == 1:
+            return
+        digest = T.treespec_digest(batch) & ((1 << 52) - 1)
+        probe = torch.tensor([digest, -digest], dtype=torch.int64)
+        C.all_reduce(probe, "max")
+        if int(probe[0]) == -int(probe[1]):
+            return
+        shapes = T.tree_map(T.describe_leaf, batch)
+        everyone = C.gather_objects(shapes)
+        lines = "\n".join(f"  rank {r}: {s}" for r, s in enumerate(everyone))
+        raise ValueError(
+            f"{self.name}(state, batch): ranks fed batches of different shapes or structure "
+            f"(world size {C.world_size()}); every rank must feed a micro-batch of the same shapes:\n{lines}\n"
+            "Drop or pad the last partial batch (for example DataLoader(..., drop_last=True))."
+        )
+
+    # ------------------------------------------------------------ the step
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        self._check_state(state)
+        with C.counting() as counter:
+            self._check_batch(batch)
+            if not self.donate:
+                state = T.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
+            new_state, metrics = self._run(state, batch)
+        metrics["comm_bytes"] = counter.bytes
+        if self.donate:
+            state._donate()
+        return new_state, metrics
+
+    def _run(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        spec = state.spec
+        layout = spec.layout
+        world, rank = spec.world_size, C.rank()
+        k = self.accumulate_steps
+        micro = int(state.micro)
+        last = micro + 1 == k
+
+        # Gradient buffers: the running sum from earlier micro-steps, or zeros.
+        if state.grad_accum is not None:
+            grads = tuple(state.grad_accum)
+        else:
+            grads = tuple(torch.zeros(b.padded, dtype=b.dtype, device=b.device) for b in layout.buckets)
+
+        # Leaves viewing the buckets; each hook moves its gradient into the buffer.
+        views = layout.views(state.params)
+        gviews = layout.views(grads)
+        where: dict[str, int] = {s.name: i for i, b in enumerate(layout.buckets) for s in b.slots}
+        remaining = [len(b.slots) for b in layout.buckets]
+        handles: list[C.Handle | None] = [None] * len(layout.buckets)
+        launched = [0]
+
+        def launch_ready(upto: int) -> None:
+            while launched[0] < upto:
+                i = launched[0]
+                handles[i] = self.phases.reduce(grads[i], layout.buckets[i], rank)
+                launched[0] += 1
+
+        def hook(leaf: torch.Tensor, name: str) -> None:
+            gviews[name].add_(leaf.grad.reshape(gviews[name].shape))
+            leaf.grad = None
+            i = where[name]
+            remaining[i] -= 1
+            if last and remaining[i] == 0:
+                j = launched[0]
+                while j < len(remaining) and remaining[j] == 0:
+                    j += 1
+                launch_ready(j)
+
+        leaves: dict[str, torch.Tensor] = {}
+        hook_handles = []
+        for name, v in views.items():
+            leaf = v.detach().requires_grad_(True)
+            hook_handles.append(leaf.register_post_accumulate_grad_hook(lambda p, n=name: hook(p, n)))
+            leaves[name] = leaf
+        tree_leaves = [leaves[n] if n in leaves else state.frozen[n] for n in layout.names]
+        params = T.tree_unflatten(spec.treedef, tree_leaves)
+
+        try:
+            out = self.loss_fn(params, batch)
+            loss, aux = self._split_loss(out)
+            if loss.requires_grad:
+                loss.backward()
+        finally:
+            for h in hook_handles:
+                h.remove()
+        del params, leaves, tree_leaves
+
+        if not last:
+            stats = self._stats(loss.detach(), aux, None, world, rank)
+            new = state.replace(grad_accum=grads, micro=state.micro + 1)
+            return new, self._metrics(stats, aux, skipped=False, grad_norm=math.nan)
+
+        launch_ready(len(layout.buckets))
+        reduced = {f"b{i}": h.wait() for i, h in enumerate(handles)}
+        scale = 1.0 / (world * k)
+        torch._foreach_mul_(list(reduced.values()), scale)
+        stats = self._stats(loss.detach(), aux, reduced, world, rank)
+        grad_norm = math.sqrt(stats["sumsq"]) if stats["sumsq"] >= 0 else math.nan
+        finite = math.isfinite(stats["loss"]) and math.isfinite(stats["sumsq"])
+        zero = torch.zeros((), dtype=torch.int64)
+        if not finite:
+            new = state.replace(grad_accum=None, micro=zero)
+            return new, self._metrics(stats, aux, skipped=True, grad_norm=grad_norm)
+
+        opt_params = self._opt_params(state.params, layout, rank)
+        with torch.no_grad():
+            updates, opt_state = self.optimizer.update(
+                reduced, state.opt_state, opt_params, grad_norm=torch.tensor(grad_norm, dtype=torch.float32)
+            )
+            O.apply_updates(opt_params, updates)
+            del reduced, updates
+            self.phases.publish(state.params, layout, rank)
+        new = state.replace(opt_state=opt_state, count=state.count + 1, micro=zero, grad_accum=None)
+        return new, self._metrics(stats, aux, skipped=False, grad_norm=grad_norm)
+
+    # ------------------------------------------------------------ helpers
+
+    def _split_loss(self, out: Any) -> tuple[torch.Tensor, dict]:
+        aux: dict = {}
+        if isinstance(out, tuple):
+            if len(out) != 2 or not isinstance(out[1], dict):
+                raise TypeError(
+                    f"{self.name}: loss_fn returned a tuple of {len(out)} items; expected a scalar loss "
+                    "or (loss, aux_dict)"
+                )
+            out, aux = out
+        if not isinstance(out, torch.Tensor) or out.dim() != 0 or not out.is_floating_point():
+            got = (
+                f"a tensor of shape {list(out.shape)} and dtype {out.dtype}"
+                if isinstance(out, torch.Tensor)
+                else f"a {type(out).__name__}"
+            )
+            raise ValueError(
+                f"{self.name}: loss_fn must return a scalar (0-dim) floating-point tensor, got {got}. "
+                "Reduce it first, for example return loss.mean()."
+            )
+        return out, aux
+
+    def _stats(self, loss, aux, reduced, world, rank) -> dict[str, float]:
+        """One small all-reduce: loss (mean over ranks), gradient sum of squares, scalar aux values."""
+        scalars = {k: v for k, v in sorted(aux.items()) if _is_scalar(v)}
+        if reduced is None:
+            sumsq = torch.zeros((), dtype=torch.float64)
+        elif self.phases.grads_replicated and rank != 0:
+            sumsq = torch.zeros((), dtype=torch.float64)
+        else:
+            norms = torch._foreach_norm(list(reduced.values())) if reduced else []
+            sumsq = sum((n.double() ** 2 for n in norms), torch.zeros((), dtype=torch.float64))
+        vec = torch.stack(
+            [loss.double().cpu(), sumsq.cpu()] + [torch.as_tensor(v, dtype=torch.float64).cpu() for v in scalars.values()]
+        )
+        C.all_reduce(vec, "sum")
+        vals = vec.tolist()
+        out = {"loss": vals[0] / world, "sumsq": vals[1]}
+        out["aux"] = {k: v / world for k, v in zip(scalars, vals[2:])}
+        return out
+
+    def _metrics(self, stats, aux, *, skipped: bool, grad_norm: float) -> dict[str, Any]:
+        m: dict[str, Any] = {
+            "loss": torch.tensor(stats["loss"], dtype=torch.float32),
+            "grad_norm": torch.tensor(grad_norm, dtype=torch.float32),
+            "skipped": skipped,
+        }
+        for k, v in aux.items():
+            m[k] = torch.tensor(stats["aux"][k], dtype=torch.float32) if k in stats["aux"] else v
+        return m
+
+
+def _is_scalar(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.numel() == 1
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def train_step(
+    loss_fn: Callable,
+    optimizer: O.GradientTransformation,
+    accumulate_steps: int = 1,
+    *,
+    donate: bool = True,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Step:
+    """Build a Step from a loss function and an optimizer.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch)`` returning a scalar loss tensor or
+            ``(loss, aux_dict)``; scalar aux values are averaged over ranks
+            into the metrics.
+        optimizer: a ``zf.optim`` GradientTransformation, e.g. ``zf.optim.adamw(3e-4)``.
+        accumulate_steps: apply the update on every K-th call; the result
+            equals one step on the K micro-batches concatenated.
+        donate: reuse the input state's buffers for the new state (default);
+            the input state then raises if used again. ``False`` copies it
+            first and leaves it untouched.
+        bucket_bytes: gradient bucket size for the reduction during backward.
+
+    Returns:
+        A :class:`Step`: ``state = step.init(params)``, ``state, metrics =
+        step(state, batch)``, ``step.full_params(state)``. ``metrics`` has
+        ``loss`` (mean over ranks), ``grad_norm`` (global, before clipping),
+        ``comm_bytes`` (this rank's collective traffic), ``skipped`` (a
+        non-finite loss or gradient: no update) and the aux values. Under N
+        ranks gradients are averaged across ranks (DDP semantics).
+
+    Raises:
+        TypeError / ValueError: a non-callable loss_fn, a bad optimizer, or
+            ``accumulate_steps`` < 1.
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"train_step: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(
+            f"train_step: optimizer must be a zf.optim GradientTransformation (init, update), got "
+            f"{type(optimizer).__name__}. For example zf.optim.adamw(lr=3e-4)."
+        )
+    if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
+        raise ValueError(f"train_step: accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
+    return Step(loss_fn, optimizer, accumulate_steps, donate, bucket_bytes)
