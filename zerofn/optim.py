@@ -74,6 +74,7 @@ __all__ = [
     "scale_by_schedule",
     "sgd",
     "trace",
+    "update_params",
     "warmup_cosine_decay_schedule",
 ]
 
@@ -95,6 +96,10 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
+    # Optional fast path: apply(grads, state, params, **extra) -> state updates
+    # params in place, equal to update() followed by apply_updates() (for
+    # example one fused kernel for all of AdamW). See update_params().
+    apply: Callable[..., OptState] | None = None
 
 
 class EmptyState(NamedTuple):
@@ -340,7 +345,20 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    last = transforms[-1] if transforms else None
+    if last is None or last.apply is None:
+        return GradientTransformation(init, update)
+
+    def apply(grads, state, params, **extra):
+        # The members before the last transform the gradients; the last one
+        # (e.g. a fused AdamW) turns them into parameter updates in place.
+        head = []
+        for t, s in zip(transforms[:-1], state[:-1]):
+            grads, s = t.update(grads, s, params, **extra)
+            head.append(s)
+        return tuple(head) + (last.apply(grads, state[-1], params, **extra),)
+
+    return GradientTransformation(init, update, apply)
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -921,7 +939,9 @@ def adam(
         parts.append(add_decayed_weights(weight_decay))
     parts.append(scale_by_adam(b1, b2, eps))
     parts.append(scale_by_learning_rate(lr))
-    return chain(*parts)
+    base = chain(*parts)
+    adam_at = 1 if weight_decay else 0
+    return base._replace(apply=_fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, decoupled=False))
 
 
 def adamw(
@@ -970,7 +990,87 @@ def adamw(
             parts.append(decay_weights(rate))
         else:
             parts.append(decay_weights(lr * weight_decay))
-    return chain(*parts)
+    base = chain(*parts)
+    return base._replace(apply=_fused_adam(base, 0, lr, b1, b2, eps, weight_decay, decoupled=True))
+
+
+_FUSED_DEVICES = ("cpu", "cuda")
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool):
+    """In-place Adam/AdamW through torch's fused kernel, one pass over memory.
+
+    ``base`` is the same optimizer as a chain of primitives: its state layout
+    is shared, and it runs instead wherever the kernel does not apply
+    (another device, mixed dtypes within a group). Every count in the chain's
+    state advances exactly as ``base.update`` would advance it.
+    """
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+
+    @torch.no_grad()
+    def apply(grads, state, params, **extra):
+        g, spec = _flat("adam.apply", "grads", grads)
+        p, p_spec = _flat("adam.apply", "params", params)
+        adam = state[adam_at]
+        mu, _ = _flat("adam.apply", "state.mu", adam.mu)
+        nu, _ = _flat("adam.apply", "state.nu", adam.nu)
+        if spec != p_spec or not all(_fusable(*ts) for ts in zip(p, g, mu, nu)):
+            updates, state = base.update(grads, state, params, **extra)
+            apply_updates(params, updates)
+            return state
+        count = _check_count("adam.apply", adam.count)
+        lr_value = _schedule_value("adam.apply", lr, count) if callable(lr) else lr
+        if lr_value < 0:
+            raise ValueError(f"adam.apply: the learning-rate schedule returned {lr_value} at count {count}; it must be >= 0")
+        for sub in state:  # the counts of adam, the lr schedule and the decay schedule
+            c = getattr(sub, "count", None)
+            if isinstance(c, torch.Tensor):
+                c.add_(1)
+        for p_, g_, mu_, nu_ in _groups(p, g, mu, nu):
+            step = torch.full((), float(count + 1), dtype=torch.float32, device=p_[0].device)
+            kernel(
+                p_, g_, mu_, nu_, [], [step] * len(p_),
+                lr=lr_value, beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps,
+                amsgrad=False, maximize=False,
+            )
+        return state
+
+    return apply
+
+
+def _fusable(*tensors: torch.Tensor) -> bool:
+    """The fused kernel takes a parameter, its gradient and moments of one dtype on one device."""
+    first = tensors[0]
+    return (
+        first.device.type in _FUSED_DEVICES
+        and first.dtype in _FUSED_DTYPES
+        and all(t.dtype == first.dtype and t.device == first.device for t in tensors)
+    )
+
+
+def update_params(optimizer: GradientTransformation, grads: Updates, state: OptState, params: Params, **extra):
+    """Update ``params`` in place from ``grads``; return the new optimizer state.
+
+    Equal to ``updates, state = optimizer.update(grads, state, params);
+    apply_updates(params, updates)``, but takes the optimizer's fused path
+    where it has one (``adam``/``adamw`` use torch's fused kernel: one pass
+    over memory instead of a dozen). Donates ``grads`` and ``state``.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> p = {"w": torch.ones(2)}
+        >>> opt = optim.adamw(0.1, weight_decay=0.0)
+        >>> state = optim.update_params(opt, {"w": torch.ones(2)}, opt.init(p), p)
+        >>> [round(x, 4) for x in p["w"].tolist()], int(state[0].count)
+        ([0.9, 0.9], 1)
+    """
+    if optimizer.apply is not None:
+        return optimizer.apply(grads, state, params, **extra)
+    updates, state = optimizer.update(grads, state, params, **extra)
+    apply_updates(params, updates)
+    return state
 
 
 # --------------------------------------------------------------------------- #

@@ -314,11 +314,10 @@ class Step:
 
         opt_params = self._opt_params(state.params, layout, rank)
         with torch.no_grad():
-            updates, opt_state = self.optimizer.update(
-                reduced, state.opt_state, opt_params, grad_norm=torch.tensor(grad_norm, dtype=torch.float32)
+            opt_state = O.update_params(
+                self.optimizer, reduced, state.opt_state, opt_params, grad_norm=torch.tensor(grad_norm)
             )
-            O.apply_updates(opt_params, updates)
-            del reduced, updates
+            del reduced
             self.phases.publish(state.params, layout, rank)
         new = state.replace(opt_state=opt_state, count=state.count + 1, micro=zero, grad_accum=None)
         return new, self._metrics(stats, aux, skipped=False, grad_norm=grad_norm)
