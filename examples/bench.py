@@ -48,7 +48,7 @@ def _torch_system(cfg, zero: bool):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return zf.collectives.all_reduce(loss.detach(), "mean")  # zerofn reports the mean over ranks too
 
     def opt_bytes():
         states = opt.optim.state if zero else opt.state
@@ -128,7 +128,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     results = zf.spawn(bench_rank, args.world, args)
     r0 = results[0]
-    base = r0["torch DDP"]["median"]
     n = sum(p.numel() for p in GPT(GPTConfig(vocab=64, seq_len=args.seq_len, dim=args.dim, layers=args.layers)).parameters())
     print(f"GPT {n:,} parameters, {args.world} gloo ranks, batch {args.batch} x {args.seq_len} per rank")
     print(f"{'system':<42}{'step ms':>9}{'vs DDP':>8}{'opt state MiB':>15}{'peak live MiB':>15}{'loss':>8}")
@@ -138,7 +137,6 @@ def main(argv=None):
             f"{name:<42}{1e3 * slowest:>9.1f}{slowest / max(res['torch DDP']['median'] for res in results):>8.3f}"
             f"{r['opt_bytes'] / 2**20:>15.2f}{r['peak'] / 2**20:>15.2f}{r['loss']:>8.4f}"
         )
-    del base
     return results
 
 

@@ -1,1 +1,28 @@
-"""zerofn: DeepSpeed's ZeRO as composable transforms over a pure training step."""
+"""zerofn: DeepSpeed's ZeRO as composable transforms over a pure training step.
+
+Public names only; see the modules for the details.
+"""
+
+from zerofn import collectives, memory, optim, tree
+from zerofn.functional import Functional, functional
+from zerofn.launch import RankError, RankPool, spawn
+from zerofn.state import DonatedStateError, TrainState
+from zerofn.step import Step, train_step
+
+__all__ = [
+    "DonatedStateError",
+    "Functional",
+    "RankError",
+    "RankPool",
+    "Step",
+    "TrainState",
+    "collectives",
+    "functional",
+    "memory",
+    "optim",
+    "spawn",
+    "train_step",
+    "tree",
+]
+
+__version__ = "0.1.0"

@@ -117,10 +117,13 @@ class Layout:
     def views(self, flats: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
         """name -> view of the parameter inside its bucket's flat buffer."""
         out = {}
-        for b, flat in zip(self.buckets, flats):
-            for s in b.slots:
-                out[s.name] = flat[s.offset : s.offset + s.numel].view(s.shape)
+        for i, flat in enumerate(flats):
+            out.update(self.bucket_views(i, flat))
         return out
+
+    def bucket_views(self, i: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """name -> view into ``flat``, bucket ``i``'s buffer, for each of its parameters."""
+        return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.buckets[i].slots}
 
 
 def _bucket(dtype, device, slots, numel, shards) -> Bucket:

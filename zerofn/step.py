@@ -245,15 +245,24 @@ class Step:
         micro = int(state.micro)
         last = micro + 1 == k
 
-        # Gradient buffers: the running sum from earlier micro-steps, or zeros.
-        if state.grad_accum is not None:
-            grads = tuple(state.grad_accum)
-        else:
-            grads = tuple(torch.zeros(b.padded, dtype=b.dtype, device=b.device) for b in layout.buckets)
+        # Gradient buffers: the running sum from earlier micro-steps, or a bucket's
+        # zeros allocated when backward first reaches it (so early buckets do
+        # not sit beside the activations of the whole forward).
+        grads: list[torch.Tensor | None] = list(state.grad_accum) if state.grad_accum is not None else [None] * len(
+            layout.buckets
+        )
+        gviews: dict[str, torch.Tensor] = {}
+
+        def buffer(i: int) -> torch.Tensor:
+            if grads[i] is None:
+                b = layout.buckets[i]
+                grads[i] = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            if layout.buckets[i].slots[0].name not in gviews:
+                gviews.update(layout.bucket_views(i, grads[i]))
+            return grads[i]
 
         # Leaves viewing the buckets; each hook moves its gradient into the buffer.
         views = layout.views(state.params)
-        gviews = layout.views(grads)
         where: dict[str, int] = {s.name: i for i, b in enumerate(layout.buckets) for s in b.slots}
         remaining = [len(b.slots) for b in layout.buckets]
         handles: list[C.Handle | None] = [None] * len(layout.buckets)
@@ -262,13 +271,14 @@ class Step:
         def launch_ready(upto: int) -> None:
             while launched[0] < upto:
                 i = launched[0]
-                handles[i] = self.phases.reduce(grads[i], layout.buckets[i], rank)
+                handles[i] = self.phases.reduce(buffer(i), layout.buckets[i], rank)
                 launched[0] += 1
 
         def hook(leaf: torch.Tensor, name: str) -> None:
+            i = where[name]
+            buffer(i)
             gviews[name].add_(leaf.grad.reshape(gviews[name].shape))
             leaf.grad = None
-            i = where[name]
             remaining[i] -= 1
             if last and remaining[i] == 0:
                 j = launched[0]
@@ -297,7 +307,7 @@ class Step:
 
         if not last:
             stats = self._stats(loss.detach(), aux, None, world, rank)
-            new = state.replace(grad_accum=grads, micro=state.micro + 1)
+            new = state.replace(grad_accum=tuple(buffer(i) for i in range(len(grads))), micro=state.micro + 1)
             return new, self._metrics(stats, aux, skipped=False, grad_norm=math.nan)
 
         launch_ready(len(layout.buckets))

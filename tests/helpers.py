@@ -1,0 +1,119 @@
+"""Models and references the tests share (imported by rank processes too)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zerofn as zf
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes=(7, 13, 11, 3)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
+class TinyTransformer(nn.Module):
+    """Tied embeddings, odd sizes, a frozen parameter, a float64 parameter and a scalar."""
+
+    def __init__(self, vocab=23, dim=10, heads=2, layers=2, seq=9, extras=True):
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.1)
+        self.blocks = nn.ModuleList()
+        for _ in range(layers):
+            b = nn.Module()
+            b.ln = nn.LayerNorm(dim)
+            b.qkv = nn.Linear(dim, 3 * dim, bias=False)
+            b.proj = nn.Linear(dim, dim)
+            b.fc = nn.Linear(dim, 2 * dim + 1)
+            b.out = nn.Linear(2 * dim + 1, dim)
+            self.blocks.append(b)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied
+        self.extras = extras
+        if extras:
+            self.temperature = nn.Parameter(torch.tensor(1.3))  # a scalar parameter
+            self.frozen_proj = nn.Parameter(torch.randn(dim, dim) * 0.1, requires_grad=False)
+            self.gate64 = nn.Parameter(torch.randn(dim, dtype=torch.float64) * 0.1 + 1.0)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        if self.extras:
+            x = x + x @ self.frozen_proj
+            x = (x.double() * self.gate64).float()
+        for b in self.blocks:
+            h = b.ln(x)
+            q, k, v = b.qkv(h).chunk(3, dim=-1)
+            B, T, D = q.shape
+            q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
+            x = x + b.proj(y)
+            x = x + b.out(torch.tanh(b.fc(x)))
+        logits = self.head(x)
+        if self.extras:
+            logits = logits * self.temperature
+        return logits
+
+
+def make_mlp(seed=0):
+    torch.manual_seed(seed)
+    model = MLP()
+    apply = zf.functional(model)
+
+    def loss_fn(params, batch):
+        return ((apply(params, batch["x"]) - batch["y"]) ** 2).mean()
+
+    return model, apply, loss_fn
+
+
+def mlp_batch(step, n, seed=0):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    x = torch.randn(n, 7, generator=g)
+    return {"x": x, "y": torch.sin(x[:, :3] * 2)}
+
+
+def make_transformer(seed=0, extras=True):
+    torch.manual_seed(seed)
+    model = TinyTransformer(extras=extras)
+    apply = zf.functional(model)
+
+    def loss_fn(params, batch):
+        logits = apply(params, batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    return model, apply, loss_fn
+
+
+def transformer_batch(step, n, seed=0):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return torch.randint(23, (n, 9), generator=g)
+
+
+MODELS = {
+    "mlp": (make_mlp, mlp_batch),
+    "transformer": (make_transformer, transformer_batch),
+}
+
+
+def rank_slice(batch, rank, world):
+    """This rank's share of a global batch (the first dim split in equal parts)."""
+    if isinstance(batch, dict):
+        return {k: rank_slice(v, rank, world) for k, v in batch.items()}
+    n = batch.shape[0] // world
+    return batch[rank * n : (rank + 1) * n]
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)

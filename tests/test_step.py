@@ -1,0 +1,283 @@
+"""train_step and shard_optimizer against the one-process step and torch, on real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerofn as zf
+from helpers import MODELS, make_mlp, make_transformer, max_abs_diff, mlp_batch, rank_slice, transformer_batch
+from zerofn.transforms import shard_optimizer
+
+TRANSFORMS = {"plain": lambda s: s, "shard_optimizer": shard_optimizer}
+GLOBAL_BATCH = 24
+STEPS = 10
+
+
+def _optimizer(clip=None, schedule=False):
+    lr = zf.optim.warmup_cosine_decay_schedule(0.0, 3e-3, 3, 10) if schedule else 3e-3
+    opt = zf.optim.adamw(lr, weight_decay=0.1)
+    return zf.optim.chain(zf.optim.clip_by_global_norm(clip), opt) if clip else opt
+
+
+def _train(model_name, transform, world, rank, *, accumulate=1, clip=None, schedule=False, steps=STEPS):
+    make, batch_fn = MODELS[model_name]
+    _, apply, loss_fn = make()
+    step = TRANSFORMS[transform](zf.train_step(loss_fn, _optimizer(clip, schedule), accumulate))
+    state = step.init(apply.params)
+    losses = []
+    for i in range(steps):
+        local = rank_slice(batch_fn(i, GLOBAL_BATCH), rank, world)
+        for m in range(accumulate):
+            state, metrics = step(state, rank_slice(local, m, accumulate))
+        losses.append(float(metrics["loss"]))
+    return step.full_params(state), losses, metrics
+
+
+CASES = [
+    # (model, transform, accumulate, clip, schedule)
+    ("mlp", "plain", 1, None, False),
+    ("mlp", "shard_optimizer", 1, None, False),
+    ("transformer", "plain", 1, None, False),
+    ("transformer", "shard_optimizer", 1, None, False),
+    ("transformer", "shard_optimizer", 2, 0.5, True),
+    ("mlp", "plain", 2, 0.1, False),  # GLOBAL_BATCH must split into world x accumulate parts
+]
+
+
+def _rank_run_cases(cases):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return [_train(m, t, world, rank, accumulate=k, clip=c, schedule=s)[:2] for m, t, k, c, s in cases]
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {case: _train(case[0], "plain", 1, 0, accumulate=1, clip=case[3], schedule=case[4])[:2] for case in CASES}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_faithful_to_one_process(ranks, references, world):
+    """Every case on N ranks ends with the parameters of one process fed the whole batch."""
+    results = ranks(world).run(_rank_run_cases, CASES)
+    for case, *_ in zip(CASES):
+        ref_params, ref_losses = references[case]
+        for rank, per_case in enumerate(results):
+            params, losses = per_case[CASES.index(case)]
+            diff = max_abs_diff(params, ref_params)
+            assert diff <= 1e-5, f"{case} world={world} rank={rank}: max abs param diff {diff:.3g}"
+            if case[2] == 1:  # with accumulation the metric is the last micro-batch's loss
+                assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    # the run really trained: parameters moved away from their initial values
+    init = MODELS["mlp"][0]()[1].params
+    assert max_abs_diff(references[CASES[0]][0], init) > 1e-3
+
+
+def test_matches_torch_adamw_on_module():
+    """train_step's adamw equals torch.optim.AdamW driving the nn.Module itself."""
+    model, apply, loss_fn = make_transformer()
+    ref_model, _, _ = make_transformer()
+    opt = torch.optim.AdamW([p for p in ref_model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.1)
+    step = zf.train_step(loss_fn, zf.optim.adamw(3e-3, weight_decay=0.1))
+    state = step.init(apply.params)
+    for i in range(STEPS):
+        batch = transformer_batch(i, GLOBAL_BATCH)
+        state, _ = step(state, batch)
+        logits = ref_model(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    ref = {k: v.detach() for k, v in ref_model.named_parameters()}
+    assert max_abs_diff(step.full_params(state), ref) <= 1e-5
+
+
+def test_hard_shapes_layout():
+    """Tied weights appear once, frozen and integer-free params get no optimizer state, dtypes keep."""
+    _, apply, loss_fn = make_transformer()
+    assert "head.weight" not in apply.params and "tok.weight" in apply.params
+    assert apply.params["frozen_proj"].requires_grad is False
+    step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-3)))
+    state = step.init(apply.params)
+    layout = state.spec.layout
+    assert layout.frozen == ("frozen_proj",)
+    dtypes = {b.dtype for b in layout.buckets}
+    assert dtypes == {torch.float32, torch.float64}
+    state, _ = step(state, transformer_batch(0, 4))
+    full = step.full_params(state)
+    assert full["gate64"].dtype == torch.float64 and full["temperature"].shape == ()
+    assert torch.equal(full["frozen_proj"], apply.params["frozen_proj"])
+
+
+def _rank_bytes():
+    world, rank = zf.collectives.world_size(), zf.collectives.rank()
+    out = {}
+    for transform in TRANSFORMS:
+        _, apply, loss_fn = make_transformer()
+        step = TRANSFORMS[transform](zf.train_step(loss_fn, zf.optim.adamw(1e-3), bucket_bytes=2048))
+        state = step.init(apply.params)
+        state, metrics = step(state, rank_slice(transformer_batch(0, GLOBAL_BATCH), rank, world))
+        layout = state.spec.layout
+        out[transform] = dict(
+            state_bytes=zf.memory.state_bytes(state),
+            comm=metrics["comm_bytes"],
+            padded_bytes=sum(b.nbytes for b in layout.buckets),
+            param_bytes=sum(b.numel * b.nbytes // b.padded for b in layout.buckets),
+            buckets=[(b.numel, b.padded, b.shards, str(b.dtype)) for b in layout.buckets],
+            frozen_bytes=sum(v.numel() * v.element_size() for v in state.frozen.values()),
+        )
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_state_bytes_and_comm_bytes_formulas(ranks, world):
+    results = ranks(world).run(_rank_bytes) if world > 1 else [_rank_bytes()]
+    _, apply, _ = make_transformer()
+    trainable = [p for p in apply.params.values() if p.requires_grad]
+    psi_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    for rank, r in enumerate(results):
+        plain, sharded = r["plain"], r["shard_optimizer"]
+        assert plain["param_bytes"] == psi_bytes
+        # adamw holds two moments per element; sharded: 1/N of them, plus padding per bucket
+        counters = 8  # adam's int64 step count
+        assert plain["state_bytes"]["optimizer"] == 2 * psi_bytes + counters
+        shard_bytes = sharded["padded_bytes"] // world
+        assert sharded["state_bytes"]["optimizer"] == 2 * shard_bytes + counters
+        pad = max(len(sharded["buckets"]) * (world - 1) * 8, 0)
+        assert 2 * psi_bytes // world <= 2 * shard_bytes <= 2 * psi_bytes // world + 2 * pad
+        for s in (plain, sharded):
+            assert s["state_bytes"]["params"] == s["padded_bytes"] + s["frozen_bytes"]
+            assert s["state_bytes"]["total"] == s["state_bytes"]["params"] + s["state_bytes"]["optimizer"]
+        # traffic: all-reduce = 2 x bytes; reduce-scatter + all-gather = 2 x (padded) bytes; plus scalars
+        if world == 1:
+            assert plain["comm"] == 0 and sharded["comm"] == 0
+        else:
+            scalars = 2 * 16 + 2 * 16  # the batch-shape probe (2 x int64) and stats (loss, sumsq) all-reduces
+            assert plain["comm"] == 2 * psi_bytes + scalars
+            assert sharded["comm"] == 2 * sharded["padded_bytes"] + scalars
+
+
+def test_donate_false_leaves_input_untouched():
+    _, apply, loss_fn = make_mlp()
+    step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-2), donate=False))
+    state = step.init(apply.params)
+    state, _ = step(state, mlp_batch(0, 8))
+    before = zf.tree.tree_map(lambda t: t.clone(), state)
+    new, _ = step(state, mlp_batch(1, 8))
+    zf.tree.tree_map(lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0), state, before)
+    assert max_abs_diff(step.full_params(new), step.full_params(state)) > 0
+    again, _ = step(state, mlp_batch(1, 8))  # the same input gives the same output
+    assert max_abs_diff(step.full_params(again), step.full_params(new)) == 0
+
+
+def test_donated_state_raises():
+    _, apply, loss_fn = make_mlp()
+    step = zf.train_step(loss_fn, zf.optim.adamw(1e-2))
+    state = step.init(apply.params)
+    new, _ = step(state, mlp_batch(0, 8))
+    with pytest.raises(zf.DonatedStateError, match="donated to a step"):
+        step(state, mlp_batch(1, 8))
+    with pytest.raises(zf.DonatedStateError, match="donate=False"):
+        state.params
+    with pytest.raises(zf.DonatedStateError):
+        zf.tree.tree_leaves(state)
+    assert "donated" in repr(state)
+    # the new state reuses the old buffers: no second copy of the optimizer state
+    new2, _ = step(new, mlp_batch(1, 8))
+    assert all(a is b for a, b in zip(zf.tree.tree_leaves(new2.params), zf.tree.tree_leaves(new2.params)))
+
+
+def test_donation_keeps_peak_below_two_optimizer_states():
+    """A donated step updates in place: peak live bytes stay below two copies of the optimizer state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    apply = zf.functional(model)
+
+    def loss_fn(params, x):
+        return apply(params, x).square().mean()
+
+    for donate, bound_ok in ((True, True), (False, False)):
+        step = zf.train_step(loss_fn, zf.optim.adamw(1e-3), donate=donate)
+        state = step.init(apply.params)
+        state, _ = step(state, torch.randn(2, 256))
+        opt_bytes = zf.memory.state_bytes(state)["optimizer"]
+        with zf.memory.track() as t:
+            state, _ = step(state, torch.randn(2, 256))
+        # in place: gradients (1/2 optimizer state) + Adam's temporaries; a functional update would add a whole copy
+        assert (t.peak < 2 * opt_bytes) == bound_ok, (donate, t.peak, opt_bytes)
+
+
+def test_loss_not_scalar_and_bad_state():
+    _, apply, loss_fn = make_mlp()
+    step = zf.train_step(lambda p, b: (apply(p, b["x"]) - b["y"]) ** 2, zf.optim.sgd(0.1))
+    state = step.init(apply.params)
+    with pytest.raises(ValueError, match=r"scalar \(0-dim\).*shape \[8, 3\].*loss.mean\(\)"):
+        step(state, mlp_batch(0, 8))
+    good = zf.train_step(loss_fn, zf.optim.sgd(0.1))
+    other = shard_optimizer(good)
+    with pytest.raises(ValueError, match=r"made by train_step on world size 1, but this step is shard_optimizer"):
+        other(good.init(apply.params), mlp_batch(0, 8))
+    with pytest.raises(TypeError, match="TrainState made by this step's init"):
+        good(apply.params, mlp_batch(0, 8))
+
+
+def test_non_finite_loss_skips_update():
+    _, apply, loss_fn = make_mlp()
+    step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-2)))
+    state = step.init(apply.params)
+    state, m = step(state, mlp_batch(0, 8))
+    before = step.full_params(state)
+    opt_before = zf.tree.tree_map(torch.clone, state.opt_state)
+    bad = mlp_batch(1, 8)
+    bad["x"][0, 0] = float("nan")
+    state, m = step(state, bad)
+    assert m["skipped"] is True and not torch.isfinite(m["loss"])
+    assert max_abs_diff(step.full_params(state), before) == 0
+    zf.tree.tree_map(lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0), state.opt_state, opt_before)
+    assert int(state.count) == 1
+    state, m = step(state, mlp_batch(2, 8))  # training goes on
+    assert m["skipped"] is False and int(state.count) == 2
+
+
+def _rank_bad_batches():
+    rank = dist.get_rank()
+    _, apply, loss_fn = make_mlp()
+    step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-2)))
+    state = step.init(apply.params)
+    before = step.full_params(state)
+    try:
+        step(state, mlp_batch(0, 4 + rank))
+    except ValueError as e:
+        msg = str(e)
+    else:
+        msg = None
+    # the state was not lost: it still steps with agreeing batches
+    state, _ = step(state, mlp_batch(0, 4))
+    return msg, max_abs_diff(step.full_params(state), before) > 0
+
+
+def test_batches_of_different_shapes_raise_on_every_rank(ranks):
+    results = ranks(2).run(_rank_bad_batches, timeout=60)
+    for rank, (msg, stepped) in enumerate(results):
+        assert msg is not None, f"rank {rank} did not raise"
+        assert "different shapes" in msg and "rank 0: {'x': 'float32[4, 7]'" in msg and "drop_last" in msg
+        assert stepped
+
+
+def _rank_state_bytes_sharded(world_expected):
+    _, apply, loss_fn = make_mlp()
+    step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-2)))
+    state = step.init(apply.params)
+    return zf.memory.state_bytes(state), repr(state)
+
+
+def test_state_from_other_world_size(ranks):
+    """A state made on 2 ranks is refused on 1 with the reshard hint."""
+    _, apply, loss_fn = make_mlp()
+    step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-2)))
+    state = step.init(apply.params)
+    bad = state.replace(spec=type(state.spec)(state.spec.chain, 2, state.spec.layout, state.spec.treedef))
+    with pytest.raises(ValueError, match="on world size 2, but this step is .* on world size 1"):
+        step(bad, mlp_batch(0, 8))
+    sizes, text = ranks(2).run(_rank_state_bytes_sharded, 2)[0]
+    assert "sharded 1/2" in text and "opt_state" in text
