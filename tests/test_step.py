@@ -56,7 +56,7 @@ def references():
     return {case: _train(case[0], "plain", 1, 0, accumulate=1, clip=case[3], schedule=case[4])[:2] for case in CASES}
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_faithful_to_one_process(ranks, references, world):
     """Every case on N ranks ends with the parameters of one process fed the whole batch."""
     results = ranks(world).run(_rank_run_cases, CASES)
@@ -281,3 +281,45 @@ def test_state_from_other_world_size(ranks):
         step(bad, mlp_batch(0, 8))
     sizes, text = ranks(2).run(_rank_state_bytes_sharded, 2)[0]
     assert "sharded 1/2" in text and "opt_state" in text
+
+
+def _rank_nan_on_one_rank():
+    rank = dist.get_rank()
+    _, apply, loss_fn = make_mlp()
+    step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-2)))
+    state = step.init(apply.params)
+    before = step.full_params(state)
+    batch = mlp_batch(0, 4)
+    if rank == 1:
+        batch["x"][0, 0] = float("inf")
+    state, m = step(state, batch)
+    unchanged = max_abs_diff(step.full_params(state), before) == 0
+    state, m2 = step(state, mlp_batch(1, 4))
+    return m["skipped"], unchanged, m2["skipped"], int(state.count)
+
+
+def test_non_finite_gradient_on_one_rank_skips_everywhere(ranks):
+    for skipped, unchanged, later_skipped, count in ranks(2).run(_rank_nan_on_one_rank, timeout=60):
+        assert skipped is True and unchanged and later_skipped is False and count == 1
+
+
+def _rank_aux():
+    rank = dist.get_rank()
+    _, apply, _ = make_mlp()
+
+    def loss_fn(params, batch):
+        out = apply(params, batch["x"])
+        loss = ((out - batch["y"]) ** 2).mean()
+        return loss, {"rank_plus_one": torch.tensor(rank + 1.0), "tag": "local", "out_mean": out.mean()}
+
+    step = zf.train_step(loss_fn, zf.optim.sgd(0.1))
+    state, metrics = step(step.init(apply.params), mlp_batch(0, 4))
+    return {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+
+
+def test_aux_values_are_averaged_over_ranks(ranks):
+    results = ranks(3).run(_rank_aux)
+    for m in results:
+        assert m["rank_plus_one"] == pytest.approx(2.0)  # mean of 1, 2, 3
+        assert m["tag"] == "local" and m["skipped"] is False
+        assert m["loss"] == pytest.approx(results[0]["loss"])

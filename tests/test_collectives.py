@@ -1,0 +1,89 @@
+"""zerofn.collectives: identity at world size 1, real collectives and byte counts on gloo ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from zerofn import collectives as C
+
+
+def test_identity_without_a_process_group():
+    assert C.world_size() == 1 and C.rank() == 0
+    x = torch.arange(4.0)
+    with C.counting() as c:
+        assert C.all_reduce(x, "mean") is x
+        out = torch.empty(4)
+        C.reduce_scatter(out, x)
+        full = torch.empty(4)
+        C.all_gather(full, out)
+        assert C.all_reduce_tree({"a": x})["a"] is x
+    assert torch.equal(full, x) and c.bytes == 0
+    assert C.gather_objects("x") == ["x"]
+
+
+def _rank_collectives():
+    n, r = C.world_size(), C.rank()
+    out = {}
+    with C.counting() as c:
+        x = torch.full((6,), float(r + 1))
+        C.all_reduce(x, "sum")
+        out["sum"] = x.tolist()
+        m = torch.full((3,), float(r))
+        C.all_reduce(m, "mean")
+        out["mean"] = m.tolist()
+        full = torch.arange(4.0 * n)
+        shard = torch.empty(4)
+        C.reduce_scatter(shard, full.clone())
+        out["rs"] = shard.tolist()
+        gathered = torch.empty(4 * n)
+        C.all_gather(gathered, torch.full((4,), float(r)))
+        out["ag"] = gathered.tolist()
+        h = C.all_reduce(torch.ones(2), async_op=True)
+        out["async"] = h.wait().tolist()
+        tree = {"a": torch.ones(2), "b": [torch.ones(3, dtype=torch.float64)]}
+        C.all_reduce_tree(tree)
+        out["tree"] = [tree["a"].tolist(), tree["b"][0].tolist()]
+    out["bytes"], out["calls"] = c.bytes, dict(c.calls)
+    try:
+        C.reduce_scatter(torch.empty(3), torch.empty(4 * n + 1))
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_and_byte_counts(ranks, world):
+    results = ranks(world).run(_rank_collectives)
+    total = sum(range(1, world + 1))
+    for r, out in enumerate(results):
+        assert out["sum"] == [float(total)] * 6
+        assert out["mean"] == pytest.approx([sum(range(world)) / world] * 3)
+        assert out["rs"] == [world * float(v) for v in range(4 * r, 4 * r + 4)]
+        assert out["ag"] == [float(k // 4) for k in range(4 * world)]
+        assert out["async"] == [float(world)] * 2
+        assert out["tree"] == [[float(world)] * 2, [float(world)] * 3]
+        # all-reduce counts 2n, reduce-scatter and all-gather count the full tensor's n
+        expect = 2 * 24 + 2 * 12 + 16 * world + 16 * world + 2 * 8 + 2 * (8 + 24)
+        assert out["bytes"] == expect
+        assert out["calls"] == {"all_reduce": 5, "reduce_scatter": 1, "all_gather": 1}
+        assert "pad the full tensor to a multiple of the world size" in out["bad"]
+
+
+def _rank_debug_mismatch():
+    os.environ["ZEROFN_DEBUG"] = "1"
+    try:
+        tree = {"a": torch.ones(2)} if C.rank() == 0 else {"a": torch.ones(2), "b": torch.ones(1)}
+        C.all_reduce_tree(tree)
+    except ValueError as e:
+        return str(e)
+    finally:
+        os.environ.pop("ZEROFN_DEBUG")
+    return None
+
+
+def test_debug_mode_catches_ranks_that_disagree_on_a_tree(ranks):
+    for msg in ranks(2).run(_rank_debug_mismatch, timeout=60):
+        assert msg is not None and "ranks disagree" in msg and "rank 0:" in msg and "rank 1:" in msg

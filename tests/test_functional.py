@@ -1,0 +1,51 @@
+"""zf.functional: a pure apply over any nn.Module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerofn as zf
+from helpers import make_transformer
+
+
+def test_params_are_detached_copies_keyed_like_named_parameters():
+    model, apply, _ = make_transformer()
+    assert list(apply.params) == [n for n, _ in model.named_parameters()]
+    for name, p in model.named_parameters():
+        q = apply.params[name]
+        assert torch.equal(p, q) and q.data_ptr() != p.data_ptr()
+        assert q.requires_grad == p.requires_grad and q.grad_fn is None
+    assert apply.tied == {"head.weight": "tok.weight"}
+
+
+def test_apply_equals_module_forward_and_uses_given_params():
+    model, apply, _ = make_transformer()
+    idx = torch.randint(23, (3, 8))
+    torch.testing.assert_close(apply(apply.params, idx), model(idx), rtol=0, atol=0)
+    doubled = {k: v * 2 for k, v in apply.params.items()}
+    assert not torch.allclose(apply(doubled, idx), model(idx))
+    # the tied head follows the embedding it shares
+    with torch.no_grad():
+        model.tok.weight.mul_(2)
+        model.pos.mul_(2)
+        model.frozen_proj.mul_(2)
+        model.temperature.mul_(2)
+        model.gate64.mul_(2)
+        for n, p in model.named_parameters():
+            if n.startswith("blocks"):
+                p.mul_(2)
+    torch.testing.assert_close(apply(doubled, idx), model(idx))
+
+
+def test_buffers_come_from_the_module():
+    model = torch.nn.BatchNorm1d(3)
+    apply = zf.functional(model.eval())
+    model.running_mean.fill_(1.0)
+    x = torch.ones(2, 3)
+    torch.testing.assert_close(apply(apply.params, x), torch.zeros(2, 3) * 1.0, atol=1e-3, rtol=0)
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="expects a torch.nn.Module, got function"):
+        zf.functional(lambda x: x)
