@@ -59,10 +59,11 @@ def _torch_system(cfg, zero: bool):
     return step, opt_bytes
 
 
-def _zf_system(cfg, transform):
+def _zf_system(cfg, transform, bucket_bytes):
     torch.manual_seed(0)
     apply = zf.functional(GPT(cfg))
-    step = transform(zf.train_step(loss_fn_for(apply), zf.optim.adamw(LR, weight_decay=WD)))
+    step = zf.train_step(loss_fn_for(apply), zf.optim.adamw(LR, weight_decay=WD), bucket_bytes=bucket_bytes)
+    step = transform(step)
     box = [step.init(apply.params)]
 
     def run(batch):
@@ -73,10 +74,10 @@ def _zf_system(cfg, transform):
 
 
 SYSTEMS = {
-    "torch DDP": lambda cfg: _torch_system(cfg, zero=False),
-    "torch ZeRO-1 (ZeroRedundancyOptimizer)": lambda cfg: _torch_system(cfg, zero=True),
-    "zf train_step": lambda cfg: _zf_system(cfg, lambda s: s),
-    "zf shard_optimizer": lambda cfg: _zf_system(cfg, shard_optimizer),
+    "torch DDP": lambda cfg, mb: _torch_system(cfg, zero=False),
+    "torch ZeRO-1 (ZeroRedundancyOptimizer)": lambda cfg, mb: _torch_system(cfg, zero=True),
+    "zf train_step": lambda cfg, mb: _zf_system(cfg, lambda s: s, mb),
+    "zf shard_optimizer": lambda cfg, mb: _zf_system(cfg, shard_optimizer, mb),
 }
 
 
@@ -87,7 +88,7 @@ def bench_rank(args):
     corpus = MarkovCorpus(vocab=64)
     data = corpus.sample(args.batch * world, args.seq_len + 1, seed=1)
     batch = data[rank * args.batch : (rank + 1) * args.batch]
-    systems = {name: make(cfg) for name, make in SYSTEMS.items()}
+    systems = {name: make(cfg, int(args.bucket_mb * 2**20)) for name, make in SYSTEMS.items()}
     times: dict[str, list[float]] = {name: [] for name in systems}
     peaks, losses = {}, {}
     for name, (step, _) in systems.items():  # warm-up, and one tracked step each
@@ -125,6 +126,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="zerofn's gradient bucket size (MiB)")
     args = p.parse_args(argv)
     results = zf.spawn(bench_rank, args.world, args)
     r0 = results[0]

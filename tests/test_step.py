@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import pytest
 import torch
 import torch.distributed as dist
@@ -90,6 +91,8 @@ def test_matches_torch_adamw_on_module():
         opt.step()
     ref = {k: v.detach() for k, v in ref_model.named_parameters()}
     assert max_abs_diff(step.full_params(state), ref) <= 1e-5
+    chex.assert_trees_all_equal_shapes(step.full_params(state), ref)
+    chex.assert_trees_all_close(step.full_params(state), ref, atol=1e-5, rtol=0)
 
 
 def test_hard_shapes_layout():
