@@ -41,6 +41,10 @@ def _rank_collectives():
         gathered = torch.empty(4 * n)
         C.all_gather(gathered, torch.full((4,), float(r)))
         out["ag"] = gathered.tolist()
+        inplace = torch.zeros(5 * n)
+        inplace[5 * r : 5 * r + 5] = torch.arange(5.0) + 10 * r
+        C.all_gather(inplace, inplace[5 * r : 5 * r + 5])
+        out["inplace"] = inplace.tolist()
         h = C.all_reduce(torch.ones(2), async_op=True)
         out["async"] = h.wait().tolist()
         tree = {"a": torch.ones(2), "b": [torch.ones(3, dtype=torch.float64)]}
@@ -63,12 +67,13 @@ def test_collectives_and_byte_counts(ranks, world):
         assert out["mean"] == pytest.approx([sum(range(world)) / world] * 3)
         assert out["rs"] == [world * float(v) for v in range(4 * r, 4 * r + 4)]
         assert out["ag"] == [float(k // 4) for k in range(4 * world)]
+        assert out["inplace"] == [float(k % 5 + 10 * (k // 5)) for k in range(5 * world)]
         assert out["async"] == [float(world)] * 2
         assert out["tree"] == [[float(world)] * 2, [float(world)] * 3]
         # all-reduce counts 2n, reduce-scatter and all-gather count the full tensor's n
-        expect = 2 * 24 + 2 * 12 + 16 * world + 16 * world + 2 * 8 + 2 * (8 + 24)
+        expect = 2 * 24 + 2 * 12 + 16 * world + 16 * world + 20 * world + 2 * 8 + 2 * (8 + 24)
         assert out["bytes"] == expect
-        assert out["calls"] == {"all_reduce": 5, "reduce_scatter": 1, "all_gather": 1}
+        assert out["calls"] == {"all_reduce": 5, "reduce_scatter": 1, "all_gather": 2}
         assert "pad the full tensor to a multiple of the world size" in out["bad"]
 
 

@@ -46,8 +46,9 @@ def _opt_view(flat: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
     return flat[lo:hi]
 
 
-def _reduce(grad: torch.Tensor, bucket: Bucket, rank: int) -> C.Handle:
-    out = torch.empty(bucket.shard_numel, dtype=grad.dtype, device=grad.device)
+def _reduce(grad: torch.Tensor, bucket: Bucket, rank: int, out: torch.Tensor | None) -> C.Handle:
+    if out is None:
+        out = torch.empty(bucket.shard_numel, dtype=grad.dtype, device=grad.device)
     return C.reduce_scatter(out, grad, "sum", async_op=True)
 
 
@@ -55,8 +56,8 @@ def _publish(flats: tuple, layout: Layout, rank: int) -> None:
     handles = []
     for flat, bucket in zip(flats, layout.buckets):
         lo, hi = bucket.shard_range(rank)
-        # A separate input buffer: backends may not allow the input to alias the output.
-        handles.append(C.all_gather(flat, flat[lo:hi].clone(), async_op=True))
+        # In place: the input is this rank's slice of the output, so no temporary.
+        handles.append(C.all_gather(flat, flat[lo:hi], async_op=True))
     for h in handles:
         h.wait()
 

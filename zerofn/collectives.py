@@ -208,7 +208,9 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, op: str = "sum", *, as
 def all_gather(full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False):
     """Gather every rank's ``shard`` into ``full`` (rank r's at ``[r * k:(r + 1) * k]``).
 
-    Counts bytes(full).
+    ``shard`` may be this rank's own slice of ``full`` (in place, no
+    temporary): NCCL documents it, and gloo copies the input into place
+    first (``tests/test_collectives.py`` checks it). Counts bytes(full).
     """
     n = world_size()
     if full.numel() != n * shard.numel():

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -61,22 +61,29 @@ class Phases(NamedTuple):
     Attributes:
         shards: world_size -> how many shards each bucket is split into.
         opt_view: (flat, bucket, rank) -> the tensor the optimizer updates.
-        reduce: (grad_flat, bucket, rank) -> Handle whose wait() gives the
-            reduced gradient matching ``opt_view`` (summed over ranks).
+        reduce: (grad_flat, bucket, rank, out) -> Handle whose wait() gives
+            the reduced gradient matching ``opt_view`` (summed over ranks),
+            written into ``out`` when it is not None.
         grads_replicated: True when every rank ends with the same reduced
             gradient (so one rank's norm is the global norm).
         publish: (flats, layout, rank) -> None; make the updated parameters
             whole on every rank.
+        reduce_every_micro: reduce on every accumulation micro-step and carry
+            the reduced partition (sharded gradients), instead of carrying
+            full local sums and reducing once.
     """
 
     shards: Callable[[int], int]
     opt_view: Callable[[torch.Tensor, Bucket, int], torch.Tensor]
-    reduce: Callable[[torch.Tensor, Bucket, int], C.Handle]
+    reduce: Callable[[torch.Tensor, Bucket, int, torch.Tensor | None], C.Handle]
     grads_replicated: bool
     publish: Callable[[tuple, Layout, int], None]
+    reduce_every_micro: bool = False
 
 
-def _replicated_reduce(grad: torch.Tensor, bucket: Bucket, rank: int) -> C.Handle:
+def _replicated_reduce(grad: torch.Tensor, bucket: Bucket, rank: int, out: torch.Tensor | None) -> C.Handle:
+    if out is not None:
+        raise ValueError("a replicated (all-reduce) bucket is reduced in place; it takes no out tensor")
     return C.all_reduce(grad, "sum", async_op=True)
 
 
@@ -104,7 +111,6 @@ class Step:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     transforms: tuple[str, ...] = ()
     phases: Phases = DDP_PHASES
-    options: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------ naming
 
@@ -141,6 +147,11 @@ class Step:
                 )
             named[T.keystr(path)] = leaf
         trainable = {k: v for k, v in named.items() if v.requires_grad and v.is_floating_point()}
+        if isinstance(params, dict):
+            # Flattening sorts dict keys ("layers.10" before "layers.2"); buckets follow
+            # registration order instead, which is the reverse of backward's.
+            position = {T.keystr((k,)): i for i, k in enumerate(params)}
+            trainable = dict(sorted(trainable.items(), key=lambda kv: position.get(kv[0], -1)))
         frozen = {k: v.detach().clone() for k, v in named.items() if k not in trainable}
         world, rank = C.world_size(), C.rank()
         layout = Layout.build(
@@ -241,60 +252,28 @@ class Step:
         spec = state.spec
         layout = spec.layout
         world, rank = spec.world_size, C.rank()
+        phases = self.phases
         k = self.accumulate_steps
-        micro = int(state.micro)
-        last = micro + 1 == k
+        last = int(state.micro) + 1 == k
+        # Between micro-steps a state carries either full local gradient sums
+        # (reduced once, on the last micro-step) or, when gradients are sharded,
+        # this rank's reduced partition (reduced on every micro-step).
+        reduce_now = last or phases.reduce_every_micro
+        carried = state.grad_accum
+        if phases.reduce_every_micro:
+            sink = _GradSink(layout, phases, rank, None, reduce_now, reduced_sums=carried)
+        else:
+            sink = _GradSink(layout, phases, rank, carried, reduce_now)
 
-        # Gradient buffers: the running sum from earlier micro-steps, or a bucket's
-        # zeros allocated when backward first reaches it (so early buckets do
-        # not sit beside the activations of the whole forward).
-        grads: list[torch.Tensor | None] = list(state.grad_accum) if state.grad_accum is not None else [None] * len(
-            layout.buckets
-        )
-        gviews: dict[str, torch.Tensor] = {}
-
-        def buffer(i: int) -> torch.Tensor:
-            if grads[i] is None:
-                b = layout.buckets[i]
-                grads[i] = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
-            if layout.buckets[i].slots[0].name not in gviews:
-                gviews.update(layout.bucket_views(i, grads[i]))
-            return grads[i]
-
-        # Leaves viewing the buckets; each hook moves its gradient into the buffer.
-        views = layout.views(state.params)
-        where: dict[str, int] = {s.name: i for i, b in enumerate(layout.buckets) for s in b.slots}
-        remaining = [len(b.slots) for b in layout.buckets]
-        handles: list[C.Handle | None] = [None] * len(layout.buckets)
-        launched = [0]
-
-        def launch_ready(upto: int) -> None:
-            while launched[0] < upto:
-                i = launched[0]
-                handles[i] = self.phases.reduce(buffer(i), layout.buckets[i], rank)
-                launched[0] += 1
-
-        def hook(leaf: torch.Tensor, name: str) -> None:
-            i = where[name]
-            buffer(i)
-            gviews[name].add_(leaf.grad.reshape(gviews[name].shape))
-            leaf.grad = None
-            remaining[i] -= 1
-            if last and remaining[i] == 0:
-                j = launched[0]
-                while j < len(remaining) and remaining[j] == 0:
-                    j += 1
-                launch_ready(j)
-
+        # Leaves viewing the buckets; each hook moves its gradient into the sink.
         leaves: dict[str, torch.Tensor] = {}
         hook_handles = []
-        for name, v in views.items():
+        for name, v in layout.views(state.params).items():
             leaf = v.detach().requires_grad_(True)
-            hook_handles.append(leaf.register_post_accumulate_grad_hook(lambda p, n=name: hook(p, n)))
+            hook_handles.append(leaf.register_post_accumulate_grad_hook(sink.hook(name)))
             leaves[name] = leaf
         tree_leaves = [leaves[n] if n in leaves else state.frozen[n] for n in layout.names]
         params = T.tree_unflatten(spec.treedef, tree_leaves)
-
         try:
             out = self.loss_fn(params, batch)
             loss, aux = self._split_loss(out)
@@ -305,15 +284,18 @@ class Step:
                 h.remove()
         del params, leaves, tree_leaves
 
-        if not last:
+        if not reduce_now:
             stats = self._stats(loss.detach(), aux, None, world, rank)
-            new = state.replace(grad_accum=tuple(buffer(i) for i in range(len(grads))), micro=state.micro + 1)
+            new = state.replace(grad_accum=sink.full_buffers(), micro=state.micro + 1)
             return new, self._metrics(stats, aux, skipped=False, grad_norm=math.nan)
 
-        launch_ready(len(layout.buckets))
-        reduced = {f"b{i}": h.wait() for i, h in enumerate(handles)}
-        scale = 1.0 / (world * k)
-        torch._foreach_mul_(list(reduced.values()), scale)
+        reduced = sink.finish()
+        if not last:
+            stats = self._stats(loss.detach(), aux, None, world, rank)
+            new = state.replace(grad_accum=tuple(reduced.values()), micro=state.micro + 1)
+            return new, self._metrics(stats, aux, skipped=False, grad_norm=math.nan)
+
+        torch._foreach_mul_(list(reduced.values()), 1.0 / (world * k))
         stats = self._stats(loss.detach(), aux, reduced, world, rank)
         grad_norm = math.sqrt(stats["sumsq"]) if stats["sumsq"] >= 0 else math.nan
         finite = math.isfinite(stats["loss"]) and math.isfinite(stats["sumsq"])
@@ -328,7 +310,7 @@ class Step:
                 self.optimizer, reduced, state.opt_state, opt_params, grad_norm=torch.tensor(grad_norm)
             )
             del reduced
-            self.phases.publish(state.params, layout, rank)
+            phases.publish(state.params, layout, rank)
         new = state.replace(opt_state=opt_state, count=state.count + 1, micro=zero, grad_accum=None)
         return new, self._metrics(stats, aux, skipped=False, grad_norm=grad_norm)
 
@@ -383,6 +365,96 @@ class Step:
         for k, v in aux.items():
             m[k] = torch.tensor(stats["aux"][k], dtype=torch.float32) if k in stats["aux"] else v
         return m
+
+
+class _GradSink:
+    """Gradient buckets that backward fills and that are reduced as they complete.
+
+    A bucket's buffer is allocated when its first gradient arrives. When
+    ``reduce`` is set, a completed bucket is reduced at once, in bucket order
+    (so every rank issues the same collectives in the same order), while
+    backward goes on. A sharded reduction writes a new partition-sized
+    tensor, so its full bucket is dropped as soon as it lands; at most one
+    such reduction is in flight, which bounds the full-size gradient memory
+    to two buckets (the one in flight and the one filling) plus the
+    gradient autograd is handing over.
+    """
+
+    def __init__(self, layout: Layout, phases: Phases, rank: int, carried, reduce: bool, reduced_sums=None):
+        n = len(layout.buckets)
+        # Reduced partitions from earlier micro-steps, which each reduction updates
+        # in place: only one partition is ever alive.
+        self.sums = list(reduced_sums) if reduced_sums is not None else None
+        self.layout, self.phases, self.rank, self.reduce = layout, phases, rank, reduce
+        self.buffers: list[torch.Tensor | None] = list(carried) if carried is not None else [None] * n
+        self.views: dict[str, torch.Tensor] = {}
+        self.where = {s.name: i for i, b in enumerate(layout.buckets) for s in b.slots}
+        self.remaining = [len(b.slots) for b in layout.buckets]
+        self.handles: list[C.Handle | None] = [None] * n
+        self.results: list[torch.Tensor | None] = [None] * n
+        self.launched = 0
+        self.release = not phases.grads_replicated
+
+    def buffer(self, i: int) -> torch.Tensor:
+        buf = self.buffers[i]
+        if buf is None:
+            b = self.layout.buckets[i]
+            buf = self.buffers[i] = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+        if self.layout.buckets[i].slots[0].name not in self.views:
+            self.views.update(self.layout.bucket_views(i, buf))
+        return buf
+
+    def hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def on_grad(leaf: torch.Tensor) -> None:
+            i = self.where[name]
+            self.buffer(i)
+            view = self.views[name]
+            view.add_(leaf.grad.reshape(view.shape))
+            leaf.grad = None
+            self.remaining[i] -= 1
+            if self.reduce and self.remaining[i] == 0:
+                j = self.launched
+                while j < len(self.remaining) and self.remaining[j] == 0:
+                    j += 1
+                self._launch_upto(j)
+
+        return on_grad
+
+    def _launch_upto(self, upto: int) -> None:
+        while self.launched < upto:
+            i = self.launched
+            if self.release and i > 0:
+                self._settle(i - 1)
+            bucket, out = self.layout.buckets[i], None
+            if self.sums is not None:
+                # Fold the running sum into this rank's own slice of the input: the
+                # reduction then lands the new total in place, with no temporary.
+                lo, hi = bucket.shard_range(self.rank)
+                self.buffer(i)[lo:hi].add_(self.sums[i])
+                out = self.sums[i]
+            self.handles[i] = self.phases.reduce(self.buffer(i), bucket, self.rank, out)
+            self.launched += 1
+
+    def _settle(self, i: int) -> None:
+        if self.results[i] is None and self.handles[i] is not None:
+            self.results[i] = self.handles[i].wait()
+            self.handles[i] = None
+            if self.release:
+                self.buffers[i] = None
+                for s in self.layout.buckets[i].slots:
+                    self.views.pop(s.name, None)
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Reduce what is left (a bucket with an unused parameter keeps zeros there); return every result."""
+        self._launch_upto(len(self.layout.buckets))
+        for i in range(len(self.layout.buckets)):
+            self._settle(i)
+        out = {f"b{i}": r for i, r in enumerate(self.results)}
+        self.results = []  # the caller owns them now: they die when it lets go
+        return out
+
+    def full_buffers(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.buffer(i) for i in range(len(self.layout.buckets)))
 
 
 def _is_scalar(v: Any) -> bool:

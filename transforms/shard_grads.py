@@ -1,0 +1,78 @@
+"""``shard_grads`` (ZeRO stage 2): no rank ever holds the whole gradient.
+
+Implies ``shard_optimizer``: applying both, in either order, is the same
+step. On top of stage 1 it rewrites one phase (see ``zerofn.step.Phases``):
+
+- ``reduce_every_micro``: with ``accumulate_steps=K`` every micro-step
+  reduce-scatters its buckets during backward and adds the result into this
+  rank's gradient partition, which the state carries between micro-steps
+  (1/N of the gradient instead of stage 1's full local sums).
+
+During backward a parameter's gradient is copied into its bucket and freed
+as soon as autograd hands it over; a completed bucket is reduce-scattered
+asynchronously while backward goes on, and its full buffer is dropped when
+the reduction lands. Full-size gradient memory is bounded by two buckets
+(one in flight, one filling) plus the largest single parameter's gradient;
+a parameter larger than ``bucket_bytes`` is a bucket of its own.
+
+Collectives per step: one reduce-scatter per bucket per micro-step and one
+all-gather per bucket per update: 2 x parameter bytes per step without
+accumulation, as DDP's all-reduce; plus two tiny ones (batch-shape
+agreement; loss, gradient norm and finiteness).
+
+Example:
+    >>> import torch, zerofn as zf
+    >>> from zerofn.transforms import shard_grads, shard_optimizer
+    >>> apply = zf.functional(torch.nn.Linear(4, 1))
+    >>> loss_fn = lambda p, b: apply(p, b).square().mean()
+    >>> step = shard_grads(zf.train_step(loss_fn, zf.optim.adamw(1e-3)))
+    >>> step.name, shard_optimizer(step) is step
+    ('shard_grads(train_step)', True)
+"""
+
+from __future__ import annotations
+
+import functools
+
+from zerofn.step import Step
+from zerofn.transforms.shard_optimizer import shard_optimizer
+
+__all__ = ["shard_grads"]
+
+NAME = "shard_grads"
+
+
+def shard_grads(step: Step | None = None, /, *, bucket_bytes: int | None = None) -> Step:
+    """Shard gradients as backward produces them (ZeRO stage 2).
+
+    Args:
+        step: a Step from ``zf.train_step`` (possibly already transformed).
+            Called without it, returns a decorator.
+        bucket_bytes: gradient bucket size; default: the step's
+            (``zf.train_step(..., bucket_bytes=...)``, 25 MiB).
+
+    Returns:
+        The rewritten Step, named ``shard_grads(...)`` whether or not
+        ``shard_optimizer`` was applied before or after it.
+
+    Raises:
+        TypeError: ``step`` is not a Step.
+        ValueError: ``bucket_bytes`` is not a positive int.
+    """
+    if step is None:
+        return functools.partial(shard_grads, bucket_bytes=bucket_bytes)
+    if not isinstance(step, Step):
+        raise TypeError(
+            f"shard_grads expects a Step from zf.train_step, got {type(step).__name__}. "
+            "Build one first: shard_grads(zf.train_step(loss_fn, optimizer))."
+        )
+    if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
+        raise ValueError(f"shard_grads: bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if step.phases.reduce_every_micro:  # already sharding gradients
+        return step if bucket_bytes is None else step.replace(bucket_bytes=bucket_bytes)
+    sharded = shard_optimizer(step)
+    return sharded.replace(
+        transforms=tuple(t for t in sharded.transforms if t != "shard_optimizer") + (NAME,),
+        phases=sharded.phases._replace(reduce_every_micro=True),
+        bucket_bytes=bucket_bytes or step.bucket_bytes,
+    )
