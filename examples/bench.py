@@ -1,5 +1,8 @@
 """Step time and memory of zerofn's steps against torch DDP and ZeroRedundancyOptimizer.
 
+Systems: torch DDP, torch ZeroRedundancyOptimizer (ZeRO-1), zerofn's plain
+step, shard_optimizer (ZeRO-1) and shard_grads (ZeRO-2).
+
     python examples/bench.py                 # 2 gloo ranks on this machine
     python examples/bench.py --world 2 --steps 30 --dim 256 --layers 4
 
@@ -24,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import zerofn as zf  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for  # noqa: E402
-from zerofn.transforms import shard_optimizer  # noqa: E402
+from zerofn.transforms import shard_grads, shard_optimizer  # noqa: E402
 
 LR, WD = 1e-3, 0.1
 
@@ -78,6 +81,7 @@ SYSTEMS = {
     "torch ZeRO-1 (ZeroRedundancyOptimizer)": lambda cfg, mb: _torch_system(cfg, zero=True),
     "zf train_step": lambda cfg, mb: _zf_system(cfg, lambda s: s, mb),
     "zf shard_optimizer": lambda cfg, mb: _zf_system(cfg, shard_optimizer, mb),
+    "zf shard_grads": lambda cfg, mb: _zf_system(cfg, shard_grads, mb),
 }
 
 

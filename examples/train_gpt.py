@@ -4,9 +4,10 @@ One process:
 
     python examples/train_gpt.py
 
-Two ranks on this machine (gloo on CPU, nccl on GPUs), ZeRO stage 1:
+Two ranks on this machine (gloo on CPU, nccl on GPUs), ZeRO stage 1 or 2:
 
     torchrun --nproc_per_node=2 examples/train_gpt.py --zero 1
+    torchrun --nproc_per_node=2 examples/train_gpt.py --zero 2 --accumulate 2
 
 Every rank feeds its own slice of the global batch; the result equals one
 process fed the whole batch. The loss should fall far below the corpus's
@@ -28,9 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import zerofn as zf  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for, unigram_entropy  # noqa: E402
-from zerofn.transforms import shard_optimizer  # noqa: E402
+from zerofn.transforms import shard_grads, shard_optimizer  # noqa: E402
 
-STAGES = {0: lambda s: s, 1: shard_optimizer}
+STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads}
 
 
 def parse_args(argv=None):
