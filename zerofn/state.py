@@ -139,6 +139,7 @@ class StateSpec:
     world_size: int
     layout: Layout
     treedef: Any  # the params tree's structure, to rebuild it for loss_fn
+    context: Any = dataclasses.field(default=None, compare=False)  # e.g. the model a sharded step runs
 
 
 class DonatedStateError(RuntimeError):

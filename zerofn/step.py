@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -48,9 +49,10 @@ import torch
 from zerofn import collectives as C
 from zerofn import optim as O
 from zerofn import tree as T
+from zerofn.functional import Functional
 from zerofn.state import Bucket, Layout, StateSpec, TrainState
 
-__all__ = ["Phases", "Step", "train_step", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["Phases", "Step", "train_step", "find_functional", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # torch DDP's default bucket_cap_mb
 
@@ -79,6 +81,15 @@ class Phases(NamedTuple):
     grads_replicated: bool
     publish: Callable[[tuple, Layout, int], None]
     reduce_every_micro: bool = False
+    # Whole-step overrides for transforms that change how parameters are held
+    # (shard_params): init_state(step, params, named, trainable, treedef) ->
+    # state; bind(step, state, sink) -> context manager yielding the params
+    # tree loss_fn sees, alive through backward; full_params(step, state);
+    # apply(step, state, args, kwargs).
+    init_state: Callable | None = None
+    bind: Callable | None = None
+    full_params: Callable | None = None
+    apply: Callable | None = None
 
 
 def _replicated_reduce(grad: torch.Tensor, bucket: Bucket, rank: int, out: torch.Tensor | None) -> C.Handle:
@@ -135,6 +146,27 @@ class Step:
         Tensors with ``requires_grad=False`` (or a non-float dtype) are frozen:
         no gradient, no optimizer state.
         """
+        named, trainable, treedef = self._split_params(params)
+        if self.phases.init_state is not None:
+            return self.phases.init_state(self, params, named, trainable, treedef)
+        frozen = {k: v.detach().clone() for k, v in named.items() if k not in trainable}
+        layout = Layout.build(
+            trainable,
+            shards=self.phases.shards(C.world_size()),
+            bucket_bytes=self.bucket_bytes,
+            names=tuple(named),
+            frozen=tuple(frozen),
+        )
+        flats = []
+        for b in layout.buckets:
+            flat = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            for s in b.slots:
+                flat[s.offset : s.offset + s.numel].copy_(trainable[s.name].detach().reshape(-1))
+            flats.append(flat)
+        return self.make_state(tuple(flats), frozen, layout, treedef)
+
+    def _split_params(self, params: Any) -> tuple[dict, dict, Any]:
+        """name -> tensor for every leaf, the trainable ones in registration order, and the treedef."""
         paths, leaves, treedef = T.tree_flatten_with_path(params)
         if not leaves:
             raise ValueError(f"{self.name}.init: params holds no tensors; pass apply.params from zf.functional(model)")
@@ -152,25 +184,12 @@ class Step:
             # registration order instead, which is the reverse of backward's.
             position = {T.keystr((k,)): i for i, k in enumerate(params)}
             trainable = dict(sorted(trainable.items(), key=lambda kv: position.get(kv[0], -1)))
-        frozen = {k: v.detach().clone() for k, v in named.items() if k not in trainable}
+        return named, trainable, treedef
+
+    def make_state(self, flats: tuple, frozen: Any, layout: Layout, treedef: Any, context: Any = None) -> TrainState:
+        """A fresh TrainState around parameter buffers laid out by ``layout`` (for transforms' init)."""
         world, rank = C.world_size(), C.rank()
-        layout = Layout.build(
-            trainable,
-            shards=self.phases.shards(world),
-            bucket_bytes=self.bucket_bytes,
-            names=tuple(named),
-            frozen=tuple(frozen),
-        )
-        flats = []
-        for b in layout.buckets:
-            flat = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
-            for s in b.slots:
-                flat[s.offset : s.offset + s.numel].copy_(trainable[s.name].detach().reshape(-1))
-            flats.append(flat)
-        flats = tuple(flats)
-        opt_params = self._opt_params(flats, layout, rank)
-        opt_state = self.optimizer.init(opt_params)
-        spec = StateSpec(self.name, world, layout, treedef)
+        opt_state = self.optimizer.init(self._opt_params(flats, layout, rank))
         return TrainState(
             params=flats,
             frozen=frozen,
@@ -178,7 +197,7 @@ class Step:
             count=torch.zeros((), dtype=torch.int64),
             micro=torch.zeros((), dtype=torch.int64),
             grad_accum=None,
-            spec=spec,
+            spec=StateSpec(self.name, world, layout, treedef, context),
         )
 
     def _opt_params(self, flats, layout: Layout, rank: int) -> dict[str, torch.Tensor]:
@@ -189,7 +208,23 @@ class Step:
     def full_params(self, state: TrainState) -> Any:
         """The full parameters (a new tree shaped like the ``init`` input) on every rank."""
         self._check_state(state)
+        if self.phases.full_params is not None:
+            return self.phases.full_params(self, state)
         return self._params_tree(state, lambda t: t.detach().clone())
+
+    def apply(self, state: TrainState, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward on the current parameters, without gradients (evaluation, generation).
+
+        Under ``shard_params`` it gathers one unit at a time, so it runs models
+        larger than one rank; otherwise it calls the model found through
+        ``zf.functional`` with ``full_params``-free views of the state.
+        """
+        self._check_state(state)
+        if self.phases.apply is not None:
+            return self.phases.apply(self, state, args, kwargs)
+        functional = find_functional(self.loss_fn)
+        with torch.no_grad():
+            return functional(self._params_tree(state, lambda t: t), *args, **kwargs)
 
     def _params_tree(self, state: TrainState, trainable_fn: Callable) -> Any:
         views = state.spec.layout.views(state.params)
@@ -265,24 +300,13 @@ class Step:
         else:
             sink = _GradSink(layout, phases, rank, carried, reduce_now)
 
-        # Leaves viewing the buckets; each hook moves its gradient into the sink.
-        leaves: dict[str, torch.Tensor] = {}
-        hook_handles = []
-        for name, v in layout.views(state.params).items():
-            leaf = v.detach().requires_grad_(True)
-            hook_handles.append(leaf.register_post_accumulate_grad_hook(sink.hook(name)))
-            leaves[name] = leaf
-        tree_leaves = [leaves[n] if n in leaves else state.frozen[n] for n in layout.names]
-        params = T.tree_unflatten(spec.treedef, tree_leaves)
-        try:
+        bind = phases.bind or _bind_views
+        with bind(self, state, sink) as params:
             out = self.loss_fn(params, batch)
             loss, aux = self._split_loss(out)
             if loss.requires_grad:
                 loss.backward()
-        finally:
-            for h in hook_handles:
-                h.remove()
-        del params, leaves, tree_leaves
+            del params, out
 
         if not reduce_now:
             stats = self._stats(loss.detach(), aux, None, world, rank)
@@ -455,6 +479,52 @@ class _GradSink:
 
     def full_buffers(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.buffer(i) for i in range(len(self.layout.buckets)))
+
+
+@contextlib.contextmanager
+def _bind_views(step: "Step", state: TrainState, sink: "_GradSink"):
+    """Fresh leaves viewing the full parameter buckets; each hook hands its gradient to the sink."""
+    layout = state.spec.layout
+    leaves: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, v in layout.views(state.params).items():
+        leaf = v.detach().requires_grad_(True)
+        hooks.append(leaf.register_post_accumulate_grad_hook(sink.hook(name)))
+        leaves[name] = leaf
+    tree_leaves = [leaves[n] if n in leaves else state.frozen[n] for n in layout.names]
+    try:
+        yield T.tree_unflatten(state.spec.treedef, tree_leaves)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def find_functional(loss_fn: Callable) -> Functional:
+    """The ``zf.functional`` apply that ``loss_fn`` calls (found in its closure or globals)."""
+    found = _functionals_in(loss_fn, depth=2)
+    if len(found) == 1:
+        return found[0]
+    what = "no zf.functional apply" if not found else f"{len(found)} different zf.functional applies"
+    raise ValueError(
+        f"could not find the model: loss_fn {getattr(loss_fn, '__qualname__', loss_fn)!r} refers to {what}. "
+        "Write loss_fn to call apply = zf.functional(model), defined in the enclosing scope or at module level."
+    )
+
+
+def _functionals_in(fn: Any, depth: int) -> list:
+    import inspect
+
+    out: list = []
+    try:
+        cv = inspect.getclosurevars(fn)
+    except TypeError:
+        return out
+    for v in list(cv.nonlocals.values()) + list(cv.globals.values()):
+        if isinstance(v, Functional) and all(v is not o for o in out):
+            out.append(v)
+        elif depth > 0 and inspect.isfunction(v):
+            out.extend(x for x in _functionals_in(v, depth - 1) if all(x is not o for o in out))
+    return out
 
 
 def _is_scalar(v: Any) -> bool:
