@@ -12,12 +12,27 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
+import weakref
 from typing import Any, Mapping
 
 import torch
 from torch.func import functional_call
 
 __all__ = ["Functional", "functional"]
+
+# A step that holds parameters sharded (shard_params) sets this while loss_fn
+# runs: apply then hands the call to it, which gathers parameters unit by unit.
+ACTIVE_RUN: contextvars.ContextVar = contextvars.ContextVar("zerofn_active_run", default=None)
+
+_OWNERS: dict[int, weakref.ref] = {}
+
+
+def owner_of(params: Any) -> "Functional | None":
+    """The Functional whose ``.params`` is ``params`` (the very object), if any."""
+    ref = _OWNERS.get(id(params))
+    f = ref() if ref is not None else None
+    return f if f is not None and f.params is params else None
 
 
 class Functional:
@@ -52,9 +67,13 @@ class Functional:
             if key in first and first[key] != name:
                 self.tied[name] = first[key]
             first.setdefault(key, name)
+        _OWNERS[id(self.params)] = weakref.ref(self)
 
     def __call__(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward with ``params`` in place of its parameters."""
+        run = ACTIVE_RUN.get()
+        if run is not None and run.module is self.module:
+            return run(self, params, args, kwargs)
         return functional_call(self.module, dict(params), args, kwargs, tie_weights=True, strict=False)
 
     def __repr__(self) -> str:

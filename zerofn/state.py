@@ -78,6 +78,8 @@ class Layout:
     buckets: tuple[Bucket, ...]
     names: tuple[str, ...]  # every parameter, in the params tree's leaf order
     frozen: tuple[str, ...]  # parameters with no gradient and no optimizer state
+    frozen_buckets: tuple[Bucket, ...] = ()  # frozen parameters, when they are sharded too
+    units: tuple = ()  # groups of buckets gathered together (shard_params)
 
     @staticmethod
     def build(

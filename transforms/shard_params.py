@@ -1,0 +1,562 @@
+"""``shard_params`` (ZeRO stage 3): parameters sharded at rest, gathered per unit just in time.
+
+Implies ``shard_grads`` and ``shard_optimizer``. Between steps a rank holds
+only its shard of every parameter (frozen ones too), of the gradient
+partition while accumulating, and of the optimizer state.
+
+The model is cut into *units*: by default each child of the model's
+top-level ``nn.ModuleList`` s (the blocks) plus the root (every parameter in
+no block: embeddings, final norm, head; and any parameter two units share).
+Each unit's parameters form one flat buffer per dtype, padded to a multiple
+of N and sharded like a ``shard_optimizer`` bucket.
+
+One step (the phases it rewrites, see ``zerofn.step.Phases``):
+
+- ``bind``: ``loss_fn`` receives meta placeholders; ``apply`` (from
+  ``zf.functional``) sees that a sharded step is running and calls the
+  module with leaves that view per-unit full buffers whose storage is
+  empty. A forward pre-hook all-gathers a unit's buffer just before the unit
+  runs, and starts the gathers of the next ``prefetch`` units (in the order
+  the previous step ran them) so they overlap compute; a forward hook
+  releases it (``storage.resize_(0)``: autograd keeps its saved views,
+  whose memory is gone) and hooks the unit's outputs, whose gradient marks
+  the start of the unit's backward: there the buffer is gathered again
+  (with the next units in backward order prefetched). As backward hands
+  over a unit's gradients they go into its bucket, which is reduce-scattered
+  while backward goes on (as in ``shard_grads``); when the unit's last
+  gradient is in, its full buffer is released.
+- ``opt_view`` / ``publish``: the optimizer updates the shards in place;
+  nothing is gathered after the update.
+- ``init_state``: the state is built shard by shard, one parameter (one
+  module's parameters, for ``reset_parameters``) at a time, also from a
+  model built on the meta device.
+- ``full_params`` and ``apply``: gather one unit at a time.
+
+Why module hooks and not autograd-aware gathers under selective
+recomputation (DESIGN.md's "JAX road"): ``torch.func`` refuses the
+saved-tensor hooks that checkpointing needs, the recomputed collective
+needs ``wait_tensor`` bookkeeping, and the hook road gives the same
+traffic with any ``nn.Module`` and lets a unit's gradients flow straight
+into the bucket machinery that ``shard_grads`` already has. Its known traps
+are handled: a unit used twice (gathered again if released, released only
+when its last gradient is in), tied parameters (moved to the root unit
+when two units share one), and ranks that run different units (every
+gather travels with a 16-byte max-reduce of the unit's id, so ranks that
+diverge raise together at the first differing unit instead of hanging).
+
+Collectives per step: all-gather of every unit in forward and again in
+backward, and a reduce-scatter of every unit's gradient: 3 x parameter
+bytes (frozen parameters: 2 x, they have no gradient), plus tiny ones: the
+unit-order check with each gather (32 bytes), batch-shape agreement, and
+loss, gradient norm and finiteness.
+
+Example:
+    >>> import torch, zerofn as zf
+    >>> from zerofn.transforms import shard_params
+    >>> apply = zf.functional(torch.nn.Linear(4, 1))
+    >>> loss_fn = lambda p, b: apply(p, b).square().mean()
+    >>> step = shard_params(zf.train_step(loss_fn, zf.optim.adamw(1e-3)))
+    >>> state = step.init(apply.params)
+    >>> state, metrics = step(state, torch.ones(2, 4))
+    >>> step.full_params(state)["weight"].shape
+    torch.Size([1, 4])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from zerofn import collectives as C
+from zerofn.functional import ACTIVE_RUN, Functional, owner_of
+from zerofn import tree as T
+from zerofn.state import Bucket, Layout, TrainState
+from zerofn.step import Step, find_functional
+from zerofn.transforms.shard_grads import shard_grads
+
+__all__ = ["shard_params"]
+
+NAME = "shard_params"
+ROOT = ""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A module whose parameters are gathered and released together (static)."""
+
+    name: str  # module path; "" is the root (parameters in no other unit)
+    buckets: tuple[int, ...]  # its trainable buckets (indices into layout.buckets)
+    frozen: tuple[int, ...]  # its frozen buckets (indices into layout.frozen_buckets)
+
+
+def shard_params(
+    step: Step | None = None,
+    /,
+    *,
+    units: Callable[[str, nn.Module], bool] | list[str] | None = None,
+    prefetch: int = 1,
+    init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> Step:
+    """Shard parameters at rest and gather them per unit just in time (ZeRO stage 3).
+
+    Args:
+        step: a Step from ``zf.train_step`` (possibly already transformed).
+            Called without it, returns a decorator.
+        units: which modules are gathered as one: a list of module paths, or
+            a predicate ``(path, module) -> bool``; default: every child of
+            the model's top-level ``nn.ModuleList`` s. Parameters in no unit
+            form the root unit.
+        prefetch: how many units ahead to gather while the current one
+            computes (forward and backward), >= 0.
+        init_fn: ``init_fn(name, meta_tensor) -> tensor`` to materialise a
+            parameter given on the meta device whose module has no
+            ``reset_parameters``.
+
+    Returns:
+        The rewritten Step, named ``shard_params(...)`` whatever shard
+        transforms it was combined with.
+
+    Raises:
+        TypeError: ``step`` is not a Step.
+        ValueError: a negative ``prefetch``.
+    """
+    if step is None:
+        return functools.partial(shard_params, units=units, prefetch=prefetch, init_fn=init_fn)
+    if not isinstance(step, Step):
+        raise TypeError(
+            f"shard_params expects a Step from zf.train_step, got {type(step).__name__}. "
+            "Build one first: shard_params(zf.train_step(loss_fn, optimizer))."
+        )
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"shard_params: prefetch must be an int >= 0, got {prefetch!r}")
+    if step.phases.init_state is not None:  # already sharding parameters
+        return step
+    sharded = shard_grads(step)
+    plan = _Plan(units, prefetch, init_fn)
+    return sharded.replace(
+        transforms=tuple(t for t in sharded.transforms if t != "shard_grads") + (NAME,),
+        phases=sharded.phases._replace(
+            opt_view=lambda flat, bucket, rank: flat,  # the state holds shards already
+            publish=lambda flats, layout, rank: None,  # updated in place, gathered when used
+            init_state=plan.init_state,
+            bind=plan.bind,
+            full_params=plan.full_params,
+            apply=plan.apply,
+        ),
+    )
+
+
+# ---------------------------------------------------------------- plan and init
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    units: Any
+    prefetch: int
+    init_fn: Any
+
+    def init_state(self, step: Step, params: Any, named: dict, trainable: dict, treedef: Any) -> TrainState:
+        functional = owner_of(params) or find_functional(step.loss_fn)
+        module = functional.module
+        world, rank = C.world_size(), C.rank()
+        unit_names = _unit_names(module, self.units)
+        unit_of = _assign_units(functional, named, unit_names)
+        buckets: list[Bucket] = []
+        frozen_buckets: list[Bucket] = []
+        units: list[Unit] = []
+        # Backward meets the last unit first and the root last: buckets in that order.
+        for uname in list(reversed(unit_names)) + [ROOT]:
+            mine_t = {k: v for k, v in trainable.items() if unit_of[k] == uname}
+            mine_f = {k: v for k, v in named.items() if unit_of[k] == uname and k not in trainable}
+            tb = Layout.build(mine_t, shards=world, bucket_bytes=1 << 62).buckets if mine_t else ()
+            fb = Layout.build(mine_f, shards=world, bucket_bytes=1 << 62).buckets if mine_f else ()
+            units.append(
+                Unit(
+                    uname,
+                    tuple(range(len(buckets), len(buckets) + len(tb))),
+                    tuple(range(len(frozen_buckets), len(frozen_buckets) + len(fb))),
+                )
+            )
+            buckets.extend(tb)
+            frozen_buckets.extend(fb)
+        layout = Layout(
+            tuple(buckets),
+            tuple(named),
+            tuple(k for k in named if k not in trainable),
+            frozen_buckets=tuple(frozen_buckets),
+            units=tuple(units),
+        )
+        shards = _Materialiser(module, named, self.init_fn).fill(buckets + frozen_buckets, rank)
+        flats, frozen = tuple(shards[: len(buckets)]), tuple(shards[len(buckets) :])
+        return step.make_state(flats, frozen, layout, treedef, context=functional)
+
+    @contextlib.contextmanager
+    def bind(self, step: Step, state: TrainState, sink: Any):
+        runner = _Runner(state, self.prefetch, sink)
+        token = ACTIVE_RUN.set(runner)
+        try:
+            yield runner.placeholders()
+        finally:
+            ACTIVE_RUN.reset(token)
+            runner.close()
+
+    def apply(self, step: Step, state: TrainState, args: tuple, kwargs: dict) -> Any:
+        runner = _Runner(state, self.prefetch, None)
+        try:
+            with torch.no_grad():
+                return runner.run(args, kwargs)
+        finally:
+            runner.close()
+
+    def full_params(self, step: Step, state: TrainState) -> Any:
+        layout = state.spec.layout
+        out: dict[str, torch.Tensor] = {}
+        for shards, buckets in ((state.params, layout.buckets), (state.frozen, layout.frozen_buckets)):
+            for shard, bucket in zip(shards, buckets):  # one unit's buffer at a time
+                full = torch.empty(bucket.padded, dtype=bucket.dtype, device=shard.device)
+                C.all_gather(full, shard)
+                for s in bucket.slots:
+                    out[s.name] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
+                del full
+        return T.tree_unflatten(state.spec.treedef, [out[n] for n in layout.names])
+
+
+def _unit_names(module: nn.Module, units: Any) -> list[str]:
+    """Module paths of the units, in registration order, none inside another."""
+    if units is None:
+        chosen = []
+        for name, m in module.named_modules():
+            if isinstance(m, nn.ModuleList) and not any(_inside(name, c) for c in chosen):
+                chosen.extend(f"{name}.{k}" if name else k for k, _ in m.named_children())
+        return chosen
+    if callable(units):
+        names = [n for n, m in module.named_modules() if n and units(n, m)]
+    else:
+        names = list(units)
+        known = dict(module.named_modules())
+        for n in names:
+            if n not in known:
+                raise ValueError(f"shard_params: units names {n!r}, which is not a submodule of the model")
+    out: list[str] = []
+    for n in names:
+        if any(_inside(n, c) or _inside(c, n) for c in out):
+            raise ValueError(
+                f"shard_params: units {n!r} and {[c for c in out if _inside(n, c) or _inside(c, n)][0]!r} "
+                "nest; a unit must not contain another. Name the outer or the inner modules, not both."
+            )
+        out.append(n)
+    return out
+
+
+def _inside(name: str, outer: str) -> bool:
+    return name == outer or name.startswith(outer + ".")
+
+
+def _assign_units(functional: Functional, named: dict, unit_names: list[str]) -> dict[str, str]:
+    """parameter name -> unit; a parameter that two units share goes to the root."""
+    def unit_for(pname: str) -> str:
+        best = ROOT
+        for u in unit_names:
+            if _inside(pname, u) and len(u) > len(best):
+                best = u
+        return best
+
+    out = {name: unit_for(name) for name in named}
+    for alias, first in functional.tied.items():
+        if first in out and unit_for(alias) != out[first]:
+            out[first] = ROOT
+    return out
+
+
+class _Materialiser:
+    """Fills this rank's shards, materialising one module's parameters at a time.
+
+    Parameters are visited in registration order, so a model built on the meta
+    device draws its random numbers in the order its construction would
+    have, and the shards equal those of the full model built with the same
+    seed.
+    """
+
+    def __init__(self, module: nn.Module, named: dict, init_fn: Any):
+        self.module, self.named, self.init_fn = module, named, init_fn
+        self.ready: dict[str, torch.Tensor] = {}
+
+    def fill(self, buckets: list[Bucket], rank: int) -> list[torch.Tensor]:
+        shards = []
+        where: dict[str, tuple] = {}
+        for i, b in enumerate(buckets):
+            lo, hi = b.shard_range(rank)
+            device = _device_of(self.named[b.slots[0].name])
+            shards.append(torch.zeros(hi - lo, dtype=b.dtype, device=device))
+            for s in b.slots:
+                where[s.name] = (i, s, lo, hi)
+        for name in self.named:  # registration order
+            if name not in where:
+                continue
+            i, s, lo, hi = where[name]
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            full = self._full(name)
+            if a < b:
+                shards[i][a - lo : b - lo].copy_(full.reshape(-1)[a - s.offset : b - s.offset])
+            self.ready.pop(name, None)  # at most one module's parameters alive
+            del full
+        return shards
+
+    def _full(self, name: str) -> torch.Tensor:
+        p = self.named[name]
+        if p.device.type != "meta":
+            return p.detach()
+        if name in self.ready:
+            return self.ready[name]
+        if self.init_fn is not None:
+            t = self.init_fn(name, p)
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                raise ValueError(
+                    f"shard_params init_fn({name!r}, ...) returned {T.describe_leaf(t)}, expected a tensor of "
+                    f"shape {list(p.shape)}"
+                )
+            return t.detach().to(p.dtype)
+        owner_name, _, _ = name.rpartition(".")
+        owner = self.module.get_submodule(owner_name)
+        if not hasattr(owner, "reset_parameters"):
+            raise ValueError(
+                f"shard_params.init: parameter {name!r} is on the meta device and its module "
+                f"{type(owner).__name__} ({owner_name or 'the root'}) has no reset_parameters(). Pass "
+                "shard_params(step, init_fn=lambda name, meta: torch.randn(meta.shape) * 0.02), or give the "
+                "module a reset_parameters()."
+            )
+        # Materialise this module's own parameters only, initialise them, keep their values, drop them.
+        owner.to_empty(device=_materialise_device(), recurse=False)
+        owner.reset_parameters()
+        with torch.no_grad():
+            for pname, param in owner.named_parameters(recurse=False):
+                full_name = f"{owner_name}.{pname}" if owner_name else pname
+                if full_name in self.named:
+                    self.ready[full_name] = param.detach().clone()
+        owner.to_empty(device="meta", recurse=False)
+        return self.ready[name]
+
+
+def _device_of(p: torch.Tensor) -> torch.device:
+    return _materialise_device() if p.device.type == "meta" else p.device
+
+
+def _materialise_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------- the run
+
+
+class _LiveUnit:
+    """One unit's full buffers during a step: empty, being gathered, or ready."""
+
+    def __init__(self, spec: Unit, index: int):
+        self.spec, self.index = spec, index
+        self.fulls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (full buffer, this rank's shard)
+        self.handles: list[C.Handle] = []
+        self.ready = False
+        self.remaining = 0  # trainable leaves whose gradient has not arrived yet
+        self.depth = 0  # module calls of this unit now running
+        self.probe: torch.Tensor | None = None  # the order check riding along with a gather
+
+
+class _Runner:
+    """Gathers and releases units around the module's forward and backward."""
+
+    def __init__(self, state: TrainState, prefetch: int, sink: Any):
+        spec = state.spec
+        self.functional: Functional = spec.context
+        self.module = self.functional.module
+        self.layout = spec.layout
+        self.treedef = spec.treedef
+        self.prefetch = prefetch
+        self.sink = sink
+        self.units = [_LiveUnit(u, i) for i, u in enumerate(self.layout.units)]
+        self.by_name = {u.spec.name: u for u in self.units}
+        self.leaves: dict[str, torch.Tensor] = {}
+        self.hooks: list[Any] = []
+        self.forward_order: list[_LiveUnit] = []
+        self.backward_queue: list[_LiveUnit] | None = None
+        trainable = sink is not None and torch.is_grad_enabled()
+        for unit in self.units:
+            pairs = [(state.params[i], self.layout.buckets[i], True) for i in unit.spec.buckets]
+            pairs += [(state.frozen[i], self.layout.frozen_buckets[i], False) for i in unit.spec.frozen]
+            for shard, bucket, grads in pairs:
+                full = torch.empty(bucket.padded, dtype=bucket.dtype, device=shard.device)
+                raw = full.data  # leaves view this alias: refilling `full` bumps no version they saved
+                for s in bucket.slots:
+                    leaf = raw[s.offset : s.offset + s.numel].view(s.shape)
+                    if grads and trainable:
+                        leaf.requires_grad_(True)
+                        self.hooks.append(leaf.register_post_accumulate_grad_hook(sink.hook(s.name)))
+                        self.hooks.append(leaf.register_post_accumulate_grad_hook(self._grad_in(unit)))
+                        unit.remaining += 1
+                    self.leaves[s.name] = leaf
+                full.untyped_storage().resize_(0)
+                unit.fulls.append((full, shard))
+        # Every module call inside a unit (the unit's own module or any of its
+        # submodules: a model may call a block's layers without calling the
+        # block) opens the unit; modules in no unit belong to the root.
+        owner: dict[int, tuple[nn.Module, _LiveUnit]] = {}
+        for name, m in self.module.named_modules():
+            best = self.by_name[ROOT]
+            for unit in self.units:
+                if unit.spec.name and _inside(name, unit.spec.name):
+                    best = unit
+            owner[id(m)] = (m, best)
+        for m, unit in owner.values():
+            top = (unit.spec.name and self.module.get_submodule(unit.spec.name) is m) or (
+                not unit.spec.name and m is self.module
+            )
+            self.hooks.append(m.register_forward_pre_hook(functools.partial(self._before, unit)))
+            self.hooks.append(m.register_forward_hook(functools.partial(self._after, unit, bool(top))))
+        self.open_block: _LiveUnit | None = None
+        self._placeholders = None
+
+    # ---------------------------------------------------------- entry points
+
+    def placeholders(self) -> Any:
+        """What loss_fn receives: meta tensors shaped like the parameters, for apply to recognise."""
+        if self._placeholders is None:
+            metas = [
+                torch.empty(self.leaves[n].shape, dtype=self.leaves[n].dtype, device="meta") for n in self.layout.names
+            ]
+            self._placeholders = T.tree_unflatten(self.treedef, metas)
+        return self._placeholders
+
+    def __call__(self, functional: Functional, params: Any, args: tuple, kwargs: dict) -> Any:
+        if params is not self._placeholders:
+            raise ValueError(
+                "under shard_params, call apply with the params the step passed to loss_fn: they are "
+                "placeholders for parameters that live sharded across the ranks and are gathered unit by "
+                "unit inside apply. To read full parameters, use step.full_params(state)."
+            )
+        return self.run(args, kwargs)
+
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        return functional_call(self.module, self.leaves, args, kwargs, tie_weights=True, strict=False)
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        for unit in self.units:
+            self._release(unit)
+        order = [u.spec.name for u in dict.fromkeys(self.forward_order)]
+        if order:
+            self.functional._zf_unit_order = order
+
+    # ---------------------------------------------------------- gather and release
+
+    def _gather(self, unit: _LiveUnit) -> None:
+        if unit.ready or unit.handles:
+            return
+        for full, shard in unit.fulls:
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            unit.handles.append(C.all_gather(full, shard, async_op=True))
+        if C.world_size() > 1:
+            # Every rank must gather the same unit here; a tiny max-reduce of (id, -id)
+            # tells, so ranks that took different code paths fail together, not hang.
+            unit.probe = torch.tensor([unit.index, -unit.index], dtype=torch.int64)
+            unit.handles.append(C.all_reduce(unit.probe, "max", async_op=True))
+
+    def _ensure(self, unit: _LiveUnit) -> None:
+        self._gather(unit)
+        for h in unit.handles:
+            h.wait()
+        unit.handles = []
+        unit.ready = True
+        probe, unit.probe = unit.probe, None
+        if probe is not None and int(probe[0]) != -int(probe[1]):
+            names = [self.units[int(probe[0])].spec.name, self.units[-int(probe[1])].spec.name]
+            raise RuntimeError(
+                f"shard_params: ranks gathered different units at the same point of the step: rank "
+                f"{C.rank()} gathered {unit.spec.name or '<root>'!r} while others gathered one of "
+                f"{[n or '<root>' for n in names]} (world size {C.world_size()}). Every rank must run the same "
+                "units in the same order: make control flow that skips or repeats a unit the same on every "
+                "rank (for example decide it from a value broadcast from rank 0)."
+            )
+
+    def _release(self, unit: _LiveUnit) -> None:
+        for h in unit.handles:
+            h.wait()
+        unit.handles = []
+        for full, _ in unit.fulls:
+            full.untyped_storage().resize_(0)
+        unit.ready = False
+
+    def _prefetch(self, candidates: list[_LiveUnit], current: _LiveUnit) -> None:
+        started = 0
+        for u in candidates:
+            if started >= self.prefetch:
+                break
+            if u is current or u.ready or u.handles:
+                continue
+            self._gather(u)
+            started += 1
+
+    # ---------------------------------------------------------- hooks
+
+    def _expected_forward(self) -> list[_LiveUnit]:
+        names = getattr(self.functional, "_zf_unit_order", None)
+        if names is None:  # first step: the root runs first, then the blocks in registration order
+            names = [ROOT] + [u.spec.name for u in reversed(self.units) if u.spec.name != ROOT]
+        return [self.by_name[n] for n in names if n in self.by_name]
+
+    def _before(self, unit: _LiveUnit, module: nn.Module, args: Any) -> None:
+        if unit.spec.name != ROOT and unit is not self.open_block:
+            # Entering another block: the previous one is done if none of its calls is running.
+            prev = self.open_block
+            if prev is not None and prev.depth == 0:
+                self._release(prev)
+            self.open_block = unit
+            self._opened(unit)
+        elif unit.spec.name == ROOT and unit.depth == 0 and not unit.ready:
+            self._opened(unit)
+        unit.depth += 1
+
+    def _opened(self, unit: _LiveUnit) -> None:
+        self.forward_order.append(unit)
+        self._ensure(unit)
+        expected = self._expected_forward()
+        if unit in expected:
+            self._prefetch(expected[expected.index(unit) + 1 :], unit)
+
+    def _after(self, unit: _LiveUnit, top: bool, module: nn.Module, args: Any, output: Any) -> None:
+        unit.depth -= 1
+        if torch.is_grad_enabled() and self.sink is not None:
+            for t in T.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(functools.partial(self._before_backward, unit))
+        if top and unit.depth == 0:
+            self._release(unit)
+            if unit is self.open_block:
+                self.open_block = None
+            if unit.spec.name == ROOT and self.open_block is not None:
+                self._release(self.open_block)  # the model's forward is over
+                self.open_block = None
+
+    def _before_backward(self, unit: _LiveUnit, grad: torch.Tensor) -> None:
+        if self.backward_queue is None:
+            self.backward_queue = list(dict.fromkeys(reversed(self.forward_order)))
+        if unit in self.backward_queue:
+            self.backward_queue.remove(unit)
+        if unit.remaining or unit.spec.frozen:
+            self._ensure(unit)
+        self._prefetch([u for u in self.backward_queue if u.remaining or u.spec.frozen], unit)
+
+    def _grad_in(self, unit: _LiveUnit) -> Callable[[torch.Tensor], None]:
+        def on_grad(leaf: torch.Tensor) -> None:
+            unit.remaining -= 1
+            if unit.remaining == 0:  # its backward is over: the full parameters can go
+                self._release(unit)
+
+        return on_grad
