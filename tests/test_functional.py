@@ -49,3 +49,18 @@ def test_buffers_come_from_the_module():
 def test_not_a_module():
     with pytest.raises(TypeError, match="expects a torch.nn.Module, got function"):
         zf.functional(lambda x: x)
+
+
+def test_a_module_used_twice_keeps_its_own_parameters():
+    """torch.func.functional_call loses them (it saves the swapped tensor the second time)."""
+    lin = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(lin, torch.nn.Tanh(), lin)
+    apply = zf.functional(model)
+    assert list(apply.params) == ["0.weight", "0.bias"]
+    original = lin.weight
+    zeros = {k: torch.zeros_like(v) for k, v in apply.params.items()}
+    torch.testing.assert_close(apply(zeros, torch.ones(1, 2)), torch.zeros(1, 2))
+    assert lin.weight is original
+    torch.testing.assert_close(apply(apply.params, torch.ones(1, 2)), model(torch.ones(1, 2)))
+    with pytest.raises(KeyError, match="params lacks"):
+        apply({}, torch.ones(1, 2))

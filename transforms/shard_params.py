@@ -65,13 +65,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from zerofn import collectives as C
 from zerofn.functional import ACTIVE_RUN, Functional, owner_of
@@ -174,8 +174,8 @@ class _Plan:
         for uname in list(reversed(unit_names)) + [ROOT]:
             mine_t = {k: v for k, v in trainable.items() if unit_of[k] == uname}
             mine_f = {k: v for k, v in named.items() if unit_of[k] == uname and k not in trainable}
-            tb = Layout.build(mine_t, shards=world, bucket_bytes=1 << 62).buckets if mine_t else ()
-            fb = Layout.build(mine_f, shards=world, bucket_bytes=1 << 62).buckets if mine_f else ()
+            tb = _unit_buckets(mine_t, world)
+            fb = _unit_buckets(mine_f, world)
             units.append(
                 Unit(
                     uname,
@@ -227,6 +227,16 @@ class _Plan:
         return T.tree_unflatten(state.spec.treedef, [out[n] for n in layout.names])
 
 
+def _unit_buckets(params: dict, world: int) -> tuple[Bucket, ...]:
+    """One bucket per dtype for a unit's parameters, placed where they will be materialised."""
+    if not params:
+        return ()
+    buckets = Layout.build(params, shards=world, bucket_bytes=1 << 62).buckets
+    return tuple(
+        dataclasses.replace(b, device=str(_materialise_device())) if b.device == "meta" else b for b in buckets
+    )
+
+
 def _unit_names(module: nn.Module, units: Any) -> list[str]:
     """Module paths of the units, in registration order, none inside another."""
     if units is None:
@@ -259,13 +269,18 @@ def _inside(name: str, outer: str) -> bool:
 
 
 def _assign_units(functional: Functional, named: dict, unit_names: list[str]) -> dict[str, str]:
-    """parameter name -> unit; a parameter that two units share goes to the root."""
+    """parameter name -> unit; a parameter that two units share goes to the root.
+
+    Units are found by module identity, so a module that appears twice (a
+    shared block) is one unit whichever path reaches it.
+    """
+    module = functional.module
+    unit_of_module: dict[int, str] = {}
+    for path, m in module.named_modules():
+        unit_of_module[id(m)] = max((u for u in unit_names if _inside(path, u)), key=len, default=ROOT)
+
     def unit_for(pname: str) -> str:
-        best = ROOT
-        for u in unit_names:
-            if _inside(pname, u) and len(u) > len(best):
-                best = u
-        return best
+        return unit_of_module[id(module.get_submodule(pname.rpartition(".")[0]))]
 
     out = {name: unit_for(name) for name in named}
     for alias, first in functional.tied.items():
@@ -296,7 +311,8 @@ class _Materialiser:
             shards.append(torch.zeros(hi - lo, dtype=b.dtype, device=device))
             for s in b.slots:
                 where[s.name] = (i, s, lo, hi)
-        for name in self.named:  # registration order
+        order = [n for n, _ in self.module.named_parameters()]  # registration order (not sorted keys)
+        for name in order + [n for n in where if n not in set(order)]:
             if name not in where:
                 continue
             i, s, lo, hi = where[name]
@@ -443,7 +459,7 @@ class _Runner:
         return self.run(args, kwargs)
 
     def run(self, args: tuple, kwargs: dict) -> Any:
-        return functional_call(self.module, self.leaves, args, kwargs, tie_weights=True, strict=False)
+        return self.functional.call_with(self.leaves, args, kwargs)
 
     def close(self) -> None:
         for h in self.hooks:
@@ -457,7 +473,7 @@ class _Runner:
     # ---------------------------------------------------------- gather and release
 
     def _gather(self, unit: _LiveUnit) -> None:
-        if unit.ready or unit.handles:
+        if unit.ready or unit.handles or not unit.fulls:
             return
         for full, shard in unit.fulls:
             full.untyped_storage().resize_(full.numel() * full.element_size())
@@ -494,14 +510,9 @@ class _Runner:
         unit.ready = False
 
     def _prefetch(self, candidates: list[_LiveUnit], current: _LiveUnit) -> None:
-        started = 0
-        for u in candidates:
-            if started >= self.prefetch:
-                break
-            if u is current or u.ready or u.handles:
-                continue
+        """Have the next ``prefetch`` units (after ``current``) gathered or on their way."""
+        for u in [u for u in candidates if u is not current and u.fulls][: self.prefetch]:
             self._gather(u)
-            started += 1
 
     # ---------------------------------------------------------- hooks
 

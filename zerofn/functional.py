@@ -1,5 +1,8 @@
 """``zf.functional(module)``: a pure ``apply(params, *args)`` over any nn.Module.
 
+Like ``torch.func.functional_call``, but correct for a module that appears
+twice in the model (see ``Functional.call_with``).
+
 Example:
     >>> import torch, zerofn as zf
     >>> model = torch.nn.Linear(3, 2)
@@ -17,7 +20,6 @@ import weakref
 from typing import Any, Mapping
 
 import torch
-from torch.func import functional_call
 
 __all__ = ["Functional", "functional"]
 
@@ -62,11 +64,18 @@ class Functional:
         }
         first: dict[int, str] = {}
         self.tied: dict[str, str] = {}
+        # Every (module, attribute) that holds a parameter, once, with the name of
+        # the parameter it holds: a module used twice, or a weight tied between two
+        # modules, is swapped exactly once per place.
+        self._slots: dict[tuple[int, str], tuple[torch.nn.Module, str, str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             key = id(p)
             if key in first and first[key] != name:
                 self.tied[name] = first[key]
             first.setdefault(key, name)
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            self._slots.setdefault((id(owner), attr), (owner, attr, first[key]))
         _OWNERS[id(self.params)] = weakref.ref(self)
 
     def __call__(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -74,7 +83,30 @@ class Functional:
         run = ACTIVE_RUN.get()
         if run is not None and run.module is self.module:
             return run(self, params, args, kwargs)
-        return functional_call(self.module, dict(params), args, kwargs, tie_weights=True, strict=False)
+        return self.call_with(params, args, kwargs)
+
+    def call_with(self, params: Mapping[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        """The module's forward with ``params`` swapped in (restored afterwards, even on error).
+
+        ``torch.func.functional_call`` loses a module's own parameters when the
+        module appears twice in the tree (it saves the already swapped tensor
+        the second time); swapping each (module, attribute) place once avoids it.
+        """
+        missing = [name for _, _, name in self._slots.values() if name not in params]
+        if missing:
+            raise KeyError(
+                f"apply(params, ...): params lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}; pass the "
+                "dict apply.params (or a tree with the same names)"
+            )
+        saved = []
+        try:
+            for owner, attr, name in self._slots.values():
+                saved.append((owner, attr, owner._parameters[attr]))
+                owner._parameters[attr] = params[name]
+            return self.module(*args, **kwargs)
+        finally:
+            for owner, attr, original in saved:
+                owner._parameters[attr] = original
 
     def __repr__(self) -> str:
         n = sum(p.numel() for p in self.params.values())
@@ -89,7 +121,8 @@ def functional(module: torch.nn.Module) -> Functional:
 
     Returns:
         A :class:`Functional`: callable as ``apply(params, *args, **kwargs)``
-        (``torch.func.functional_call``; buffers come from the module), with
+        (each parameter swapped in place of the module's own for the call;
+        buffers come from the module), with
         ``apply.params`` the initial parameter dict and ``apply.module``.
 
     Raises:
