@@ -1,7 +1,8 @@
 """Step time and memory of zerofn's steps against torch DDP and ZeroRedundancyOptimizer.
 
-Systems: torch DDP, torch ZeroRedundancyOptimizer (ZeRO-1), zerofn's plain
-step, shard_optimizer (ZeRO-1) and shard_grads (ZeRO-2).
+Systems: torch DDP, torch ZeroRedundancyOptimizer (ZeRO-1), torch FSDP2
+(fully_shard on every block and the root), zerofn's plain step,
+shard_optimizer (ZeRO-1), shard_grads (ZeRO-2) and shard_params (ZeRO-3).
 
     python examples/bench.py                 # 2 gloo ranks on this machine
     python examples/bench.py --world 2 --steps 30 --dim 256 --layers 4
@@ -27,19 +28,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import zerofn as zf  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for  # noqa: E402
-from zerofn.transforms import shard_grads, shard_optimizer  # noqa: E402
+from zerofn.transforms import shard_grads, shard_optimizer, shard_params  # noqa: E402
 
 LR, WD = 1e-3, 0.1
 
 
-def _torch_system(cfg, zero: bool):
+def _torch_system(cfg, zero: bool = False, fsdp: bool = False):
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
     model = GPT(cfg)
-    ddp = DDP(model) if dist.is_initialized() else model
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+    else:
+        ddp = DDP(model) if dist.is_initialized() else model
     if zero:
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WD)
     else:
@@ -55,9 +65,8 @@ def _torch_system(cfg, zero: bool):
 
     def opt_bytes():
         states = opt.optim.state if zero else opt.state
-        return sum(
-            t.numel() * t.element_size() for s in states.values() for t in s.values() if isinstance(t, torch.Tensor)
-        )
+        local = [getattr(t, "_local_tensor", t) for s in states.values() for t in s.values()]  # DTensor shards
+        return sum(t.numel() * t.element_size() for t in local if isinstance(t, torch.Tensor))
 
     return step, opt_bytes
 
@@ -77,11 +86,13 @@ def _zf_system(cfg, transform, bucket_bytes):
 
 
 SYSTEMS = {
-    "torch DDP": lambda cfg, mb: _torch_system(cfg, zero=False),
+    "torch DDP": lambda cfg, mb: _torch_system(cfg),
     "torch ZeRO-1 (ZeroRedundancyOptimizer)": lambda cfg, mb: _torch_system(cfg, zero=True),
+    "torch FSDP2 (fully_shard per block + root)": lambda cfg, mb: _torch_system(cfg, fsdp=True),
     "zf train_step": lambda cfg, mb: _zf_system(cfg, lambda s: s, mb),
     "zf shard_optimizer": lambda cfg, mb: _zf_system(cfg, shard_optimizer, mb),
     "zf shard_grads": lambda cfg, mb: _zf_system(cfg, shard_grads, mb),
+    "zf shard_params": lambda cfg, mb: _zf_system(cfg, shard_params, mb),
 }
 
 
@@ -136,11 +147,11 @@ def main(argv=None):
     r0 = results[0]
     n = sum(p.numel() for p in GPT(GPTConfig(vocab=64, seq_len=args.seq_len, dim=args.dim, layers=args.layers)).parameters())
     print(f"GPT {n:,} parameters, {args.world} gloo ranks, batch {args.batch} x {args.seq_len} per rank")
-    print(f"{'system':<42}{'step ms':>9}{'vs DDP':>8}{'opt state MiB':>15}{'peak live MiB':>15}{'loss':>8}")
+    print(f"{'system':<46}{'step ms':>9}{'vs DDP':>8}{'opt state MiB':>15}{'peak live MiB':>15}{'loss':>8}")
     for name, r in r0.items():
         slowest = max(res[name]["median"] for res in results)
         print(
-            f"{name:<42}{1e3 * slowest:>9.1f}{slowest / max(res['torch DDP']['median'] for res in results):>8.3f}"
+            f"{name:<46}{1e3 * slowest:>9.1f}{slowest / max(res['torch DDP']['median'] for res in results):>8.3f}"
             f"{r['opt_bytes'] / 2**20:>15.2f}{r['peak'] / 2**20:>15.2f}{r['loss']:>8.4f}"
         )
     return results

@@ -4,10 +4,11 @@ One process:
 
     python examples/train_gpt.py
 
-Two ranks on this machine (gloo on CPU, nccl on GPUs), ZeRO stage 1 or 2:
+Two ranks on this machine (gloo on CPU, nccl on GPUs), ZeRO stage 1, 2 or 3:
 
     torchrun --nproc_per_node=2 examples/train_gpt.py --zero 1
     torchrun --nproc_per_node=2 examples/train_gpt.py --zero 2 --accumulate 2
+    torchrun --nproc_per_node=2 examples/train_gpt.py --zero 3
 
 Every rank feeds its own slice of the global batch; the result equals one
 process fed the whole batch. The loss should fall far below the corpus's
@@ -29,9 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import zerofn as zf  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for, unigram_entropy  # noqa: E402
-from zerofn.transforms import shard_grads, shard_optimizer  # noqa: E402
+from zerofn.transforms import shard_grads, shard_optimizer, shard_params  # noqa: E402
 
-STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads}
+STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
 
 
 def parse_args(argv=None):
@@ -84,7 +85,8 @@ def main(argv=None) -> float:
             rate = tokens / (time.perf_counter() - start)
             bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", tok_s=f"{rate:,.0f}")
     elapsed = time.perf_counter() - start
-    eval_loss = float(loss_fn_for(apply)(step.full_params(state), sample[:, :]).detach())
+    logits = step.apply(state, sample[:, :-1])  # per unit under ZeRO-3: no rank holds the whole model
+    eval_loss = float(torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), sample[:, 1:].reshape(-1)))
     if rank == 0:
         print(f"unigram entropy      {unigram_entropy(sample, args.vocab):.3f} nats (no context)")
         print(f"conditional entropy  {corpus.conditional_entropy():.3f} nats (the floor)")
