@@ -190,7 +190,7 @@ class Wide(nn.Module):
         return x
 
 
-def _rank_memory(prefetch):
+def _rank_memory(prefetch, units=None):
     torch.manual_seed(0)
     model = Wide()
     apply = zf.functional(model)
@@ -199,7 +199,7 @@ def _rank_memory(prefetch):
     def loss_fn(params, x):
         return apply(params, x).square().mean()
 
-    step = shard_params(zf.train_step(loss_fn, zf.optim.adamw(1e-3)), prefetch=prefetch)
+    step = shard_params(zf.train_step(loss_fn, zf.optim.adamw(1e-3)), prefetch=prefetch, units=units)
     state = step.init(apply.params)
     x = torch.randn(2, 192)
     state, m1 = step(state, x)
@@ -209,7 +209,7 @@ def _rank_memory(prefetch):
     return dict(
         peak=t.peak,
         block=block_bytes,
-        shards=sum(b.nbytes // b.shards for b in layout.buckets),
+        partition=sum(b.nbytes // b.shards for b in layout.buckets),
         full=sum(b.numel * 4 for b in layout.buckets),
         padded=sum(b.nbytes for b in layout.buckets),
         units=sum(1 for u in layout.units if u.buckets or u.frozen),
@@ -218,13 +218,17 @@ def _rank_memory(prefetch):
     )
 
 
+def _bound(r, prefetch):
+    """Beyond the shards held between steps: the gradient partition, (prefetch + 2) x a block's full
+    parameters and gradient bucket, and this tiny batch's activations (+ a few scalars)."""
+    return r["partition"] + (prefetch + 2) * 2 * r["block"] + r["activations"] + 8192
+
+
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_peak_memory_is_shards_plus_a_few_blocks(ranks, prefetch):
     world = 4
     for rank, r in enumerate(ranks(world).run(_rank_memory, prefetch)):
-        # a block's full parameters and its gradient bucket: (prefetch + 2) of them at most,
-        # plus the gradient partition (the shards' size) and this tiny batch's activations
-        bound = 2 * r["shards"] + (prefetch + 2) * 2 * r["block"] + r["activations"] + 8192
+        bound = _bound(r, prefetch)
         assert bound < 2 * r["full"]  # all full parameters and gradients alive at once would fail it
         assert r["peak"] <= bound, (prefetch, rank, r)
         # traffic: gathers in forward and backward, one reduce-scatter: 3 x (padded) parameter bytes,
@@ -235,29 +239,8 @@ def test_peak_memory_is_shards_plus_a_few_blocks(ranks, prefetch):
 
 def test_memory_test_would_catch_gathering_everything(ranks):
     """One unit holding the whole model (every parameter gathered at once) breaks the same bound."""
-    r = ranks(4).run(_rank_memory_one_unit)[0]
-    bound = 2 * r["shards"] + 3 * 2 * r["block"] + r["activations"] + 8192
-    assert r["peak"] > bound
-
-
-def _rank_memory_one_unit():
-    torch.manual_seed(0)
-    model = Wide()
-    apply = zf.functional(model)
-    block_bytes = sum(p.numel() * 4 for p in model.blocks[0].parameters())
-    step = shard_params(zf.train_step(lambda p, x: apply(p, x).square().mean(), zf.optim.adamw(1e-3)), units=[])
-    state = step.init(apply.params)
-    x = torch.randn(2, 192)
-    state, _ = step(state, x)
-    with zf.memory.track() as t:
-        state, _ = step(state, x)
-    layout = state.spec.layout
-    return dict(
-        peak=t.peak,
-        block=block_bytes,
-        shards=sum(b.nbytes // b.shards for b in layout.buckets),
-        activations=8 * 2 * 192 * 4 * 3,
-    )
+    r = ranks(4).run(_rank_memory, 1, [])[0]
+    assert r["units"] == 1 and r["peak"] > _bound(r, 1)
 
 
 # ---------------------------------------------------------------- sharded initialisation
