@@ -6,8 +6,9 @@ transforms nest: ``shard_params`` implies ``shard_grads``, which implies
 implied transform again returns the step unchanged.
 """
 
+from zerofn.transforms.amp import amp
 from zerofn.transforms.shard_grads import shard_grads
 from zerofn.transforms.shard_optimizer import shard_optimizer
 from zerofn.transforms.shard_params import shard_params
 
-__all__ = ["shard_grads", "shard_optimizer", "shard_params"]
+__all__ = ["amp", "shard_grads", "shard_optimizer", "shard_params"]

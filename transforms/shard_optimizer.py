@@ -34,7 +34,7 @@ import torch
 
 from zerofn import collectives as C
 from zerofn.state import Bucket, Layout
-from zerofn.step import Phases, Step
+from zerofn.step import Step
 
 __all__ = ["shard_optimizer"]
 
@@ -62,13 +62,8 @@ def _publish(flats: tuple, layout: Layout, rank: int) -> None:
         h.wait()
 
 
-PHASES = Phases(
-    shards=lambda world: world,
-    opt_view=_opt_view,
-    reduce=_reduce,
-    grads_replicated=False,
-    publish=_publish,
-)
+def _shards(world: int) -> int:
+    return world
 
 
 def shard_optimizer(step: Step | None = None, /) -> Step:
@@ -95,4 +90,8 @@ def shard_optimizer(step: Step | None = None, /) -> Step:
         )
     if step.phases.shards(2) > 1:  # already sharded by this or an implying transform
         return step
-    return step.replace(transforms=step.transforms + (NAME,), phases=PHASES)
+    # Only the phases this transform owns change; others (amp's, say) stay as they are.
+    phases = step.phases._replace(
+        shards=_shards, opt_view=_opt_view, reduce=_reduce, grads_replicated=False, publish=_publish
+    )
+    return step.replace(transforms=step.transforms + (NAME,), phases=phases)

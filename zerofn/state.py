@@ -175,6 +175,8 @@ class TrainState:
         count: number of optimizer updates applied (int64).
         micro: micro-steps accumulated towards the next update (int64).
         grad_accum: per-bucket gradient sums between micro-steps, or None.
+        loss_scale: the loss scale (``amp``), a pytree with ``scale`` and
+            ``adjust(finite)``, or None.
         spec: static: the chain, world size and layout that made the state.
     """
 
@@ -184,6 +186,7 @@ class TrainState:
     count: torch.Tensor
     micro: torch.Tensor
     grad_accum: Any
+    loss_scale: Any
     spec: StateSpec = T.field(static=True)
 
     def __getattribute__(self, name: str) -> Any:
@@ -235,7 +238,10 @@ def describe(state: TrainState) -> str:
         ("opt_state", T.tree_leaves(state.opt_state), f"sharded 1/{spec.world_size}" if sharded else "replicated"),
         ("grad_accum", T.tree_leaves(state.grad_accum), "between micro-steps"),
     ]
-    lines = [f"TrainState({spec.chain}, world_size={spec.world_size}, count={int(state.count)}, micro={int(state.micro)})"]
+    head = f"TrainState({spec.chain}, world_size={spec.world_size}, count={int(state.count)}, micro={int(state.micro)}"
+    if state.loss_scale is not None:
+        head += f", loss_scale={float(state.loss_scale.scale):g}"
+    lines = [head + ")"]
     for label, leaves, note in rows:
         if leaves or label in ("params", "opt_state"):
             lines.append(f"  {label:<10} {_fmt_bytes(_bytes(leaves)):>12}  on {_placement(leaves):<8} {note}")

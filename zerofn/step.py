@@ -56,6 +56,9 @@ __all__ = ["Phases", "Step", "train_step", "find_functional", "DEFAULT_BUCKET_BY
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # torch DDP's default bucket_cap_mb
 
+# Innermost first, for naming: the shard transforms, then amp, then offload.
+_NAME_ORDER = {"shard_optimizer": 0, "shard_grads": 0, "shard_params": 0, "amp": 1, "offload": 2}
+
 
 class Phases(NamedTuple):
     """The pieces of a step a transform may replace.
@@ -90,6 +93,12 @@ class Phases(NamedTuple):
     bind: Callable | None = None
     full_params: Callable | None = None
     apply: Callable | None = None
+    # Mixed precision (amp): parameters are held and used in param_dtype (the
+    # forward runs under autocast to it), gradients are reduced in grad_dtype,
+    # and new_loss_scale() -> pytree gives a fresh state's loss scale.
+    param_dtype: torch.dtype | None = None
+    grad_dtype: torch.dtype | None = None
+    new_loss_scale: Callable | None = None
 
 
 def _replicated_reduce(grad: torch.Tensor, bucket: Bucket, rank: int, out: torch.Tensor | None) -> C.Handle:
@@ -127,8 +136,9 @@ class Step:
 
     @property
     def name(self) -> str:
+        """The chain, in a canonical order: transforms that commute name the same step either way."""
         out = "train_step"
-        for t in self.transforms:
+        for t in sorted(self.transforms, key=lambda t: _NAME_ORDER.get(t, len(_NAME_ORDER))):
             out = f"{t}({out})"
         return out
 
@@ -147,6 +157,10 @@ class Step:
         no gradient, no optimizer state.
         """
         named, trainable, treedef = self._split_params(params)
+        dtype = self.phases.param_dtype
+        if dtype is not None:  # parameters live (and run) in the low-precision dtype
+            named = {k: _cast(v, dtype) for k, v in named.items()}
+            trainable = {k: named[k] for k in trainable}
         if self.phases.init_state is not None:
             return self.phases.init_state(self, params, named, trainable, treedef)
         frozen = {k: v.detach().clone() for k, v in named.items() if k not in trainable}
@@ -197,6 +211,7 @@ class Step:
             count=torch.zeros((), dtype=torch.int64),
             micro=torch.zeros((), dtype=torch.int64),
             grad_accum=None,
+            loss_scale=self.phases.new_loss_scale() if self.phases.new_loss_scale else None,
             spec=StateSpec(self.name, world, layout, treedef, context),
         )
 
@@ -220,11 +235,12 @@ class Step:
         ``zf.functional`` with ``full_params``-free views of the state.
         """
         self._check_state(state)
-        if self.phases.apply is not None:
-            return self.phases.apply(self, state, args, kwargs)
-        functional = find_functional(self.loss_fn)
-        with torch.no_grad():
-            return functional(self._params_tree(state, lambda t: t), *args, **kwargs)
+        with self._autocast(state.spec.layout):
+            if self.phases.apply is not None:
+                return self.phases.apply(self, state, args, kwargs)
+            functional = find_functional(self.loss_fn)
+            with torch.no_grad():
+                return functional(self._params_tree(state, lambda t: t), *args, **kwargs)
 
     def _params_tree(self, state: TrainState, trainable_fn: Callable) -> Any:
         views = state.spec.layout.views(state.params)
@@ -301,32 +317,40 @@ class Step:
             sink = _GradSink(layout, phases, rank, carried, reduce_now)
 
         bind = phases.bind or _bind_views
+        scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
         with bind(self, state, sink) as params:
-            out = self.loss_fn(params, batch)
+            with self._autocast(layout):
+                out = self.loss_fn(params, batch)
             loss, aux = self._split_loss(out)
+            loss = loss.float()
             if loss.requires_grad:
-                loss.backward()
+                (loss * scale if scale != 1.0 else loss).backward()
             del params, out
 
         if not reduce_now:
             stats = self._stats(loss.detach(), aux, None, world, rank)
             new = state.replace(grad_accum=sink.full_buffers(), micro=state.micro + 1)
-            return new, self._metrics(stats, aux, skipped=False, grad_norm=math.nan)
+            return new, self._metrics(stats, aux, skipped=False, grad_norm=math.nan, loss_scale=state.loss_scale)
 
         reduced = sink.finish()
         if not last:
             stats = self._stats(loss.detach(), aux, None, world, rank)
             new = state.replace(grad_accum=tuple(reduced.values()), micro=state.micro + 1)
-            return new, self._metrics(stats, aux, skipped=False, grad_norm=math.nan)
+            return new, self._metrics(stats, aux, skipped=False, grad_norm=math.nan, loss_scale=state.loss_scale)
 
-        torch._foreach_mul_(list(reduced.values()), 1.0 / (world * k))
+        if phases.param_dtype is not None:  # the optimizer works in fp32 (the master weights)
+            reduced = {k: v.float() for k, v in reduced.items()}
+        # Average over ranks and micro-steps and undo the loss scale: one fused multiply.
+        factors = [d / (world * k * scale) for d in sink.predivide]
+        torch._foreach_mul_(list(reduced.values()), factors)
         stats = self._stats(loss.detach(), aux, reduced, world, rank)
         grad_norm = math.sqrt(stats["sumsq"]) if stats["sumsq"] >= 0 else math.nan
         finite = math.isfinite(stats["loss"]) and math.isfinite(stats["sumsq"])
         zero = torch.zeros((), dtype=torch.int64)
+        loss_scale = state.loss_scale.adjust(finite) if state.loss_scale is not None else None
         if not finite:
-            new = state.replace(grad_accum=None, micro=zero)
-            return new, self._metrics(stats, aux, skipped=True, grad_norm=grad_norm)
+            new = state.replace(grad_accum=None, micro=zero, loss_scale=loss_scale)
+            return new, self._metrics(stats, aux, skipped=True, grad_norm=grad_norm, loss_scale=loss_scale)
 
         opt_params = self._opt_params(state.params, layout, rank)
         with torch.no_grad():
@@ -335,8 +359,10 @@ class Step:
             )
             del reduced
             phases.publish(state.params, layout, rank)
-        new = state.replace(opt_state=opt_state, count=state.count + 1, micro=zero, grad_accum=None)
-        return new, self._metrics(stats, aux, skipped=False, grad_norm=grad_norm)
+        new = state.replace(
+            opt_state=opt_state, count=state.count + 1, micro=zero, grad_accum=None, loss_scale=loss_scale
+        )
+        return new, self._metrics(stats, aux, skipped=False, grad_norm=grad_norm, loss_scale=loss_scale)
 
     # ------------------------------------------------------------ helpers
 
@@ -380,12 +406,22 @@ class Step:
         out["aux"] = {k: v / world for k, v in zip(scalars, vals[2:])}
         return out
 
-    def _metrics(self, stats, aux, *, skipped: bool, grad_norm: float) -> dict[str, Any]:
+    def _autocast(self, layout: Layout):
+        dtype = self.phases.param_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        device = layout.buckets[0].device if layout.buckets else "cpu"
+        return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+    def _metrics(self, stats, aux, *, skipped: bool, grad_norm: float, loss_scale: Any = None) -> dict[str, Any]:
         m: dict[str, Any] = {
             "loss": torch.tensor(stats["loss"], dtype=torch.float32),
             "grad_norm": torch.tensor(grad_norm, dtype=torch.float32),
             "skipped": skipped,
         }
+        if loss_scale is not None:
+            m["loss_scale"] = torch.tensor(float(loss_scale.scale), dtype=torch.float32)
+            m["consecutive_skips"] = int(loss_scale.skips)
         for k, v in aux.items():
             m[k] = torch.tensor(stats["aux"][k], dtype=torch.float32) if k in stats["aux"] else v
         return m
@@ -418,12 +454,19 @@ class _GradSink:
         self.results: list[torch.Tensor | None] = [None] * n
         self.launched = 0
         self.release = not phases.grads_replicated
+        # fp16 gradients are divided by the world size before the reduction, so that
+        # summing N ranks' scaled gradients does not overflow fp16's range.
+        world = C.world_size()
+        self.predivide = [
+            world if (phases.grad_dtype or b.dtype) == torch.float16 else 1 for b in layout.buckets
+        ]
 
     def buffer(self, i: int) -> torch.Tensor:
         buf = self.buffers[i]
         if buf is None:
             b = self.layout.buckets[i]
-            buf = self.buffers[i] = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            dtype = self.phases.grad_dtype or b.dtype
+            buf = self.buffers[i] = torch.zeros(b.padded, dtype=dtype, device=b.device)
         if self.layout.buckets[i].slots[0].name not in self.views:
             self.views.update(self.layout.bucket_views(i, buf))
         return buf
@@ -450,6 +493,8 @@ class _GradSink:
             if self.release and i > 0:
                 self._settle(i - 1)
             bucket, out = self.layout.buckets[i], None
+            if self.predivide[i] != 1:
+                self.buffer(i).mul_(1.0 / self.predivide[i])
             if self.sums is not None:
                 # Fold the running sum into this rank's own slice of the input: the
                 # reduction then lands the new total in place, with no temporary.
@@ -525,6 +570,12 @@ def _functionals_in(fn: Any, depth: int) -> list:
         elif depth > 0 and inspect.isfunction(v):
             out.extend(x for x in _functionals_in(v, depth - 1) if all(x is not o for o in out))
     return out
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if not t.is_floating_point() or t.dtype == dtype:
+        return t
+    return t.detach().to(dtype).requires_grad_(t.requires_grad)
 
 
 def _is_scalar(v: Any) -> bool:

@@ -1,0 +1,274 @@
+"""``amp``: bf16/fp16 compute against fp32 master weights, with loss scaling all ranks agree on.
+
+Composes with every shard transform, in any order. Phases rewritten (see
+``zerofn.step.Phases``):
+
+- ``param_dtype``: trainable and frozen parameters are held in ``dtype``
+  (2 bytes each) and the forward runs under ``torch.autocast`` to it, so
+  matmuls run in ``dtype`` and reductions (softmax, norms, losses) in fp32.
+- ``grad_dtype``: gradients are bucketed and reduced in ``dtype`` (or
+  ``reduce_dtype``, as FSDP2's ``reduce_dtype``): half of fp32's traffic.
+- the optimizer is wrapped (:func:`master_weights`): its state holds an fp32
+  master copy of the parameters it updates (this rank's shard under
+  ``shard_optimizer``), the inner optimizer updates the master, and the
+  result is cast back into the low-precision parameters, which are then
+  published (all-gathered) in ``dtype``.
+- ``new_loss_scale``: the state carries a loss scale, a pytree like
+  jmp's: :class:`NoOpLossScale`, :class:`StaticLossScale` or
+  :class:`DynamicLossScale`, one interface (``scale``, ``adjust(finite)``).
+
+The loss is multiplied by the scale before backward; after the reduction
+the gradient partition is cast to fp32 and divided by (ranks x micro-steps x
+scale) in one fused multiply. Overflow (inf/nan in any rank's gradient) is
+agreed with the step's one small all-reduce (the global gradient norm is
+non-finite on every rank); then every rank skips the update, leaves
+parameters and optimizer state as they were, and the dynamic scale backs
+off with DeepSpeed's hysteresis: it shrinks by ``backoff`` on the
+``hysteresis``-th overflow since the last growth, and grows by
+``1 / backoff`` after ``growth_interval`` steps without overflow. At
+``min_scale`` training goes on skipping and says so in the metrics
+(``skipped``, ``consecutive_skips``, ``loss_scale``); it never raises.
+
+Per-rank model-state bytes then follow DESIGN.md's table: DDP 16 Psi, ZeRO-1
+4 Psi + 12 Psi / N, ZeRO-2 2 Psi + 14 Psi / N, ZeRO-3 16 Psi / N (2 Psi of
+parameters, 4 Psi master + 8 Psi Adam moments in the optimizer state, and
+2 Psi of gradients inside a step).
+
+Example:
+    >>> import torch, zerofn as zf
+    >>> from zerofn.transforms import amp, shard_optimizer
+    >>> apply = zf.functional(torch.nn.Linear(4, 1))
+    >>> loss_fn = lambda p, b: apply(p, b).square().mean()
+    >>> step = amp(shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-3))), torch.float16)
+    >>> state = step.init(apply.params)
+    >>> state, metrics = step(state, torch.ones(2, 4))
+    >>> float(metrics["loss_scale"]), state.params[0].dtype
+    (65536.0, torch.float16)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import torch
+
+from zerofn import optim as O
+from zerofn import tree as T
+from zerofn.step import Step
+
+__all__ = ["DynamicLossScale", "MasterState", "NoOpLossScale", "StaticLossScale", "amp", "master_weights"]
+
+NAME = "amp"
+_DEFAULT = object()
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+# ---------------------------------------------------------------- loss scales
+
+
+def _i64(v: int) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.int64)
+
+
+@T.state_class
+class NoOpLossScale:
+    """No scaling (bf16): scale 1; overflow still skips the step and is counted."""
+
+    skips: torch.Tensor
+
+    @property
+    def scale(self) -> float:
+        return 1.0
+
+    def adjust(self, finite: bool) -> "NoOpLossScale":
+        return NoOpLossScale(_i64(0 if finite else int(self.skips) + 1))
+
+
+@T.state_class
+class StaticLossScale:
+    """A fixed scale."""
+
+    scale: torch.Tensor
+    skips: torch.Tensor
+
+    def adjust(self, finite: bool) -> "StaticLossScale":
+        return StaticLossScale(self.scale, _i64(0 if finite else int(self.skips) + 1))
+
+
+@T.state_class
+class DynamicLossScale:
+    """DeepSpeed's dynamic loss scale: back off on overflow with hysteresis, grow after a good run.
+
+    Leaves are the counters; the policy is static (in the treedef), so a
+    tree round trip keeps every setting (jmp's flatten drops min_loss_scale).
+    """
+
+    scale: torch.Tensor  # fp32
+    good_steps: torch.Tensor  # steps since the last overflow (this one included)
+    hysteresis_left: torch.Tensor  # overflows still tolerated before backing off
+    skips: torch.Tensor  # consecutive skipped steps
+    growth_interval: int = T.field(static=True, default=1000)
+    backoff: float = T.field(static=True, default=0.5)
+    hysteresis: int = T.field(static=True, default=2)
+    min_scale: float = T.field(static=True, default=1.0)
+
+    def adjust(self, finite: bool) -> "DynamicLossScale":
+        scale, good, left, skips = float(self.scale), int(self.good_steps), int(self.hysteresis_left), int(self.skips)
+        if finite:
+            good, skips = good + 1, 0
+            if good % self.growth_interval == 0:
+                scale, left = scale / self.backoff, self.hysteresis
+        else:
+            good, skips = 0, skips + 1
+            if left <= 1:
+                scale = max(scale * self.backoff, self.min_scale)
+            else:
+                left -= 1
+        return DynamicLossScale(
+            torch.tensor(scale, dtype=torch.float32),
+            _i64(good),
+            _i64(left),
+            _i64(skips),
+            self.growth_interval,
+            self.backoff,
+            self.hysteresis,
+            self.min_scale,
+        )
+
+
+# ---------------------------------------------------------------- master weights
+
+
+class MasterState(NamedTuple):
+    """fp32 master copies of the parameters an optimizer updates, and that optimizer's state."""
+
+    master: Any
+    inner: Any
+
+
+def master_weights(inner: O.GradientTransformation) -> O.GradientTransformation:
+    """Run ``inner`` on fp32 master copies of low-precision parameters.
+
+    ``init(params)`` keeps an fp32 copy of ``params`` (which may be bf16/fp16
+    shards); ``update``/``apply`` take fp32 gradients, update the master with
+    ``inner`` (its fused path where it has one) and cast the result back into
+    the low-precision parameters in place.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> from zerofn.transforms.amp import master_weights
+        >>> p = {"w": torch.ones(3, dtype=torch.bfloat16)}
+        >>> opt = master_weights(optim.sgd(0.5))
+        >>> s = optim.update_params(opt, {"w": torch.ones(3)}, opt.init(p), p)
+        >>> p["w"].tolist(), s.master["w"].dtype
+        ([0.5, 0.5, 0.5], torch.float32)
+    """
+
+    def init(params):
+        master = T.tree_map(lambda p: p.detach().to(torch.float32, copy=True), params)
+        return MasterState(master, inner.init(master))
+
+    @torch.no_grad()
+    def apply(grads, state, params, **extra):
+        grads = T.tree_map(lambda g: g.float(), grads)
+        new_inner = O.update_params(inner, grads, state.inner, state.master, **extra)
+        torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.master))
+        return MasterState(state.master, new_inner)
+
+    @torch.no_grad()
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("master_weights.update needs the params; call update(updates, state, params)")
+        before = T.tree_leaves(params)
+        new_state = apply(updates, state, T.tree_map(torch.clone, params), **extra)
+        new = [m.to(p.dtype) for m, p in zip(T.tree_leaves(new_state.master), before)]
+        out = T.tree_unflatten(T.tree_structure(params), [n - p for n, p in zip(new, before)])
+        return out, new_state
+
+    return O.GradientTransformation(init, update, apply)
+
+
+# ---------------------------------------------------------------- the transform
+
+
+def amp(
+    step: Step | None = None,
+    /,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    loss_scale: Any = _DEFAULT,
+    init_scale: float = 2.0**16,
+    growth_interval: int = 1000,
+    backoff: float = 0.5,
+    hysteresis: int = 2,
+    min_scale: float = 1.0,
+    reduce_dtype: torch.dtype | None = None,
+) -> Step:
+    """Mixed precision: ``dtype`` parameters and compute, fp32 master weights, loss scaling.
+
+    Args:
+        step: a Step (any shard transforms applied before or after). Called
+            without it, returns a decorator.
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+        loss_scale: ``"dynamic"``, a float (static scale) or None (no
+            scaling). Default: dynamic for fp16, None for bf16 (DeepSpeed's
+            defaults).
+        init_scale, growth_interval, backoff, hysteresis, min_scale: the
+            dynamic scale (DeepSpeed's ``initial_scale_power`` 16,
+            ``loss_scale_window`` 1000, ``hysteresis`` 2, ``min_loss_scale`` 1).
+        reduce_dtype: dtype gradients travel in; default ``dtype``.
+
+    Returns:
+        The rewritten Step; its metrics add ``loss_scale`` and ``consecutive_skips``.
+
+    Raises:
+        TypeError: ``step`` is not a Step.
+        ValueError: a dtype that is not bf16/fp16, bad scale settings, or amp applied twice.
+    """
+    if step is None:
+        return functools.partial(
+            amp, dtype=dtype, loss_scale=loss_scale, init_scale=init_scale, growth_interval=growth_interval,
+            backoff=backoff, hysteresis=hysteresis, min_scale=min_scale, reduce_dtype=reduce_dtype,
+        )  # fmt: skip
+    if not isinstance(step, Step):
+        raise TypeError(f"amp expects a Step from zf.train_step, got {type(step).__name__}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"amp: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+        raise ValueError(f"amp: reduce_dtype must be a floating dtype such as torch.float32, got {reduce_dtype!r}")
+    if NAME in step.transforms:
+        raise ValueError(
+            f"amp: {step.name} already runs in mixed precision; apply amp once (to change its settings, "
+            "rebuild the step from zf.train_step)"
+        )
+    if loss_scale is _DEFAULT:
+        loss_scale = "dynamic" if dtype == torch.float16 else None
+    new_scale = _scale_factory(loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale)
+    return step.replace(
+        optimizer=master_weights(step.optimizer),
+        transforms=step.transforms + (NAME,),
+        phases=step.phases._replace(param_dtype=dtype, grad_dtype=reduce_dtype, new_loss_scale=new_scale),
+    )
+
+
+def _scale_factory(loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale):
+    if loss_scale is None:
+        return lambda: NoOpLossScale(_i64(0))
+    if loss_scale == "dynamic":
+        if not (0 < backoff < 1):
+            raise ValueError(f"amp: backoff must be in (0, 1), got {backoff}")
+        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(f"amp: growth_interval must be an int >= 1, got {growth_interval!r}")
+        if not (isinstance(hysteresis, int) and hysteresis >= 1):
+            raise ValueError(f"amp: hysteresis must be an int >= 1, got {hysteresis!r}")
+        if not (0 < min_scale <= init_scale):
+            raise ValueError(f"amp: need 0 < min_scale <= init_scale, got {min_scale} and {init_scale}")
+        return lambda: DynamicLossScale(
+            torch.tensor(float(init_scale)), _i64(0), _i64(hysteresis), _i64(0),
+            growth_interval, backoff, hysteresis, float(min_scale),
+        )  # fmt: skip
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0:
+        return lambda: StaticLossScale(torch.tensor(float(loss_scale)), _i64(0))
+    raise ValueError(f'amp: loss_scale must be "dynamic", a positive float or None, got {loss_scale!r}')
