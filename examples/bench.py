@@ -17,6 +17,7 @@ bytes during one step (zf.memory.track), all measured in this one run.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import zerofn as zf  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for  # noqa: E402
-from zerofn.transforms import shard_grads, shard_optimizer, shard_params  # noqa: E402
+from zerofn.transforms import amp, shard_grads, shard_optimizer, shard_params  # noqa: E402
 
 LR, WD = 1e-3, 0.1
 
@@ -85,6 +86,10 @@ def _zf_system(cfg, transform, bucket_bytes):
     return run, lambda: zf.memory.state_bytes(box[0])["optimizer"]
 
 
+def _amp_system(cfg, mb, transform):
+    return _zf_system(cfg, lambda s: amp(transform(s), torch.bfloat16), mb)
+
+
 SYSTEMS = {
     "torch DDP": lambda cfg, mb: _torch_system(cfg),
     "torch ZeRO-1 (ZeroRedundancyOptimizer)": lambda cfg, mb: _torch_system(cfg, zero=True),
@@ -103,7 +108,12 @@ def bench_rank(args):
     corpus = MarkovCorpus(vocab=64)
     data = corpus.sample(args.batch * world, args.seq_len + 1, seed=1)
     batch = data[rank * args.batch : (rank + 1) * args.batch]
-    systems = {name: make(cfg, int(args.bucket_mb * 2**20)) for name, make in SYSTEMS.items()}
+    chosen = dict(SYSTEMS)
+    if args.amp:  # each zerofn stage again in bf16 against fp32 master weights
+        for name, tr in (("train_step", lambda s: s), ("shard_optimizer", shard_optimizer),
+                         ("shard_grads", shard_grads), ("shard_params", shard_params)):  # fmt: skip
+            chosen[f"zf {name} + amp bf16"] = functools.partial(_amp_system, transform=tr)
+    systems = {name: make(cfg, int(args.bucket_mb * 2**20)) for name, make in chosen.items()}
     times: dict[str, list[float]] = {name: [] for name in systems}
     peaks, losses = {}, {}
     for name, (step, _) in systems.items():  # warm-up, and one tracked step each
@@ -142,6 +152,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="zerofn's gradient bucket size (MiB)")
+    p.add_argument("--amp", action="store_true", help="add every zerofn stage under amp(bf16)")
     args = p.parse_args(argv)
     results = zf.spawn(bench_rank, args.world, args)
     r0 = results[0]

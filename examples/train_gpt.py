@@ -8,7 +8,7 @@ Two ranks on this machine (gloo on CPU, nccl on GPUs), ZeRO stage 1, 2 or 3:
 
     torchrun --nproc_per_node=2 examples/train_gpt.py --zero 1
     torchrun --nproc_per_node=2 examples/train_gpt.py --zero 2 --accumulate 2
-    torchrun --nproc_per_node=2 examples/train_gpt.py --zero 3
+    torchrun --nproc_per_node=2 examples/train_gpt.py --zero 3 --amp bf16
 
 Every rank feeds its own slice of the global batch; the result equals one
 process fed the whole batch. The loss should fall far below the corpus's
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import zerofn as zf  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for, unigram_entropy  # noqa: E402
-from zerofn.transforms import shard_grads, shard_optimizer, shard_params  # noqa: E402
+from zerofn.transforms import amp, shard_grads, shard_optimizer, shard_params  # noqa: E402
 
 STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
 
@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--amp", choices=["bf16", "fp16"], default=None, help="mixed precision (fp32 master weights)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or report (returns the held-out loss)")
     return p.parse_args(argv)
 
 
@@ -62,16 +64,19 @@ def main(argv=None) -> float:
     schedule = zf.optim.warmup_cosine_decay_schedule(0.0, args.lr, args.steps // 10, args.steps, args.lr / 10)
     optimizer = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(schedule, weight_decay=0.1))
     step = STAGES[args.zero](zf.train_step(loss_fn_for(apply), optimizer, args.accumulate))
+    if args.amp:
+        step = amp(step, {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp])
     state = step.init(apply.params)
 
     corpus = MarkovCorpus(vocab=args.vocab, seed=args.seed)
     local = args.batch // world
     micro = local // args.accumulate
-    if rank == 0:
+    loud = rank == 0 and not args.quiet
+    if loud:
         n = sum(p.numel() for p in apply.params.values())
         print(f"{step.name} on {world} rank(s): {n:,} parameters, global batch {args.batch} x {args.seq_len} tokens")
         print(state)
-    bar = tqdm(range(args.steps), disable=rank != 0, desc="train", dynamic_ncols=True)
+    bar = tqdm(range(args.steps), disable=not loud, desc="train", dynamic_ncols=True)
     tokens = 0
     start = time.perf_counter()
     sample = corpus.sample(args.batch * 4, args.seq_len + 1, seed=10_000)
@@ -86,8 +91,10 @@ def main(argv=None) -> float:
             bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", tok_s=f"{rate:,.0f}")
     elapsed = time.perf_counter() - start
     logits = step.apply(state, sample[:, :-1])  # per unit under ZeRO-3: no rank holds the whole model
-    eval_loss = float(torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), sample[:, 1:].reshape(-1)))
-    if rank == 0:
+    eval_loss = float(
+        torch.nn.functional.cross_entropy(logits.float().reshape(-1, args.vocab), sample[:, 1:].reshape(-1))
+    )
+    if loud:
         print(f"unigram entropy      {unigram_entropy(sample, args.vocab):.3f} nats (no context)")
         print(f"conditional entropy  {corpus.conditional_entropy():.3f} nats (the floor)")
         print(f"final train loss     {float(metrics['loss']):.3f}")
