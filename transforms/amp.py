@@ -60,6 +60,7 @@ from zerofn.step import Step
 __all__ = ["DynamicLossScale", "MasterState", "NoOpLossScale", "StaticLossScale", "amp", "master_weights"]
 
 NAME = "amp"
+WRAP_ORDER = 0  # master weights wrap the user's optimizer first; offload places the result
 _DEFAULT = object()
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -246,11 +247,13 @@ def amp(
     if loss_scale is _DEFAULT:
         loss_scale = "dynamic" if dtype == torch.float16 else None
     new_scale = _scale_factory(loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale)
-    return step.replace(
-        optimizer=master_weights(step.optimizer),
-        transforms=step.transforms + (NAME,),
-        phases=step.phases._replace(param_dtype=dtype, grad_dtype=reduce_dtype, new_loss_scale=new_scale),
+    phases = step.phases._replace(
+        param_dtype=dtype,
+        grad_dtype=reduce_dtype,
+        new_loss_scale=new_scale,
+        wrap_optimizer=step.phases.wrap_optimizer + ((WRAP_ORDER, master_weights),),
     )
+    return step.replace(transforms=step.transforms + (NAME,), phases=phases)
 
 
 def _scale_factory(loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale):

@@ -99,6 +99,8 @@ class Phases(NamedTuple):
     param_dtype: torch.dtype | None = None
     grad_dtype: torch.dtype | None = None
     new_loss_scale: Callable | None = None
+    # (order, optimizer -> optimizer) wrappers, applied innermost-first by order.
+    wrap_optimizer: tuple = ()
 
 
 def _replicated_reduce(grad: torch.Tensor, bucket: Bucket, rank: int, out: torch.Tensor | None) -> C.Handle:
@@ -147,6 +149,15 @@ class Step:
 
     def replace(self, **changes: Any) -> "Step":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def effective_optimizer(self) -> O.GradientTransformation:
+        """The user's optimizer inside the transforms' wrappers, innermost first whatever the
+        order the transforms were applied in (amp's fp32 master weights, then offload's placement)."""
+        opt = self.optimizer
+        for _, wrap in sorted(self.phases.wrap_optimizer, key=lambda w: w[0]):
+            opt = wrap(opt)
+        return opt
 
     # ------------------------------------------------------------ init
 
@@ -203,7 +214,7 @@ class Step:
     def make_state(self, flats: tuple, frozen: Any, layout: Layout, treedef: Any, context: Any = None) -> TrainState:
         """A fresh TrainState around parameter buffers laid out by ``layout`` (for transforms' init)."""
         world, rank = C.world_size(), C.rank()
-        opt_state = self.optimizer.init(self._opt_params(flats, layout, rank))
+        opt_state = self.effective_optimizer.init(self._opt_params(flats, layout, rank))
         return TrainState(
             params=flats,
             frozen=frozen,
@@ -355,7 +366,7 @@ class Step:
         opt_params = self._opt_params(state.params, layout, rank)
         with torch.no_grad():
             opt_state = O.update_params(
-                self.optimizer, reduced, state.opt_state, opt_params, grad_norm=torch.tensor(grad_norm)
+                self.effective_optimizer, reduced, state.opt_state, opt_params, grad_norm=torch.tensor(grad_norm)
             )
             del reduced
             phases.publish(state.params, layout, rank)
