@@ -7,8 +7,9 @@ implied transform again returns the step unchanged.
 """
 
 from zerofn.transforms.amp import amp
+from zerofn.transforms.offload import offload
 from zerofn.transforms.shard_grads import shard_grads
 from zerofn.transforms.shard_optimizer import shard_optimizer
 from zerofn.transforms.shard_params import shard_params
 
-__all__ = ["amp", "shard_grads", "shard_optimizer", "shard_params"]
+__all__ = ["amp", "offload", "shard_grads", "shard_optimizer", "shard_params"]

@@ -193,12 +193,15 @@ class _Plan:
             units=tuple(units),
         )
         shards = _Materialiser(module, named, self.init_fn).fill(buckets + frozen_buckets, rank)
+        if step.phases.host_params:  # offload(params=True): shards at rest in host memory
+            pin = torch.cuda.is_available()
+            shards = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in shards]
         flats, frozen = tuple(shards[: len(buckets)]), tuple(shards[len(buckets) :])
         return step.make_state(flats, frozen, layout, treedef, context=functional)
 
     @contextlib.contextmanager
     def bind(self, step: Step, state: TrainState, sink: Any):
-        runner = _Runner(state, self.prefetch, sink)
+        runner = _Runner(state, self.prefetch, sink, step.phases.host_params)
         token = ACTIVE_RUN.set(runner)
         try:
             yield runner.placeholders()
@@ -207,7 +210,7 @@ class _Plan:
             runner.close()
 
     def apply(self, step: Step, state: TrainState, args: tuple, kwargs: dict) -> Any:
-        runner = _Runner(state, self.prefetch, None)
+        runner = _Runner(state, self.prefetch, None, step.phases.host_params)
         try:
             with torch.no_grad():
                 return runner.run(args, kwargs)
@@ -219,7 +222,7 @@ class _Plan:
         out: dict[str, torch.Tensor] = {}
         for shards, buckets in ((state.params, layout.buckets), (state.frozen, layout.frozen_buckets)):
             for shard, bucket in zip(shards, buckets):  # one unit's buffer at a time
-                full = torch.empty(bucket.padded, dtype=bucket.dtype, device=shard.device)
+                full = torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
                 C.all_gather(full, shard)
                 for s in bucket.slots:
                     out[s.name] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
@@ -388,7 +391,7 @@ class _LiveUnit:
 class _Runner:
     """Gathers and releases units around the module's forward and backward."""
 
-    def __init__(self, state: TrainState, prefetch: int, sink: Any):
+    def __init__(self, state: TrainState, prefetch: int, sink: Any, host_shards: bool = False):
         spec = state.spec
         self.functional: Functional = spec.context
         self.module = self.functional.module
@@ -396,6 +399,7 @@ class _Runner:
         self.treedef = spec.treedef
         self.prefetch = prefetch
         self.sink = sink
+        self.host_shards = host_shards
         self.units = [_LiveUnit(u, i) for i, u in enumerate(self.layout.units)]
         self.by_name = {u.spec.name: u for u in self.units}
         self.leaves: dict[str, torch.Tensor] = {}
@@ -407,7 +411,7 @@ class _Runner:
             pairs = [(state.params[i], self.layout.buckets[i], True) for i in unit.spec.buckets]
             pairs += [(state.frozen[i], self.layout.frozen_buckets[i], False) for i in unit.spec.frozen]
             for shard, bucket, grads in pairs:
-                full = torch.empty(bucket.padded, dtype=bucket.dtype, device=shard.device)
+                full = torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
                 raw = full.data  # leaves view this alias: refilling `full` bumps no version they saved
                 for s in bucket.slots:
                     leaf = raw[s.offset : s.offset + s.numel].view(s.shape)
@@ -477,6 +481,8 @@ class _Runner:
             return
         for full, shard in unit.fulls:
             full.untyped_storage().resize_(full.numel() * full.element_size())
+            if self.host_shards:  # bring the shard in from host memory (its own buffer, non-blocking)
+                shard = torch.empty(shard.shape, dtype=shard.dtype, device=full.device).copy_(shard, non_blocking=True)
             unit.handles.append(C.all_gather(full, shard, async_op=True))
         if C.world_size() > 1:
             # Every rank must gather the same unit here; a tiny max-reduce of (id, -id)

@@ -410,6 +410,10 @@ def _held_bytes(tree: Any) -> dict[str, int]:
     seen: set[tuple[str, int]] = set()
     out: dict[str, int] = {}
     for leaf in _T.tree_leaves(tree):
+        placement = getattr(leaf, "placement", None)
+        if placement is not None and not isinstance(leaf, torch.Tensor):  # a handle: state held elsewhere (files)
+            out[placement] = out.get(placement, 0) + int(leaf.nbytes)
+            continue
         if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta":
             continue
         storage = leaf.untyped_storage()
@@ -433,7 +437,8 @@ def state_bytes(state: Any) -> dict[str, int]:
 
     Returns:
         ``{"params", "optimizer", "grad_accum", "total"}`` in bytes, plus
-        ``"by_placement"``: total bytes per device type (``"cpu"``, ``"cuda"``).
+        ``"by_placement"``: total bytes per device type (``"cpu"``, ``"cuda"``)
+        or other placement (``"nvme"``: files of ``offload(device="nvme")``).
         Storages shared between leaves count once.
 
     Example:

@@ -211,12 +211,14 @@ class TrainState:
 
 
 def _placement(leaves: list) -> str:
-    devices = sorted({str(t.device) for t in leaves if isinstance(t, torch.Tensor)})
-    return ",".join(devices) or "-"
+    devices = {str(t.device) for t in leaves if isinstance(t, torch.Tensor)}
+    devices |= {t.placement for t in leaves if not isinstance(t, torch.Tensor) and hasattr(t, "placement")}
+    return ",".join(sorted(devices)) or "-"
 
 
 def _bytes(leaves: list) -> int:
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+    held = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+    return held + sum(int(t.nbytes) for t in leaves if not isinstance(t, torch.Tensor) and hasattr(t, "placement"))
 
 
 def _fmt_bytes(n: int) -> str:
@@ -227,6 +229,12 @@ def _fmt_bytes(n: int) -> str:
     raise AssertionError
 
 
+def _opt_note(opt_state: Any, sharded: bool, world: int) -> str:
+    note = f"sharded 1/{world}" if sharded else "replicated"
+    kind = type(opt_state).__name__
+    return f"{note}, offloaded ({kind})" if kind in ("HostState", "NvmeState") else note
+
+
 def describe(state: TrainState) -> str:
     """A readable summary: what is sharded, where it lives, bytes on this rank."""
     spec = state.spec
@@ -235,7 +243,7 @@ def describe(state: TrainState) -> str:
     rows = [
         ("params", T.tree_leaves(state.params), f"{len(lay.buckets)} buckets, {lay.trainable_numel:,} trainable"),
         ("frozen", T.tree_leaves(state.frozen), f"{len(lay.frozen)} tensors"),
-        ("opt_state", T.tree_leaves(state.opt_state), f"sharded 1/{spec.world_size}" if sharded else "replicated"),
+        ("opt_state", T.tree_leaves(state.opt_state), _opt_note(state.opt_state, sharded, spec.world_size)),
         ("grad_accum", T.tree_leaves(state.grad_accum), "between micro-steps"),
     ]
     head = f"TrainState({spec.chain}, world_size={spec.world_size}, count={int(state.count)}, micro={int(state.micro)}"

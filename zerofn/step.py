@@ -101,6 +101,8 @@ class Phases(NamedTuple):
     new_loss_scale: Callable | None = None
     # (order, optimizer -> optimizer) wrappers, applied innermost-first by order.
     wrap_optimizer: tuple = ()
+    # Parameter shards live in host memory and are copied in per unit (offload(params=True)).
+    host_params: bool = False
 
 
 def _replicated_reduce(grad: torch.Tensor, bucket: Bucket, rank: int, out: torch.Tensor | None) -> C.Handle:
@@ -172,6 +174,11 @@ class Step:
         if dtype is not None:  # parameters live (and run) in the low-precision dtype
             named = {k: _cast(v, dtype) for k, v in named.items()}
             trainable = {k: named[k] for k in trainable}
+        if self.phases.host_params and self.phases.init_state is None:
+            raise ValueError(
+                f"{self.name}.init: offload(params=True) keeps parameter shards on the host and brings them in "
+                "per unit, which needs shard_params: offload(shard_params(step), params=True)"
+            )
         if self.phases.init_state is not None:
             return self.phases.init_state(self, params, named, trainable, treedef)
         frozen = {k: v.detach().clone() for k, v in named.items() if k not in trainable}

@@ -1,0 +1,399 @@
+"""``offload``: optimizer state and fp32 master weights in CPU RAM or in files on NVMe.
+
+Composes with the shard transforms and ``amp`` in any order: it wraps the
+optimizer after ``amp`` has (the fp32 master weights are optimizer state, so
+they move with it), whatever order the transforms were applied in.
+
+``device="cpu"``: the optimizer state (and amp's fp32 master) lives in host
+memory, pinned when CUDA is present. Each update copies this rank's gradient
+partition to the host (non-blocking into pinned buffers on CUDA), runs the
+optimizer there (its fused kernel: torch's fused AdamW runs on the CPU), and
+copies the updated parameters back. On a CPU-only machine the same code runs:
+the host copy is a separate placement with its own buffers, not a shortcut.
+
+``params=True`` (with ``shard_params``): the parameter shards themselves live
+on the host; each unit's shard is copied in just before its all-gather, so
+the ``prefetch`` of ``shard_params`` brings it in ahead of use.
+
+``device="nvme"``: every optimizer-state tensor that is shaped like the
+parameters (Adam's moments, amp's master weights) lives in files under
+``path`` (one file per tensor per rank, in two generations); counters stay
+in the state pytree. The update streams the files in sub-groups of
+``sub_group_bytes``: a background thread reads the next sub-group and another
+writes the previous one while the current one is updated, so RAM held for
+optimizer state is a few sub-groups whatever the model size. New state goes
+to the other generation and the new parameters to a staging file; only when
+every write has succeeded are the parameters copied in and the manifest
+switched, so a failed update (a full disk) leaves the state from before the
+step intact and usable.
+
+Offloaded state shows its placement: the optimizer state is a
+:class:`HostState` or :class:`NvmeState`, and ``zf.memory.state_bytes``
+reports bytes per placement (``by_placement``: "cpu", "cuda", "nvme").
+
+Collectives: none of its own.
+
+Example:
+    >>> import torch, zerofn as zf
+    >>> from zerofn.transforms import offload, shard_optimizer
+    >>> apply = zf.functional(torch.nn.Linear(4, 1))
+    >>> loss_fn = lambda p, b: apply(p, b).square().mean()
+    >>> step = offload(shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-3))), "cpu")
+    >>> state, metrics = step(step.init(apply.params), torch.ones(2, 4))
+    >>> type(state.opt_state).__name__
+    'HostState'
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from zerofn import collectives as C
+from zerofn import optim as O
+from zerofn import tree as T
+from zerofn.step import Step
+
+__all__ = ["HostState", "NvmeFiles", "NvmeState", "offload"]
+
+NAME = "offload"
+WRAP_ORDER = 1  # after amp's master weights (order 0): the master moves with the optimizer state
+DEFAULT_SUB_GROUP_BYTES = 64 * 2**20
+
+
+def offload(
+    step: Step | None = None,
+    /,
+    device: str = "cpu",
+    *,
+    path: str | os.PathLike | None = None,
+    params: bool = False,
+    sub_group_bytes: int = DEFAULT_SUB_GROUP_BYTES,
+    pin_memory: bool = True,
+) -> Step:
+    """Keep optimizer state (and fp32 master weights) in CPU RAM or NVMe files.
+
+    Args:
+        step: a Step. Called without it, returns a decorator.
+        device: ``"cpu"`` or ``"nvme"``.
+        path: a writable directory for ``"nvme"``'s files (one sub-directory per rank).
+        params: also keep parameter shards on the host (needs ``shard_params``; ``"cpu"`` only).
+        sub_group_bytes: ``"nvme"``: bytes of optimizer state streamed per sub-group.
+        pin_memory: pin host buffers when CUDA is present.
+
+    Returns:
+        The rewritten Step.
+
+    Raises:
+        TypeError: ``step`` is not a Step.
+        ValueError: an unknown device, a missing or unwritable ``path``, bad sizes, or offload applied twice.
+    """
+    if step is None:
+        return functools.partial(
+            offload, device=device, path=path, params=params, sub_group_bytes=sub_group_bytes, pin_memory=pin_memory
+        )
+    if not isinstance(step, Step):
+        raise TypeError(f"offload expects a Step from zf.train_step, got {type(step).__name__}")
+    if device not in ("cpu", "nvme"):
+        raise ValueError(f'offload: device must be "cpu" or "nvme", got {device!r}')
+    if NAME in step.transforms:
+        raise ValueError(f"offload: {step.name} already offloads; apply offload once")
+    if not isinstance(sub_group_bytes, int) or sub_group_bytes < 4096:
+        raise ValueError(f"offload: sub_group_bytes must be an int >= 4096, got {sub_group_bytes!r}")
+    if params and device != "cpu":
+        raise ValueError('offload: params=True keeps parameter shards in CPU RAM; use device="cpu"')
+    pin = bool(pin_memory) and torch.cuda.is_available()
+    if device == "nvme":
+        root = _check_path(path)
+        wrap = functools.partial(_nvme_optimizer, root=root, sub_group_bytes=sub_group_bytes)
+    else:
+        if path is not None:
+            raise ValueError('offload: path is for device="nvme"; device="cpu" keeps state in RAM')
+        wrap = functools.partial(_host_optimizer, pin=pin, params_on_host=params)
+    phases = step.phases._replace(
+        wrap_optimizer=step.phases.wrap_optimizer + ((WRAP_ORDER, wrap),),
+        host_params=bool(params),
+    )
+    return step.replace(transforms=step.transforms + (NAME,), phases=phases)
+
+
+def _check_path(path: Any) -> str:
+    if path is None:
+        raise ValueError('offload(device="nvme") needs path=, a directory on the NVMe disk for the optimizer state')
+    root = os.fspath(path)
+    if not os.path.isdir(root):
+        raise ValueError(
+            f"offload: path {root!r} does not exist or is not a directory; create it first "
+            f"(os.makedirs({root!r})) or pass another path"
+        )
+    try:
+        with tempfile.NamedTemporaryFile(dir=root):
+            pass
+    except OSError as e:
+        raise ValueError(f"offload: path {root!r} is not writable ({e.strerror}); pass a directory you can write to") from None
+    return root
+
+
+# ---------------------------------------------------------------- CPU RAM
+
+
+class HostState(NamedTuple):
+    """Optimizer state in host memory: the host copy of the parameters it updates, and the inner state."""
+
+    params: Any  # None when the parameters already live on the host (params=True)
+    inner: Any
+
+
+def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A copy of ``t`` in its own host buffer (pinned under CUDA; non-blocking from a device)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    out.copy_(t, non_blocking=pin)
+    return out
+
+
+def _host_optimizer(inner: O.GradientTransformation, *, pin: bool, params_on_host: bool) -> O.GradientTransformation:
+    def init(params):
+        host = None if params_on_host else T.tree_map(lambda p: _host(p.detach(), pin), params)
+        return HostState(host, inner.init(params if params_on_host else host))
+
+    @torch.no_grad()
+    def apply(grads, state, params, **extra):
+        host_grads = T.tree_map(lambda g: _host(g, pin), grads)
+        if pin:
+            torch.cuda.current_stream().synchronize()
+        target = params if params_on_host else state.params
+        new_inner = O.update_params(inner, host_grads, state.inner, target, **extra)
+        if not params_on_host:
+            torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.params), non_blocking=pin)
+        return HostState(state.params, new_inner)
+
+    return O.GradientTransformation(init, _update_via_apply(apply), apply)
+
+
+def _update_via_apply(apply):
+    """``update`` for a wrapper defined by its in-place ``apply``: the change it makes, as updates."""
+
+    @torch.no_grad()
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("offload's optimizer needs the params: update(updates, state, params)")
+        work = T.tree_map(torch.clone, params)
+        new_state = apply(updates, state, work, **extra)
+        return T.tree_map(lambda n, p: n - p, work, params), new_state
+
+    return update
+
+
+# ---------------------------------------------------------------- NVMe
+
+
+@dataclass(eq=False)
+class NvmeFiles:
+    """Where this rank's optimizer state lives on disk (a pytree leaf: placement and bytes show)."""
+
+    root: str
+    entries: list  # (file stem, dtype name, numel) per parameter-shaped state tensor
+    generation: int = 0
+    placement: str = field(default="nvme", init=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n * torch.empty((), dtype=getattr(torch, d)).element_size() for _, d, n in self.entries)
+
+    def file(self, stem: str, generation: int | None = None) -> str:
+        g = self.generation if generation is None else generation
+        return os.path.join(self.root, f"{stem}.g{g}")
+
+    def __repr__(self) -> str:
+        return f"NvmeFiles({self.root}, {len(self.entries)} files, {self.nbytes / 2**20:.2f} MiB, gen {self.generation})"
+
+
+class NvmeState(NamedTuple):
+    """Optimizer state on NVMe: the small leaves (step counts) in memory, the rest in files."""
+
+    small: list
+    files: NvmeFiles
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Which leaves of the inner optimizer's state are shaped like the parameters."""
+
+    treedef: Any
+    big: tuple[int, ...]  # positions of parameter-shaped leaves
+    big_dtypes: tuple[torch.dtype, ...]
+
+
+def _probe(inner: O.GradientTransformation, dtype: torch.dtype) -> tuple[_Shape, list]:
+    state = inner.init({"x": torch.zeros(2, dtype=dtype)})
+    leaves, treedef = T.tree_flatten(state)
+    big = tuple(i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.shape == (2,))
+    small = [t for i, t in enumerate(leaves) if i not in big]
+    return _Shape(treedef, big, tuple(leaves[i].dtype for i in big)), small
+
+
+def _nvme_optimizer(inner: O.GradientTransformation, *, root: str, sub_group_bytes: int) -> O.GradientTransformation:
+    def init(params):
+        keys = list(params)
+        dtypes = {params[k].dtype for k in keys}
+        if len(dtypes) > 1:
+            raise ValueError(f"offload(nvme): parameters of one dtype expected, got {sorted(map(str, dtypes))}")
+        shape, small = _probe(inner, dtypes.pop())
+        rank_dir = os.path.join(root, f"rank{C.rank()}")
+        os.makedirs(rank_dir, exist_ok=True)
+        entries = [(f"{k}_{j}", str(dt).replace("torch.", ""), params[k].numel()) for k in keys for j, dt in enumerate(shape.big_dtypes)]
+        signature = _signature(entries, C.world_size(), C.rank())
+        _check_manifest(rank_dir, signature)
+        files = NvmeFiles(rank_dir, entries, 0)
+        # Write generation 0 sub-group by sub-group: init's values for each slice of the parameters.
+        for k in keys:
+            flat = params[k].detach().reshape(-1)
+            for a, b in _chunks(flat.numel(), _chunk_elems(shape, sub_group_bytes)):
+                leaves = T.tree_leaves(inner.init({"x": flat[a:b].to("cpu", copy=True)}))
+                for j, pos in enumerate(shape.big):
+                    _pwrite(files.file(f"{k}_{j}", 0), leaves[pos], a)
+        _write_manifest(rank_dir, signature, 0)
+        return NvmeState(small, files)
+
+    @torch.no_grad()
+    def apply(grads, state, params, **extra):
+        files = state.files
+        shape, _ = _probe(inner, next(iter(params.values())).dtype)
+        old, new = files.generation, 1 - files.generation
+        chunk = _chunk_elems(shape, sub_group_bytes)
+        new_small = None
+        try:
+            with concurrent.futures.ThreadPoolExecutor(2) as io:
+                for k in params:
+                    flat_p, flat_g = params[k].reshape(-1), grads[k].reshape(-1)
+                    stems = [f"{k}_{j}" for j in range(len(shape.big))]
+                    spans = _chunks(flat_p.numel(), chunk)
+                    reading = io.submit(_read_group, files, stems, old, spans[0], shape) if spans else None
+                    writes: list = []
+                    for i, (a, b) in enumerate(spans):
+                        big = reading.result()
+                        if i + 1 < len(spans):  # read the next sub-group while this one is updated
+                            reading = io.submit(_read_group, files, stems, old, spans[i + 1], shape)
+                        leaves: list = [None] * (len(shape.big) + len(state.small))
+                        for pos, t in zip(shape.big, big):
+                            leaves[pos] = t
+                        rest = iter([s.clone() for s in state.small])  # the counts as they were before this step
+                        leaves = [t if t is not None else next(rest) for t in leaves]
+                        sub = T.tree_unflatten(shape.treedef, leaves)
+                        p = {"x": flat_p[a:b].to("cpu", copy=True)}
+                        g = {"x": flat_g[a:b].to("cpu", copy=True)}
+                        sub = O.update_params(inner, g, sub, p, **extra)
+                        out = T.tree_leaves(sub)
+                        new_small = [t for i2, t in enumerate(out) if i2 not in shape.big]
+                        writes.append(io.submit(_write_group, files, stems, new, a, big, p["x"], f"{k}_next"))
+                        if len(writes) > 2:  # at most two sub-groups waiting to be written
+                            writes.pop(0).result()
+                    for w in writes:
+                        w.result()
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"offload(nvme): the update could not write the optimizer state under {files.root} "
+                f"({e.strerror}). Nothing was changed: the state from before this step is intact. Free space "
+                "(or pass another path) and run the step again.",
+            ) from e
+        # Every write succeeded: copy the new parameters in, then switch generations.
+        for k in params:
+            flat_p = params[k].reshape(-1)
+            for a, b in _chunks(flat_p.numel(), chunk):
+                buf = torch.empty(b - a, dtype=flat_p.dtype)
+                _pread(files.file(f"{k}_next", 0), buf, a)
+                flat_p[a:b].copy_(buf)
+        _write_manifest(files.root, _read_manifest(files.root)["signature"], new)
+        return NvmeState(new_small if new_small is not None else state.small, NvmeFiles(files.root, files.entries, new))
+
+    return O.GradientTransformation(init, _update_via_apply(apply), apply)
+
+
+def _chunk_elems(shape: _Shape, sub_group_bytes: int) -> int:
+    per = sum(torch.empty((), dtype=d).element_size() for d in shape.big_dtypes) or 4
+    return max(1, sub_group_bytes // per)
+
+
+def _chunks(n: int, size: int) -> list[tuple[int, int]]:
+    return [(a, min(n, a + size)) for a in range(0, n, size)]
+
+
+def _read_group(files: NvmeFiles, stems: list, generation: int, span: tuple, shape: _Shape) -> list:
+    a, b = span
+    out = []
+    for stem, dt in zip(stems, shape.big_dtypes):
+        t = torch.empty(b - a, dtype=dt)
+        _pread(files.file(stem, generation), t, a)
+        out.append(t)
+    return out
+
+
+def _write_group(files: NvmeFiles, stems: list, generation: int, a: int, big: list, params: torch.Tensor, stage: str):
+    for stem, t in zip(stems, big):
+        _pwrite(files.file(stem, generation), t, a)
+    _pwrite(files.file(stage, 0), params, a)
+    return True
+
+
+def _pwrite(path: str, t: torch.Tensor, offset_elems: int) -> None:
+    data = memoryview(t.contiguous().view(torch.uint8).numpy())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset_elems * t.element_size() + done)
+    finally:
+        os.close(fd)
+
+
+def _pread(path: str, t: torch.Tensor, offset_elems: int) -> None:
+    view = memoryview(t.view(torch.uint8).numpy())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = os.preadv(fd, [view], offset_elems * t.element_size())
+    finally:
+        os.close(fd)
+    if got != len(view):
+        raise OSError(5, f"offload(nvme): {path} is shorter than expected (a partial or foreign file)")
+
+
+def _signature(entries: list, world: int, rank: int) -> str:
+    text = json.dumps({"entries": entries, "world": world, "rank": rank})
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+def _read_manifest(rank_dir: str) -> dict:
+    with open(os.path.join(rank_dir, "manifest.json")) as f:
+        return json.load(f)
+
+
+def _write_manifest(rank_dir: str, signature: str, generation: int) -> None:
+    tmp = os.path.join(rank_dir, "manifest.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": "zerofn-offload-1", "signature": signature, "generation": generation}, f)
+    os.replace(tmp, os.path.join(rank_dir, "manifest.json"))  # atomic: the old or the new, never half
+
+
+def _check_manifest(rank_dir: str, signature: str) -> None:
+    name = os.path.join(rank_dir, "manifest.json")
+    if not os.path.exists(name):
+        return
+    try:
+        found = _read_manifest(rank_dir).get("signature")
+    except (OSError, ValueError):
+        found = None
+    if found != signature:
+        raise ValueError(
+            f"offload(nvme): {rank_dir} holds optimizer state files of another model, world size or rank "
+            f"(manifest signature {found!r}, this one {signature!r}). Use an empty directory for this run, or "
+            "delete those files if they are no longer needed."
+        )
