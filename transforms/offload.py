@@ -146,9 +146,12 @@ def _check_path(path: Any) -> str:
 
 
 class HostState(NamedTuple):
-    """Optimizer state in host memory: the host copy of the parameters it updates, and the inner state."""
+    """Optimizer state in host memory: host copies of the parameters it updates and of their gradients
+    (buffers kept from step to step, as DeepSpeed keeps its fp32 gradient partition on the host), and
+    the inner optimizer's state."""
 
     params: Any  # None when the parameters already live on the host (params=True)
+    grads: Any
     inner: Any
 
 
@@ -162,18 +165,19 @@ def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
 def _host_optimizer(inner: O.GradientTransformation, *, pin: bool, params_on_host: bool) -> O.GradientTransformation:
     def init(params):
         host = None if params_on_host else T.tree_map(lambda p: _host(p.detach(), pin), params)
-        return HostState(host, inner.init(params if params_on_host else host))
+        grads = T.tree_map(lambda p: torch.zeros(p.shape, dtype=torch.float32, pin_memory=pin), params)
+        return HostState(host, grads, inner.init(params if params_on_host else host))
 
     @torch.no_grad()
     def apply(grads, state, params, **extra):
-        host_grads = T.tree_map(lambda g: _host(g, pin), grads)
+        torch._foreach_copy_(T.tree_leaves(state.grads), T.tree_leaves(grads), non_blocking=pin)
         if pin:
             torch.cuda.current_stream().synchronize()
         target = params if params_on_host else state.params
-        new_inner = O.update_params(inner, host_grads, state.inner, target, **extra)
+        new_inner = O.update_params(inner, state.grads, state.inner, target, **extra)
         if not params_on_host:
             torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.params), non_blocking=pin)
-        return HostState(state.params, new_inner)
+        return HostState(state.params, state.grads, new_inner)
 
     return O.GradientTransformation(init, _update_via_apply(apply), apply)
 
