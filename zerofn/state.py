@@ -229,6 +229,14 @@ def _fmt_bytes(n: int) -> str:
     raise AssertionError
 
 
+def _params_note(state: TrainState, lay: Layout) -> str:
+    note = f"{len(lay.buckets)} buckets, {lay.trainable_numel:,} trainable"
+    held = sum(t.numel() for t in state.params)
+    if lay.buckets and held < sum(b.padded for b in lay.buckets):
+        note += f", sharded 1/{state.spec.world_size}"
+    return note
+
+
 def _opt_note(opt_state: Any, sharded: bool, world: int) -> str:
     note = f"sharded 1/{world}" if sharded else "replicated"
     kind = type(opt_state).__name__
@@ -241,7 +249,7 @@ def describe(state: TrainState) -> str:
     lay = spec.layout
     sharded = any(b.shards > 1 for b in lay.buckets)
     rows = [
-        ("params", T.tree_leaves(state.params), f"{len(lay.buckets)} buckets, {lay.trainable_numel:,} trainable"),
+        ("params", T.tree_leaves(state.params), _params_note(state, lay)),
         ("frozen", T.tree_leaves(state.frozen), f"{len(lay.frozen)} tensors"),
         ("opt_state", T.tree_leaves(state.opt_state), _opt_note(state.opt_state, sharded, spec.world_size)),
         ("grad_accum", T.tree_leaves(state.grad_accum), "between micro-steps"),
