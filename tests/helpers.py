@@ -117,3 +117,15 @@ def rank_slice(batch, rank, world):
 def max_abs_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def train(step, state, batch_fn, steps, global_batch, world, rank):
+    """``steps`` updates of ``step``, each rank feeding its slice of the global batch in
+    ``step.accumulate_steps`` micro-batches; returns the final state and metrics."""
+    k = step.accumulate_steps
+    metrics = None
+    for i in range(steps):
+        local = rank_slice(batch_fn(i, global_batch), rank, world)
+        for m in range(k):
+            state, metrics = step(state, rank_slice(local, m, k))
+    return state, metrics

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-from helpers import MODELS, make_mlp, make_transformer, max_abs_diff, mlp_batch, rank_slice, transformer_batch
+from helpers import MODELS, make_mlp, make_transformer, max_abs_diff, mlp_batch, rank_slice, train, transformer_batch
 from zerofn.transforms import shard_optimizer
 
 TRANSFORMS = {"plain": lambda s: s, "shard_optimizer": shard_optimizer}
@@ -29,9 +29,7 @@ def _train(model_name, transform, world, rank, *, accumulate=1, clip=None, sched
     state = step.init(apply.params)
     losses = []
     for i in range(steps):
-        local = rank_slice(batch_fn(i, GLOBAL_BATCH), rank, world)
-        for m in range(accumulate):
-            state, metrics = step(state, rank_slice(local, m, accumulate))
+        state, metrics = train(step, state, lambda _, n: batch_fn(i, n), 1, GLOBAL_BATCH, world, rank)
         losses.append(float(metrics["loss"]))
     return step.full_params(state), losses, metrics
 

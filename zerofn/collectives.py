@@ -182,18 +182,24 @@ def all_reduce(t: torch.Tensor, op: str = "sum", *, async_op: bool = False):
     return h if async_op else h.wait()
 
 
+def _check_split(kind: str, full: torch.Tensor, part: torch.Tensor) -> int:
+    """The world size, once ``full`` is checked to hold one ``part`` per rank."""
+    n = world_size()
+    if full.numel() != n * part.numel():
+        raise ValueError(
+            f"{kind}: full tensor has {full.numel()} elements, expected world_size {n} x {part.numel()} "
+            f"= {n * part.numel()}; pad the full tensor to a multiple of the world size"
+        )
+    return n
+
+
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, op: str = "sum", *, async_op: bool = False):
     """Reduce ``full`` across ranks and keep this rank's ``1/N`` slice in ``out``.
 
     ``full.numel() == N * out.numel()``; rank r receives the reduction of
     ``full[r * k:(r + 1) * k]``. Counts bytes(full).
     """
-    n = world_size()
-    if full.numel() != n * out.numel():
-        raise ValueError(
-            f"reduce_scatter: full tensor has {full.numel()} elements, expected world_size {n} "
-            f"x out {out.numel()} = {n * out.numel()}; pad the full tensor to a multiple of the world size"
-        )
+    n = _check_split("reduce_scatter", full, out)
     if n == 1:
         if out.data_ptr() != full.data_ptr():
             out.copy_(full)
@@ -212,12 +218,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = Fals
     temporary): NCCL documents it, and gloo copies the input into place
     first (``tests/test_collectives.py`` checks it). Counts bytes(full).
     """
-    n = world_size()
-    if full.numel() != n * shard.numel():
-        raise ValueError(
-            f"all_gather: full tensor has {full.numel()} elements, expected world_size {n} "
-            f"x shard {shard.numel()} = {n * shard.numel()}"
-        )
+    n = _check_split("all_gather", full, shard)
     if n == 1:
         if full.data_ptr() != shard.data_ptr():
             full.copy_(shard)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-from helpers import make_transformer, rank_slice, transformer_batch
+from helpers import make_transformer, rank_slice, train, transformer_batch
 from zerofn.transforms import amp, shard_grads, shard_optimizer, shard_params
 from zerofn.transforms.amp import DynamicLossScale
 
@@ -27,8 +27,7 @@ def _train(shard, dtype, world, rank, *, order="amp_outside", reduce_dtype=None)
     else:
         step = SHARDS[shard](amp(step, DTYPES[dtype], reduce_dtype=reduce_dtype))
     state = step.init(apply.params)
-    for i in range(STEPS):
-        state, metrics = step(state, rank_slice(transformer_batch(i, GLOBAL_BATCH), rank, world))
+    state, metrics = train(step, state, transformer_batch, STEPS, GLOBAL_BATCH, world, rank)
     return step.full_params(state), step.name, float(metrics["loss"]), metrics["comm_bytes"]
 
 

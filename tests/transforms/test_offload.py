@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-from helpers import make_transformer, rank_slice, transformer_batch
+from helpers import make_transformer, train, transformer_batch
 from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_params
 
 SHARDS = {"plain": lambda s: s, "zero1": shard_optimizer, "zero2": shard_grads, "zero3": shard_params}
@@ -33,11 +33,7 @@ def _train(shard, where, use_amp, world, rank, root):
         os.makedirs(path, exist_ok=True)
         step = offload(step, "nvme", path=path, sub_group_bytes=4096)
     state = step.init(apply.params)
-    k = step.accumulate_steps
-    for i in range(STEPS):
-        local = rank_slice(transformer_batch(i, GLOBAL_BATCH), rank, world)
-        for m in range(k):
-            state, metrics = step(state, rank_slice(local, m, k))
+    state, _ = train(step, state, transformer_batch, STEPS, GLOBAL_BATCH, world, rank)
     return step.full_params(state), zf.memory.state_bytes(state)["by_placement"], step.name
 
 

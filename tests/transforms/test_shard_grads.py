@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-from helpers import make_transformer, max_abs_diff, rank_slice, transformer_batch
+from helpers import make_transformer, max_abs_diff, rank_slice, train, transformer_batch
 from zerofn.transforms import shard_grads, shard_optimizer
 
 GLOBAL_BATCH = 24
@@ -36,10 +36,7 @@ def _train(composition, accumulate, clip, world, rank, bucket_bytes=1024):
     step = zf.train_step(loss_fn, _opt(clip), accumulate, bucket_bytes=bucket_bytes)
     step = COMPOSITIONS[composition](step) if composition else step
     state = step.init(apply.params)
-    for i in range(STEPS):
-        local = rank_slice(transformer_batch(i, GLOBAL_BATCH), rank, world)
-        for m in range(accumulate):
-            state, metrics = step(state, rank_slice(local, m, accumulate))
+    state, _ = train(step, state, transformer_batch, STEPS, GLOBAL_BATCH, world, rank)
     return step.full_params(state), step.name, len(state.spec.layout.buckets)
 
 

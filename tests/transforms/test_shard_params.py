@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerofn as zf
-from helpers import max_abs_diff, rank_slice
+from helpers import max_abs_diff, rank_slice, train
 from zerofn.transforms import shard_grads, shard_optimizer, shard_params
 
 GLOBAL_BATCH = 24
@@ -107,10 +107,7 @@ def _train(composition, accumulate, clip, world, rank):
     step = zf.train_step(loss_fn, _opt(clip), accumulate)
     step = COMPOSITIONS[composition](step) if composition else step
     state = step.init(apply.params)
-    for i in range(STEPS):
-        local = rank_slice(batch_for(i, GLOBAL_BATCH), rank, world)
-        for m in range(accumulate):
-            state, metrics = step(state, rank_slice(local, m, accumulate))
+    state, _ = train(step, state, batch_for, STEPS, GLOBAL_BATCH, world, rank)
     return step.full_params(state), step.name, zf.memory.state_bytes(state)
 
 
