@@ -87,7 +87,6 @@ class MarkovCorpus:
         g = torch.Generator().manual_seed(seed)
         out = torch.empty(n, length, dtype=torch.long)
         out[:, 0] = torch.randint(self.vocab, (n,), generator=g)
-        rows = torch.arange(n)
         for t in range(1, length):
             prev = out[:, t - 1]
             choice = torch.multinomial(self.probs[prev], 1, generator=g).squeeze(1)

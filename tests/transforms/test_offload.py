@@ -6,11 +6,9 @@ import errno
 import os
 import resource
 import sys
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zerofn as zf
 from helpers import make_transformer, train, transformer_batch

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerofn as zf
-from helpers import max_abs_diff, rank_slice, train
+from helpers import max_abs_diff, train
 from zerofn.transforms import shard_grads, shard_optimizer, shard_params
 
 GLOBAL_BATCH = 24
@@ -159,7 +159,6 @@ def test_apply_equals_the_module_and_refuses_other_params():
 
 
 def _rank_apply():
-    world, rank = dist.get_world_size(), dist.get_rank()
     model, apply, loss_fn = make_model()
     step = shard_params(zf.train_step(loss_fn, zf.optim.adamw(1e-3)))
     state = step.init(apply.params)
@@ -260,7 +259,6 @@ class Plain(nn.Module):
 
 
 def _rank_meta_init():
-    world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(7)
     with torch.device("meta"):
         meta_model = Plain()
