@@ -165,7 +165,7 @@ def test_donate_false_leaves_input_untouched():
     state, _ = step(state, mlp_batch(0, 8))
     before = zf.tree.tree_map(lambda t: t.clone(), state)
     new, _ = step(state, mlp_batch(1, 8))
-    zf.tree.tree_map(lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0), state, before)
+    zf.testing.assert_trees_all_equal(state, before)
     assert max_abs_diff(step.full_params(new), step.full_params(state)) > 0
     again, _ = step(state, mlp_batch(1, 8))  # the same input gives the same output
     assert max_abs_diff(step.full_params(again), step.full_params(new)) == 0
@@ -234,7 +234,7 @@ def test_non_finite_loss_skips_update():
     state, m = step(state, bad)
     assert m["skipped"] is True and not torch.isfinite(m["loss"])
     assert max_abs_diff(step.full_params(state), before) == 0
-    zf.tree.tree_map(lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0), state.opt_state, opt_before)
+    zf.testing.assert_trees_all_equal(state.opt_state, opt_before)
     assert int(state.count) == 1
     state, m = step(state, mlp_batch(2, 8))  # training goes on
     assert m["skipped"] is False and int(state.count) == 2

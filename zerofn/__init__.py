@@ -3,7 +3,7 @@
 Public names only; see the modules for the details.
 """
 
-from zerofn import collectives, memory, optim, tree
+from zerofn import collectives, memory, optim, testing, tree
 from zerofn.functional import Functional, functional
 from zerofn.launch import RankError, RankPool, spawn
 from zerofn.state import DonatedStateError, TrainState
@@ -21,6 +21,7 @@ __all__ = [
     "memory",
     "optim",
     "spawn",
+    "testing",
     "train_step",
     "tree",
 ]

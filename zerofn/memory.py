@@ -445,8 +445,8 @@ def state_bytes(state: Any) -> dict[str, int]:
         >>> import torch, zerofn as zf
         >>> apply = zf.functional(torch.nn.Linear(4, 2))
         >>> step = zf.train_step(lambda p, b: apply(p, b).sum(), zf.optim.adamw(1e-3))
-        >>> zf.memory.state_bytes(step.init(apply.params))["optimizer"]   # 10 params x 2 moments x 4 B
-        80
+        >>> zf.memory.state_bytes(step.init(apply.params))["optimizer"]   # 10 params x 2 moments x 4 B + the count
+        88
     """
     from zerofn.state import TrainState
 
