@@ -206,6 +206,7 @@ class NvmeFiles:
     root: str
     entries: list  # (file stem, dtype name, numel) per parameter-shaped state tensor
     generation: int = 0
+    signature: str = ""  # what the manifest records: model layout, world size and rank
     placement: str = field(default="nvme", init=False)
 
     @property
@@ -256,7 +257,7 @@ def _nvme_optimizer(inner: O.GradientTransformation, *, root: str, sub_group_byt
         entries = [(f"{k}_{j}", str(dt).replace("torch.", ""), params[k].numel()) for k in keys for j, dt in enumerate(shape.big_dtypes)]
         signature = _signature(entries, C.world_size(), C.rank())
         _check_manifest(rank_dir, signature)
-        files = NvmeFiles(rank_dir, entries, 0)
+        files = NvmeFiles(rank_dir, entries, 0, signature)
         # Write generation 0 sub-group by sub-group: init's values for each slice of the parameters.
         for k in keys:
             flat = params[k].detach().reshape(-1)
@@ -316,8 +317,9 @@ def _nvme_optimizer(inner: O.GradientTransformation, *, root: str, sub_group_byt
                 buf = torch.empty(b - a, dtype=flat_p.dtype)
                 _pread(files.file(f"{k}_next", 0), buf, a)
                 flat_p[a:b].copy_(buf)
-        _write_manifest(files.root, _read_manifest(files.root)["signature"], new)
-        return NvmeState(new_small if new_small is not None else state.small, NvmeFiles(files.root, files.entries, new))
+        _write_manifest(files.root, files.signature, new)
+        new_files = NvmeFiles(files.root, files.entries, new, files.signature)
+        return NvmeState(new_small if new_small is not None else state.small, new_files)
 
     return O.GradientTransformation(init, _update_via_apply(apply), apply)
 

@@ -197,10 +197,6 @@ class TrainState:
     def _donate(self) -> None:
         object.__setattr__(self, "_donated", True)
 
-    @property
-    def donated(self) -> bool:
-        return False  # reaching this means __getattribute__ let us through
-
     def replace(self, **changes: Any) -> "TrainState":
         return dataclasses.replace(self, **changes)
 

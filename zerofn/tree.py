@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from typing import Any, Callable
 
@@ -135,7 +134,3 @@ def describe_leaf(leaf: Any) -> str:
         return type(leaf).__name__
     dtype = str(getattr(leaf, "dtype", "")).replace("torch.", "")
     return f"{dtype}{list(shape)}"
-
-
-def is_dataclass_instance(x: Any) -> bool:
-    return dataclasses.is_dataclass(x) and not isinstance(x, type)
