@@ -1,0 +1,101 @@
+"""Optax-style gradient transformations over pytrees of torch tensors.
+
+A :class:`GradientTransformation` is a pair of functions, ``init(params) ->
+state`` and ``update(updates, state, params=None, **extra) -> (updates,
+state)``. Stateful pieces keep their own ``<Name>State`` NamedTuple; named
+optimizers (:func:`sgd`, :func:`adam`, :func:`adamw`) only :func:`chain`
+primitives. All math is multi-tensor (``torch._foreach_*``), one call per
+group of leaves that share a device and dtype.
+
+**update donates updates and state; clone them first to keep them.** Like
+buffer donation in JAX, ``update`` works in place: the returned updates may be
+the very tensors passed in (overwritten), and the returned state's leaves are
+the same tensor objects as the input state's, updated in place. No new
+optimizer-state-sized tensors are allocated per step beyond what torch.optim's
+foreach implementations allocate (Adam's denominator). :func:`apply_updates`
+adds updates to params in place.
+
+Step counts are int64 0-dim CPU tensors, even for CUDA params, so reading one
+(for bias correction or a schedule) never waits on the device.
+
+Extra keyword arguments to ``update`` are passed by :func:`chain` to every
+member; each transform ignores those it does not know.
+:func:`clip_by_global_norm` reads ``grad_norm``: the global norm computed by
+the caller across ranks, for when ``updates`` is only this rank's shard.
+
+Example:
+    >>> import torch
+    >>> from zerofn import optim
+    >>> params = {"w": torch.ones(3), "b": torch.zeros(())}
+    >>> opt = optim.adamw(1e-3, weight_decay=0.0)
+    >>> state = opt.init(params)
+    >>> grads = {"w": torch.ones(3), "b": torch.ones(())}
+    >>> updates, state = opt.update(grads, state, params)  # grads now overwritten
+    >>> params = optim.apply_updates(params, updates)
+    >>> round(params["w"][0].item(), 6), int(state[0].count)
+    (0.999, 1)
+"""
+
+from zerofn.optim.alias import adam, adamw, sgd
+from zerofn.optim.base import (
+    AddDecayedWeightsState,
+    ClipByGlobalNormState,
+    EmptyState,
+    GradientTransformation,
+    ScaleByAdamState,
+    ScaleByScheduleState,
+    ScaleState,
+    Schedule,
+    TraceState,
+    apply_updates,
+    chain,
+    update_params,
+)
+from zerofn.optim.schedules import (
+    constant_schedule,
+    cosine_decay_schedule,
+    linear_schedule,
+    warmup_cosine_decay_schedule,
+)
+from zerofn.optim.transforms import (
+    add_decayed_weights,
+    clip_by_global_norm,
+    decay_weights,
+    global_norm,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_schedule,
+    trace,
+)
+
+__all__ = [
+    "AddDecayedWeightsState",
+    "ClipByGlobalNormState",
+    "EmptyState",
+    "GradientTransformation",
+    "ScaleByAdamState",
+    "ScaleByScheduleState",
+    "ScaleState",
+    "Schedule",
+    "TraceState",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "decay_weights",
+    "global_norm",
+    "linear_schedule",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_schedule",
+    "sgd",
+    "trace",
+    "update_params",
+    "warmup_cosine_decay_schedule",
+]

@@ -1,0 +1,154 @@
+"""Argument and state checks shared by the ``zerofn.optim`` modules (private).
+
+Each raises a TypeError or ValueError that names the function and argument at
+fault and says how to fix the call.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zerofn.tree import describe_leaf, keystr, tree_flatten, tree_flatten_with_path
+
+if TYPE_CHECKING:
+    from zerofn.optim.base import Schedule, Tree
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_number(
+    where: str,
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    low_open: bool = False,
+    high: float | None = None,
+    high_open: bool = False,
+    hint: str = "",
+) -> float:
+    """``value`` as a float, or a TypeError/ValueError naming ``where`` and ``name``."""
+    if not _is_real(value):
+        raise TypeError(
+            f"{where}: {name} must be a real number, got {type(value).__name__} {value!r}. "
+            f"Pass a Python float{hint and '; ' + hint}."
+        )
+    value = float(value)
+    bad = math.isnan(value)
+    if low is not None:
+        bad |= value <= low if low_open else value < low
+    if high is not None:
+        bad |= value >= high if high_open else value > high
+    if bad:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        lo_s = "-inf" if low is None else f"{low:g}"
+        hi_s = "inf" if high is None else f"{high:g}"
+        raise ValueError(
+            f"{where}: {name} must be in {lo}{lo_s}, {hi_s}{hi}, got {value!r}."
+            + (f" {hint}" if hint else "")
+        )
+    return value
+
+
+def _schedule_value(where: str, schedule: Schedule, count: int) -> float:
+    """Call ``schedule(count)`` and check that it returned a finite real number."""
+    value = schedule(count)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        value = value.item()
+    if not _is_real(value):
+        raise TypeError(
+            f"{where}: the schedule {getattr(schedule, '__name__', schedule)!r} returned "
+            f"{type(value).__name__} {value!r} at count {count}; expected a Python float. "
+            f"A schedule is a function of the int step count (0 for the first update) "
+            f"returning a float, e.g. lambda count: 1e-3 * min(1.0, (count + 1) / 100)."
+        )
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(
+            f"{where}: the schedule {getattr(schedule, '__name__', schedule)!r} returned "
+            f"{value} at count {count}; expected a finite float."
+        )
+    return value
+
+
+def _flat(where: str, what: str, tree: Tree):
+    leaves, spec = tree_flatten(tree)
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            paths, _, _ = tree_flatten_with_path(tree)
+            path = next(p for p, lf in zip(paths, leaves) if lf is leaf)
+            raise TypeError(
+                f"{where}: every leaf of {what} must be a torch.Tensor, but {what} at "
+                f"{keystr(path)} is {type(leaf).__name__} {leaf!r}. Convert it with "
+                f"torch.as_tensor, or keep it out of the tree."
+            )
+    return leaves, spec
+
+
+_FIX_STATE = (
+    "Build the state with init(params) on the params (or shards) whose gradients you "
+    "pass, and pass updates shaped like those params."
+)
+
+
+def _check_same(
+    where: str,
+    what: str,
+    spec,
+    other: str,
+    other_spec,
+    other_leaves,
+    leaves,
+    *,
+    fix: str = _FIX_STATE,
+    dtypes: bool = False,
+):
+    """Raise unless ``leaves`` (of ``what``) match ``other_leaves`` in structure and shapes."""
+    if spec != other_spec:
+        raise ValueError(
+            f"{where}: {what} has tree structure\n  {spec}\nbut {other} has\n  {other_spec}\n"
+            f"They must match leaf for leaf. {fix}"
+        )
+    for i, (a, b) in enumerate(zip(leaves, other_leaves)):
+        if a.shape != b.shape or (dtypes and a.dtype != b.dtype):
+            paths = other_spec.paths()
+            kind = "shapes" if a.shape != b.shape else "dtypes"
+            raise ValueError(
+                f"{where}: {what} at {keystr(paths[i])} is {describe_leaf(a)} but {other} "
+                f"there is {describe_leaf(b)}; {kind} must match. {fix}"
+                + (
+                    " To keep the state in a wider dtype, cast the gradients first: "
+                    "tree_map(lambda g, m: g.to(m.dtype), grads, state.mu)."
+                    if kind == "dtypes"
+                    else ""
+                )
+            )
+
+
+_FIX_PARAMS = "Pass the params (or this rank's shards of them) that the updates are for."
+
+
+def _check_count(where: str, count: Any) -> int:
+    if not (isinstance(count, torch.Tensor) and count.dim() == 0 and count.dtype == torch.int64):
+        raise TypeError(
+            f"{where}: state.count must be an int64 0-dim CPU tensor, got "
+            f"{describe_leaf(count) if isinstance(count, torch.Tensor) else repr(count)}. "
+            f"Build the state with this transform's init(params)."
+        )
+    return int(count.item())
+
+
+def _check_state(where: str, state: Any, cls: type) -> None:
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"{where}: expected a {cls.__name__} as state, got {type(state).__name__}. "
+            f"Pass the state made by this transform's init(params) (or the state "
+            f"returned by its previous update)."
+        )

@@ -1,0 +1,173 @@
+"""Named optimizers: :func:`sgd`, :func:`adam`, :func:`adamw`.
+
+Composition only: each chains primitives from ``transforms``; ``adam`` and
+``adamw`` also attach the fused path from ``fused``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerofn.optim._checks import _check_number, _schedule_value
+from zerofn.optim.base import GradientTransformation, ScalarOrSchedule, chain
+from zerofn.optim.fused import _fused_adam
+from zerofn.optim.transforms import (
+    add_decayed_weights,
+    decay_weights,
+    scale_by_adam,
+    scale_by_learning_rate,
+    trace,
+)
+
+
+def _check_lr(where: str, lr: Any) -> None:
+    if not callable(lr):
+        _check_number(
+            where, "lr", lr, low=0.0, hint="Pass a float >= 0 or a schedule (count -> float)."
+        )
+
+
+def _check_betas(where: str, betas: Any) -> tuple[float, float]:
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise TypeError(
+            f"{where}: betas must be a pair (b1, b2), got {betas!r}. Typically (0.9, 0.999)."
+        )
+    return betas[0], betas[1]
+
+
+def sgd(
+    lr: ScalarOrSchedule,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """Stochastic gradient descent, equal to ``torch.optim.SGD`` (no dampening).
+
+    ``chain(add_decayed_weights(weight_decay), trace(momentum, nesterov),
+    scale_by_learning_rate(lr))``; the first two only when their coefficient is
+    non-zero. Weight decay is L2 (added to the gradient before momentum).
+
+    Args:
+        lr: learning rate >= 0, or a schedule ``count -> float``.
+        momentum: momentum factor >= 0.
+        nesterov: Nesterov momentum (needs ``momentum > 0``).
+        weight_decay: L2 coefficient >= 0.
+
+    Returns:
+        A ``GradientTransformation``.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> p = {"w": torch.ones(1)}
+        >>> opt = optim.sgd(0.1, momentum=0.9)
+        >>> u, state = opt.update({"w": torch.ones(1)}, opt.init(p), p)
+        >>> round(optim.apply_updates(p, u)["w"].item(), 6)
+        0.9
+    """
+    where = f"sgd(lr={lr!r}, momentum={momentum!r}, nesterov={nesterov!r}, weight_decay={weight_decay!r})"
+    _check_lr(where, lr)
+    momentum = _check_number(where, "momentum", momentum, low=0.0, hint="Typically 0.9.")
+    weight_decay = _check_number(where, "weight_decay", weight_decay, low=0.0)
+    if nesterov and momentum == 0.0:
+        raise ValueError(f"{where}: Nesterov momentum needs momentum > 0; pass momentum=0.9, say.")
+    parts = []
+    if weight_decay:
+        parts.append(add_decayed_weights(weight_decay))
+    if momentum:
+        parts.append(trace(momentum, nesterov=nesterov))
+    parts.append(scale_by_learning_rate(lr))
+    return chain(*parts)
+
+
+def adam(
+    lr: ScalarOrSchedule,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """Adam, equal to ``torch.optim.Adam`` (L2 weight decay added to the gradient).
+
+    ``chain(add_decayed_weights(weight_decay), scale_by_adam(*betas, eps),
+    scale_by_learning_rate(lr))``; the first only when ``weight_decay`` is non-zero.
+
+    Args:
+        lr: learning rate >= 0, or a schedule ``count -> float``.
+        betas: ``(b1, b2)``, each in [0, 1).
+        eps: added to the denominator, >= 0.
+        weight_decay: L2 coefficient >= 0.
+
+    Returns:
+        A ``GradientTransformation``.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> p = {"w": torch.ones(1)}
+        >>> opt = optim.adam(0.1)
+        >>> u, state = opt.update({"w": torch.ones(1)}, opt.init(p), p)
+        >>> round(optim.apply_updates(p, u)["w"].item(), 5)
+        0.9
+    """
+    where = f"adam(lr={lr!r}, betas={betas!r}, eps={eps!r}, weight_decay={weight_decay!r})"
+    _check_lr(where, lr)
+    b1, b2 = _check_betas(where, betas)
+    weight_decay = _check_number(where, "weight_decay", weight_decay, low=0.0)
+    parts = []
+    if weight_decay:
+        parts.append(add_decayed_weights(weight_decay))
+    parts.append(scale_by_adam(b1, b2, eps))
+    parts.append(scale_by_learning_rate(lr))
+    base = chain(*parts)
+    adam_at = 1 if weight_decay else 0
+    return base._replace(apply=_fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, decoupled=False))
+
+
+def adamw(
+    lr: ScalarOrSchedule,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> GradientTransformation:
+    """AdamW, equal to ``torch.optim.AdamW`` (decoupled: ``p *= 1 - lr * weight_decay``).
+
+    ``chain(scale_by_adam(*betas, eps), scale_by_learning_rate(lr),
+    decay_weights(lr * weight_decay))``; the last only when ``weight_decay`` is
+    non-zero. :func:`decay_weights` rounds the factor ``1 - lr * weight_decay``
+    as torch does, so float32 runs do not drift apart from torch's.
+
+    Args:
+        lr: learning rate >= 0, or a schedule ``count -> float``.
+        betas: ``(b1, b2)``, each in [0, 1).
+        eps: added to the denominator, >= 0.
+        weight_decay: decoupled decay coefficient >= 0.
+
+    Returns:
+        A ``GradientTransformation``.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> p = {"w": torch.ones(1)}
+        >>> opt = optim.adamw(0.1, weight_decay=0.1)
+        >>> u, state = opt.update({"w": torch.ones(1)}, opt.init(p), p)
+        >>> round(optim.apply_updates(p, u)["w"].item(), 5)
+        0.89
+    """
+    where = f"adamw(lr={lr!r}, betas={betas!r}, eps={eps!r}, weight_decay={weight_decay!r})"
+    _check_lr(where, lr)
+    b1, b2 = _check_betas(where, betas)
+    weight_decay = _check_number(where, "weight_decay", weight_decay, low=0.0)
+    parts = [scale_by_adam(b1, b2, eps), scale_by_learning_rate(lr)]
+    if weight_decay:
+        if callable(lr):
+            schedule = lr
+
+            def rate(count: int) -> float:
+                return _schedule_value("adamw.update", schedule, count) * weight_decay
+
+            parts.append(decay_weights(rate))
+        else:
+            parts.append(decay_weights(lr * weight_decay))
+    base = chain(*parts)
+    return base._replace(apply=_fused_adam(base, 0, lr, b1, b2, eps, weight_decay, decoupled=True))

@@ -1,0 +1,202 @@
+"""The core of ``zerofn.optim``: types, composition and applying updates.
+
+:class:`GradientTransformation`, the state NamedTuples of the primitives, the
+type aliases, :func:`chain`, :func:`apply_updates` and :func:`update_params`,
+plus ``_groups``, the device/dtype bucketing every multi-tensor kernel call
+goes through.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Union
+
+import torch
+
+from zerofn.optim._checks import _check_same, _flat
+
+
+Tree = Any
+Params = Tree
+Updates = Tree
+OptState = Any
+Schedule = Callable[[int], float]
+ScalarOrSchedule = Union[float, Schedule]
+
+
+class GradientTransformation(NamedTuple):
+    """An optimizer as a pair of functions.
+
+    ``init(params) -> state`` builds the state; ``update(updates, state,
+    params=None, **extra) -> (updates, state)`` transforms the updates,
+    donating (consuming) ``updates`` and ``state``.
+    """
+
+    init: Callable[[Params], OptState]
+    update: Callable[..., tuple[Updates, OptState]]
+    # Optional fast path: apply(grads, state, params, **extra) -> state updates
+    # params in place, equal to update() followed by apply_updates() (for
+    # example one fused kernel for all of AdamW). See update_params().
+    apply: Callable[..., OptState] | None = None
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transform: no leaves."""
+
+
+ScaleState = EmptyState
+AddDecayedWeightsState = EmptyState
+ClipByGlobalNormState = EmptyState
+
+
+class ScaleByScheduleState(NamedTuple):
+    """``count``: int64 0-dim CPU tensor, the number of updates so far."""
+
+    count: torch.Tensor
+
+
+class ScaleByAdamState(NamedTuple):
+    """``count``: int64 0-dim CPU step count; ``mu``, ``nu``: first and second moments."""
+
+    count: torch.Tensor
+    mu: Tree
+    nu: Tree
+
+
+class TraceState(NamedTuple):
+    """``trace``: the momentum buffer, one tensor per parameter."""
+
+    trace: Tree
+
+
+def _groups(*columns: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]]:
+    """Split parallel lists of tensors into groups sharing device and dtype in every list.
+
+    foreach kernels only take their fast path when a list is homogeneous.
+    """
+    n = len(columns[0])
+    if n == 0:
+        return []
+    keys = [tuple((c[i].device, c[i].dtype) for c in columns) for i in range(n)]
+    first = keys[0]
+    if all(k == first for k in keys):
+        return [tuple(columns)]
+    buckets: dict[tuple, list[int]] = {}
+    for i, k in enumerate(keys):
+        buckets.setdefault(k, []).append(i)
+    return [tuple([c[i] for i in idx] for c in columns) for idx in buckets.values()]
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Compose transforms left to right; the state is a tuple of their states.
+
+    Args:
+        *transforms: ``GradientTransformation`` s applied in order.
+
+    Returns:
+        A ``GradientTransformation`` whose ``update`` passes ``params`` and every
+        extra keyword to each member.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.scale(-0.1))
+        >>> state = opt.init({"w": torch.zeros(2)})
+        >>> u, state = opt.update({"w": torch.tensor([3.0, 4.0])}, state)
+        >>> [round(x, 4) for x in u["w"].tolist()]
+        [-0.06, -0.08]
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"chain: argument {i} is {type(t).__name__}, not a GradientTransformation. "
+                f"Pass transforms such as optim.scale_by_adam(), not functions or classes "
+                f"(did you forget to call it?)."
+            )
+    transforms = tuple(transforms)
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None, **extra):
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            got = f"a {type(state).__name__}" + (
+                f" of length {len(state)}" if isinstance(state, tuple) else ""
+            )
+            raise ValueError(
+                f"chain.update: expected a tuple of {len(transforms)} states (one per "
+                f"transform), got {got}. Build the state with this chain's init(params)."
+            )
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params, **extra)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    last = transforms[-1] if transforms else None
+    if last is None or last.apply is None:
+        return GradientTransformation(init, update)
+
+    def apply(grads, state, params, **extra):
+        # The members before the last transform the gradients; the last one
+        # (e.g. a fused AdamW) turns them into parameter updates in place.
+        head = []
+        for t, s in zip(transforms[:-1], state[:-1]):
+            grads, s = t.update(grads, s, params, **extra)
+            head.append(s)
+        return tuple(head) + (last.apply(grads, state[-1], params, **extra),)
+
+    return GradientTransformation(init, update, apply)
+
+
+@torch.no_grad()
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """Add ``updates`` to ``params`` in place and return ``params``.
+
+    Args:
+        params: a pytree of tensors, modified in place.
+        updates: a pytree of tensors with the same structure and shapes.
+
+    Returns:
+        ``params`` (the same tree and tensors).
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> p = {"w": torch.ones(2)}
+        >>> optim.apply_updates(p, {"w": torch.full((2,), -0.5)})["w"].tolist()
+        [0.5, 0.5]
+    """
+    where = "apply_updates"
+    p, p_spec = _flat(where, "params", params)
+    u, u_spec = _flat(where, "updates", updates)
+    _check_same(
+        where, "updates", u_spec, "params", p_spec, p, u,
+        fix="Pass the updates returned by update() for these params.",
+    )
+    for p_, u_ in _groups(p, u):
+        torch._foreach_add_(p_, u_)
+    return params
+
+
+def update_params(optimizer: GradientTransformation, grads: Updates, state: OptState, params: Params, **extra):
+    """Update ``params`` in place from ``grads``; return the new optimizer state.
+
+    Equal to ``updates, state = optimizer.update(grads, state, params);
+    apply_updates(params, updates)``, but takes the optimizer's fused path
+    where it has one (``adam``/``adamw`` use torch's fused kernel: one pass
+    over memory instead of a dozen). Donates ``grads`` and ``state``.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> p = {"w": torch.ones(2)}
+        >>> opt = optim.adamw(0.1, weight_decay=0.0)
+        >>> state = optim.update_params(opt, {"w": torch.ones(2)}, opt.init(p), p)
+        >>> [round(x, 4) for x in p["w"].tolist()], int(state[0].count)
+        ([0.9, 0.9], 1)
+    """
+    if optimizer.apply is not None:
+        return optimizer.apply(grads, state, params, **extra)
+    updates, state = optimizer.update(grads, state, params, **extra)
+    apply_updates(params, updates)
+    return state

@@ -1,0 +1,486 @@
+"""Primitive gradient transformations, each a ``GradientTransformation``.
+
+Scaling (:func:`scale`, :func:`scale_by_schedule`,
+:func:`scale_by_learning_rate`), Adam's moments (:func:`scale_by_adam`),
+momentum (:func:`trace`), weight decay (:func:`add_decayed_weights`,
+:func:`decay_weights`) and clipping (:func:`global_norm`,
+:func:`clip_by_global_norm`). Named optimizers chain these in ``alias``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from zerofn.optim._checks import (
+    _FIX_PARAMS,
+    _check_count,
+    _check_number,
+    _check_same,
+    _check_state,
+    _flat,
+    _is_real,
+    _schedule_value,
+)
+from zerofn.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    ScalarOrSchedule,
+    ScaleByAdamState,
+    ScaleByScheduleState,
+    Schedule,
+    TraceState,
+    Tree,
+    _groups,
+)
+from zerofn.tree import describe_leaf, tree_map
+
+
+def _new_count() -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64, device="cpu")
+
+
+def scale(step_size: float) -> GradientTransformation:
+    """Multiply updates by a constant, in place.
+
+    Args:
+        step_size: the factor (any real number; negative for descent).
+
+    Returns:
+        A ``GradientTransformation`` with ``EmptyState``.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> opt = optim.scale(-2.0)
+        >>> u, _ = opt.update({"w": torch.ones(2)}, opt.init({"w": torch.ones(2)}))
+        >>> u["w"].tolist()
+        [-2.0, -2.0]
+    """
+    step_size = _check_number("scale", "step_size", step_size)
+
+    def init(params):
+        return EmptyState()
+
+    @torch.no_grad()
+    def update(updates, state, params=None, **extra):
+        leaves, _ = _flat("scale.update", "updates", updates)
+        for (u,) in _groups(leaves):
+            torch._foreach_mul_(u, step_size)
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+    """Multiply updates by ``step_size_fn(count)``, then increment ``count``.
+
+    Args:
+        step_size_fn: a function of the int step count (0 at the first update)
+            returning a float.
+
+    Returns:
+        A ``GradientTransformation`` with ``ScaleByScheduleState(count)``.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> opt = optim.scale_by_schedule(lambda count: 0.5 ** count)
+        >>> state = opt.init({"w": torch.ones(1)})
+        >>> _, state = opt.update({"w": torch.ones(1)}, state)
+        >>> u, state = opt.update({"w": torch.ones(1)}, state)
+        >>> u["w"].item(), int(state.count)
+        (0.5, 2)
+    """
+    if not callable(step_size_fn):
+        raise TypeError(
+            f"scale_by_schedule: step_size_fn must be callable (count -> float), got "
+            f"{type(step_size_fn).__name__}. For a constant use optim.scale(x)."
+        )
+    return _scale_by_schedule(step_size_fn, sign=1.0, where="scale_by_schedule.update")
+
+
+def _scale_by_schedule(fn: Schedule, *, sign: float, where: str, nonneg: bool = False):
+    def init(params):
+        return ScaleByScheduleState(count=_new_count())
+
+    @torch.no_grad()
+    def update(updates, state, params=None, **extra):
+        _check_state(where, state, ScaleByScheduleState)
+        count = _check_count(where, state.count)
+        value = _schedule_value(where, fn, count)
+        if nonneg and value < 0:
+            raise ValueError(
+                f"{where}: the learning-rate schedule returned {value} at count {count}; "
+                f"a learning rate must be >= 0. Check the schedule's arguments (e.g. "
+                f"end_value and decay_steps)."
+            )
+        leaves, _ = _flat(where, "updates", updates)
+        for (u,) in _groups(leaves):
+            torch._foreach_mul_(u, sign * value)
+        state.count.add_(1)
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> GradientTransformation:
+    """Multiply updates by ``-learning_rate`` (descent), in place.
+
+    Args:
+        learning_rate: a float >= 0, or a schedule ``count -> float`` (count 0 is
+            the first update, as ``torch.optim.lr_scheduler.LambdaLR`` sees it).
+
+    Returns:
+        ``scale(-lr)`` for a float, else a transform with ``ScaleByScheduleState``.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> opt = optim.scale_by_learning_rate(0.1)
+        >>> u, _ = opt.update({"w": torch.ones(1)}, opt.init({"w": torch.ones(1)}))
+        >>> round(u["w"].item(), 6)
+        -0.1
+    """
+    if callable(learning_rate):
+        return _scale_by_schedule(
+            learning_rate, sign=-1.0, where="scale_by_learning_rate.update", nonneg=True
+        )
+    lr = _check_number(
+        "scale_by_learning_rate",
+        "learning_rate",
+        learning_rate,
+        low=0.0,
+        hint="Pass a float >= 0 or a schedule (a function count -> float).",
+    )
+    return scale(-lr)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Rescale updates by Adam's bias-corrected moment estimates.
+
+    ``mu = lerp(mu, g, 1-b1)``, ``nu = b2*nu + (1-b2)*g*g``, and the update is
+    ``mu / (sqrt(nu)/sqrt(1-b2**t) + eps) / (1-b1**t)``, in torch.optim.Adam's
+    order of operations. Allocates one temporary (the denominator) per step.
+
+    Args:
+        b1: decay of the first moment, in [0, 1).
+        b2: decay of the second moment, in [0, 1).
+        eps: added to the denominator, >= 0.
+
+    Returns:
+        A ``GradientTransformation`` with ``ScaleByAdamState(count, mu, nu)``;
+        ``mu`` and ``nu`` are like params (same dtypes and shapes).
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> opt = optim.scale_by_adam()
+        >>> state = opt.init({"w": torch.zeros(2)})
+        >>> u, state = opt.update({"w": torch.tensor([2.0, -3.0])}, state)
+        >>> [round(x, 4) for x in u["w"].tolist()], int(state.count)
+        ([1.0, -1.0], 1)
+    """
+    where = f"scale_by_adam(b1={b1!r}, b2={b2!r}, eps={eps!r})"
+    b1 = _check_number(where, "b1", b1, low=0.0, high=1.0, high_open=True, hint="Typically 0.9.")
+    b2 = _check_number(where, "b2", b2, low=0.0, high=1.0, high_open=True, hint="Typically 0.999.")
+    eps = _check_number(where, "eps", eps, low=0.0, hint="Typically 1e-8.")
+    where = "scale_by_adam.update"
+
+    def init(params):
+        leaves, _ = _flat("scale_by_adam.init", "params", params)
+        return ScaleByAdamState(
+            count=_new_count(),
+            mu=tree_map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params),
+            nu=tree_map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params),
+        )
+
+    @torch.no_grad()
+    def update(updates, state, params=None, **extra):
+        _check_state(where, state, ScaleByAdamState)
+        g, spec = _flat(where, "updates", updates)
+        mu, mu_spec = _flat(where, "state.mu", state.mu)
+        nu, nu_spec = _flat(where, "state.nu", state.nu)
+        _check_same(where, "updates", spec, "state.mu", mu_spec, mu, g, dtypes=True)
+        _check_same(where, "state.nu", nu_spec, "state.mu", mu_spec, mu, nu, dtypes=True)
+        t = _check_count(where, state.count) + 1
+        state.count.add_(1)
+        bias_correction1 = 1 - b1**t
+        bias_correction2_sqrt = (1 - b2**t) ** 0.5
+        for g_, mu_, nu_ in _groups(g, mu, nu):
+            torch._foreach_lerp_(mu_, g_, 1 - b1)
+            torch._foreach_mul_(nu_, b2)
+            torch._foreach_addcmul_(nu_, g_, g_, 1 - b2)
+            denom = torch._foreach_sqrt(nu_)
+            torch._foreach_div_(denom, bias_correction2_sqrt)
+            torch._foreach_add_(denom, eps)
+            # The gradient is spent: write the update into its (donated) buffers.
+            torch._foreach_zero_(g_)
+            torch._foreach_addcdiv_(g_, mu_, denom, 1 / bias_correction1)
+            del denom
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+    """Momentum with torch.optim.SGD's semantics (no dampening).
+
+    The first step sets ``trace = g``, later ones ``trace = decay*trace + g``.
+    The update is ``trace``, or ``g + decay*trace`` with ``nesterov=True``.
+
+    Args:
+        decay: the momentum, >= 0.
+        nesterov: use Nesterov momentum.
+
+    Returns:
+        A ``GradientTransformation`` with ``TraceState(trace)``.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> opt = optim.trace(0.9)
+        >>> state = opt.init({"w": torch.zeros(1)})
+        >>> _, state = opt.update({"w": torch.ones(1)}, state)
+        >>> u, state = opt.update({"w": torch.ones(1)}, state)
+        >>> round(u["w"].item(), 6)
+        1.9
+    """
+    decay = _check_number("trace", "decay", decay, low=0.0, hint="Typically 0.9.")
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"trace: nesterov must be a bool, got {type(nesterov).__name__}.")
+    where = "trace.update"
+
+    def init(params):
+        _flat("trace.init", "params", params)
+        return TraceState(
+            trace=tree_map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params)
+        )
+
+    @torch.no_grad()
+    def update(updates, state, params=None, **extra):
+        _check_state(where, state, TraceState)
+        g, spec = _flat(where, "updates", updates)
+        buf, buf_spec = _flat(where, "state.trace", state.trace)
+        _check_same(where, "updates", spec, "state.trace", buf_spec, buf, g, dtypes=True)
+        # A zero-initialised trace makes the first step trace = g exactly, as torch's clone.
+        for g_, buf_ in _groups(g, buf):
+            torch._foreach_mul_(buf_, decay)
+            torch._foreach_add_(buf_, g_)
+            if nesterov:
+                torch._foreach_add_(g_, buf_, alpha=decay)
+            else:
+                torch._foreach_copy_(g_, buf_)
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+    """Add ``weight_decay * params`` to updates, in place.
+
+    Args:
+        weight_decay: the coefficient, >= 0. ``update`` needs ``params`` unless it is 0.
+
+    Returns:
+        A ``GradientTransformation`` with ``EmptyState``.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> opt = optim.add_decayed_weights(0.5)
+        >>> p = {"w": torch.full((1,), 2.0)}
+        >>> u, _ = opt.update({"w": torch.ones(1)}, opt.init(p), p)
+        >>> u["w"].item()
+        2.0
+    """
+    weight_decay = _check_number(
+        "add_decayed_weights", "weight_decay", weight_decay, low=0.0, hint="Typically 0.01."
+    )
+    where = "add_decayed_weights.update"
+
+    def init(params):
+        return EmptyState()
+
+    @torch.no_grad()
+    def update(updates, state, params=None, **extra):
+        if weight_decay == 0.0:
+            return updates, state
+        if params is None:
+            raise ValueError(
+                f"{where}: weight_decay={weight_decay} needs the params; call "
+                f"update(updates, state, params)."
+            )
+        g, spec = _flat(where, "updates", updates)
+        p, p_spec = _flat(where, "params", params)
+        _check_same(where, "updates", spec, "params", p_spec, p, g, fix=_FIX_PARAMS)
+        for g_, p_ in _groups(g, p):
+            torch._foreach_add_(g_, p_, alpha=weight_decay)
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def _round_like_torch_scalar(x: float, dtype: torch.dtype) -> float:
+    """``x`` as torch uses a Python scalar with a ``dtype`` tensor: float64 stays, else float32.
+
+    (Elementwise kernels compute in float32 for float32, float16 and bfloat16.)
+    """
+    if dtype == torch.float64:
+        return x
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def decay_weights(rate: ScalarOrSchedule) -> GradientTransformation:
+    """Add the update that multiplies params by ``1 - rate`` (decoupled weight decay).
+
+    Adds ``(c - 1) * params`` to the updates, where ``c = 1 - rate`` is rounded
+    as ``torch.optim.AdamW``'s ``p.mul_(1 - lr * weight_decay)`` rounds it (to
+    float32 unless the params are float64), so that ``apply_updates`` lands
+    where torch does. Place it after :func:`scale_by_learning_rate`; ``rate`` is
+    then ``lr * weight_decay``.
+
+    Args:
+        rate: the fraction of the params to remove per step, >= 0, or a
+            schedule ``count -> float`` (count 0 at the first update).
+
+    Returns:
+        A ``GradientTransformation`` with ``EmptyState`` for a float rate,
+        ``ScaleByScheduleState(count)`` for a schedule. ``update`` needs params.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> opt = optim.decay_weights(0.25)
+        >>> p = {"w": torch.full((1,), 2.0)}
+        >>> u, _ = opt.update({"w": torch.zeros(1)}, opt.init(p), p)
+        >>> u["w"].item()
+        -0.5
+    """
+    where = "decay_weights.update"
+    if not callable(rate):
+        rate = _check_number("decay_weights", "rate", rate, low=0.0)
+
+    def init(params):
+        return ScaleByScheduleState(count=_new_count()) if callable(rate) else EmptyState()
+
+    @torch.no_grad()
+    def update(updates, state, params=None, **extra):
+        if callable(rate):
+            _check_state(where, state, ScaleByScheduleState)
+            count = _check_count(where, state.count)
+            value = _schedule_value(where, rate, count)
+            if value < 0.0:
+                raise ValueError(
+                    f"{where}: the decay rate at count {count} is {value}; it must be >= 0 "
+                    f"(it is lr * weight_decay). Check the learning-rate schedule."
+                )
+            state.count.add_(1)
+        else:
+            value = rate
+        if params is None:
+            raise ValueError(f"{where}: decay_weights needs the params; call update(updates, state, params).")
+        g, spec = _flat(where, "updates", updates)
+        p, p_spec = _flat(where, "params", params)
+        _check_same(where, "updates", spec, "params", p_spec, p, g, fix=_FIX_PARAMS)
+        for g_, p_ in _groups(g, p):
+            factor = _round_like_torch_scalar(1.0 - value, p_[0].dtype) - 1.0
+            if factor != 0.0:
+                torch._foreach_add_(g_, p_, alpha=factor)
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+@torch.no_grad()
+def global_norm(tree: Tree) -> torch.Tensor:
+    """The L2 norm of all leaves of ``tree`` taken together, as a 0-dim float32 tensor.
+
+    Uses ``torch._foreach_norm`` per device/dtype group; half-precision leaves
+    are reduced in float32. The result lives on the first leaf's device (CPU
+    for an empty tree), so computing it does not synchronise.
+
+    Args:
+        tree: a pytree of tensors.
+
+    Returns:
+        A 0-dim float32 tensor.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor(4.0)}).item()
+        5.0
+    """
+    leaves, _ = _flat("global_norm", "tree", tree)
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    device = leaves[0].device
+    norms = []
+    for (group,) in _groups(leaves):
+        dtype = torch.float32 if group[0].element_size() < 4 else None
+        norms.extend(torch._foreach_norm(group, 2, dtype=dtype))
+    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+    return torch.linalg.vector_norm(stacked, 2)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale updates so their global L2 norm is at most ``max_norm``.
+
+    Same semantics as ``torch.nn.utils.clip_grad_norm_``: the factor is
+    ``max_norm / (norm + 1e-6)``, applied only when below 1. When the caller
+    passes ``grad_norm=`` (a float or 0-dim tensor, e.g. the norm across all
+    ranks of a sharded gradient) it is used instead of the local tree's norm.
+    With a tensor norm the factor is clamped on device, never read back.
+
+    Args:
+        max_norm: the largest allowed global norm, > 0.
+
+    Returns:
+        A ``GradientTransformation`` with ``EmptyState``.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> opt = optim.clip_by_global_norm(1.0)
+        >>> g = {"w": torch.tensor([3.0, 4.0])}
+        >>> u, _ = opt.update(g, opt.init(g), grad_norm=10.0)
+        >>> [round(x, 4) for x in u["w"].tolist()]
+        [0.3, 0.4]
+    """
+    max_norm = _check_number("clip_by_global_norm", "max_norm", max_norm, low=0.0, low_open=True)
+    where = "clip_by_global_norm.update"
+
+    def init(params):
+        return EmptyState()
+
+    @torch.no_grad()
+    def update(updates, state, params=None, **extra):
+        leaves, _ = _flat(where, "updates", updates)
+        norm = extra.get("grad_norm")
+        if norm is None:
+            norm = global_norm(updates)
+        if isinstance(norm, torch.Tensor):
+            if norm.numel() != 1:
+                raise ValueError(
+                    f"{where}: grad_norm must be a float or a 0-dim tensor, got a tensor "
+                    f"{describe_leaf(norm)}. Pass the global norm, e.g. optim.global_norm(grads)."
+                )
+            coef = torch.clamp(max_norm / (norm.reshape(()) + 1e-6), max=1.0)
+            for (u,) in _groups(leaves):
+                torch._foreach_mul_(u, coef.to(u[0].device))
+            return updates, state
+        if not _is_real(norm):
+            raise TypeError(
+                f"{where}: grad_norm must be a float or a 0-dim tensor, got "
+                f"{type(norm).__name__} {norm!r}. Pass the global norm of the full "
+                f"gradient, or leave grad_norm out to use the local tree's norm."
+            )
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for (u,) in _groups(leaves):
+                torch._foreach_mul_(u, coef)
+        return updates, state
+
+    return GradientTransformation(init, update)
