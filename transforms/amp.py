@@ -1,20 +1,23 @@
 """``amp``: bf16/fp16 compute against fp32 master weights, with loss scaling all ranks agree on.
 
-Composes with every shard transform, in any order. Phases rewritten (see
-``zerofn.step.Phases``):
+Composes with every shard transform, in any order. It replaces the step's
+``precision`` part (see ``zerofn.step``) with a :class:`MixedPrecision`
+policy, as jmp's ``Policy`` with its loss scale:
 
-- ``param_dtype``: trainable and frozen parameters are held in ``dtype``
-  (2 bytes each) and the forward runs under ``torch.autocast`` to it, so
-  matmuls run in ``dtype`` and reductions (softmax, norms, losses) in fp32.
+- ``cast``: trainable and frozen parameters are held in ``dtype`` (2 bytes
+  each) and the forward runs under ``torch.autocast`` to it, so matmuls
+  run in ``dtype`` and reductions (softmax, norms, losses) in fp32.
 - ``grad_dtype``: gradients are bucketed and reduced in ``dtype`` (or
   ``reduce_dtype``, as FSDP2's ``reduce_dtype``): half of fp32's traffic.
-- the optimizer is wrapped (:func:`master_weights`): its state holds an fp32
-  master copy of the parameters it updates (this rank's shard under
+- ``wrap_optimizer`` (:func:`master_weights`): the optimizer state holds an
+  fp32 master copy of the parameters it updates (this rank's shard under
   ``shard_optimizer``), the inner optimizer updates the master, and the
   result is cast back into the low-precision parameters, which are then
-  published (all-gathered) in ``dtype``.
-- ``new_loss_scale``: the state carries a loss scale, a pytree like
-  jmp's: :class:`NoOpLossScale`, :class:`StaticLossScale` or
+  published (all-gathered) in ``dtype``. The precision part wraps the
+  optimizer before any extension does, so ``offload`` moves the master
+  weights with the rest of the optimizer state.
+- the loss scale, a pytree in the state like jmp's:
+  :class:`NoOpLossScale`, :class:`StaticLossScale` or
   :class:`DynamicLossScale`, one interface (``scale``, ``adjust(finite)``).
 
 The loss is multiplied by the scale before backward; after the reduction
@@ -29,10 +32,10 @@ off with DeepSpeed's hysteresis: it shrinks by ``backoff`` on the
 ``min_scale`` training goes on skipping and says so in the metrics
 (``skipped``, ``consecutive_skips``, ``loss_scale``); it never raises.
 
-Per-rank model-state bytes then follow DESIGN.md's table: DDP 16 Psi, ZeRO-1
-4 Psi + 12 Psi / N, ZeRO-2 2 Psi + 14 Psi / N, ZeRO-3 16 Psi / N (2 Psi of
-parameters, 4 Psi master + 8 Psi Adam moments in the optimizer state, and
-2 Psi of gradients inside a step).
+Per-rank model-state bytes then follow the memory table in docs/design.md:
+DDP 16 Psi, ZeRO-1 4 Psi + 12 Psi / N, ZeRO-2 2 Psi + 14 Psi / N, ZeRO-3
+16 Psi / N (2 Psi of parameters, 4 Psi master + 8 Psi Adam moments in the
+optimizer state, and 2 Psi of gradients inside a step).
 
 Example:
     >>> import torch, zerofn as zf
@@ -48,19 +51,20 @@ Example:
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from zerofn import optim as O
 from zerofn import tree as T
-from zerofn.step import Step
+from zerofn.precision import Precision
+from zerofn.step import Step, reapply, transform
 
-__all__ = ["DynamicLossScale", "MasterState", "NoOpLossScale", "StaticLossScale", "amp", "master_weights"]
+__all__ = [
+    "DynamicLossScale", "MasterState", "MixedPrecision", "NoOpLossScale", "StaticLossScale", "amp", "master_weights",
+]  # fmt: skip
 
-NAME = "amp"
-WRAP_ORDER = 0  # master weights wrap the user's optimizer first; offload places the result
 _DEFAULT = object()
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -191,11 +195,64 @@ def master_weights(inner: O.GradientTransformation) -> O.GradientTransformation:
     return O.GradientTransformation(init, update, apply)
 
 
+# ---------------------------------------------------------------- the policy
+
+
+@dataclass(frozen=True)
+class MixedPrecision(Precision):
+    """``dtype`` parameters and compute, gradients reduced in ``reduce_dtype``, fp32 master weights.
+
+    Attributes:
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+        reduce_dtype: the dtype gradients travel in (None: ``dtype``).
+        scale_settings: ``(loss_scale, init_scale, growth_interval, backoff,
+            hysteresis, min_scale)`` as given to :func:`amp`.
+    """
+
+    name: str | None = "amp"
+    dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype | None = None
+    scale_settings: tuple = (None,)
+
+    def cast(self, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dtype == self.dtype:
+            return t
+        return t.detach().to(self.dtype).requires_grad_(t.requires_grad)
+
+    def autocast(self, device: str):
+        return torch.autocast(device_type=torch.device(device).type, dtype=self.dtype)
+
+    def grad_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        return self.reduce_dtype or param_dtype
+
+    def wrap_optimizer(self, optimizer: O.GradientTransformation) -> O.GradientTransformation:
+        return master_weights(optimizer)
+
+    def optimizer_grads(self, reduced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.float() for k, v in reduced.items()}  # the optimizer works on the fp32 masters
+
+    def new_loss_scale(self) -> Any:
+        return _new_scale(*self.scale_settings)
+
+    def loss_scale_factor(self, loss_scale: Any) -> float:
+        return float(loss_scale.scale)
+
+    def adjust(self, loss_scale: Any, finite: bool) -> Any:
+        return loss_scale.adjust(finite)
+
+    def metrics(self, loss_scale: Any) -> dict[str, Any]:
+        return {
+            "loss_scale": torch.tensor(float(loss_scale.scale), dtype=torch.float32),
+            "consecutive_skips": int(loss_scale.skips),
+        }
+
+
 # ---------------------------------------------------------------- the transform
 
 
+@transform
 def amp(
-    step: Step | None = None,
+    step: Step,
     /,
     dtype: torch.dtype = torch.bfloat16,
     *,
@@ -222,43 +279,36 @@ def amp(
         reduce_dtype: dtype gradients travel in; default ``dtype``.
 
     Returns:
-        The rewritten Step; its metrics add ``loss_scale`` and ``consecutive_skips``.
+        The rewritten Step; its metrics add ``loss_scale`` and
+        ``consecutive_skips``. Applied to a step that already runs in mixed
+        precision with the same settings it returns that step unchanged.
 
     Raises:
         TypeError: ``step`` is not a Step.
-        ValueError: a dtype that is not bf16/fp16, bad scale settings, or amp applied twice.
+        ValueError: a dtype that is not bf16/fp16, bad scale settings, or a
+            step that already runs in mixed precision with other settings.
     """
-    if step is None:
-        return functools.partial(
-            amp, dtype=dtype, loss_scale=loss_scale, init_scale=init_scale, growth_interval=growth_interval,
-            backoff=backoff, hysteresis=hysteresis, min_scale=min_scale, reduce_dtype=reduce_dtype,
-        )  # fmt: skip
-    if not isinstance(step, Step):
-        raise TypeError(f"amp expects a Step from zf.train_step, got {type(step).__name__}")
     if dtype not in _DTYPES:
         raise ValueError(f"amp: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise ValueError(f"amp: reduce_dtype must be a floating dtype such as torch.float32, got {reduce_dtype!r}")
-    if NAME in step.transforms:
-        raise ValueError(
-            f"amp: {step.name} already runs in mixed precision; apply amp once (to change its settings, "
-            "rebuild the step from zf.train_step)"
-        )
     if loss_scale is _DEFAULT:
         loss_scale = "dynamic" if dtype == torch.float16 else None
-    new_scale = _scale_factory(loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale)
-    phases = step.phases._replace(
-        param_dtype=dtype,
-        grad_dtype=reduce_dtype,
-        new_loss_scale=new_scale,
-        wrap_optimizer=step.phases.wrap_optimizer + ((WRAP_ORDER, master_weights),),
-    )
-    return step.replace(transforms=step.transforms + (NAME,), phases=phases)
+    settings = (loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale)
+    _new_scale(*settings)  # check the settings now, not at init
+    policy = MixedPrecision(dtype=dtype, reduce_dtype=reduce_dtype, scale_settings=settings)
+    have = step.precision if isinstance(step.precision, MixedPrecision) else None
+    if reapply(step, "amp", have, policy, "runs in mixed precision"):
+        return step
+    if type(step.precision) is not Precision:
+        raise ValueError(f"amp: {step.name} already sets its precision ({step.precision!r}); apply one precision")
+    return step.replace(precision=policy)
 
 
-def _scale_factory(loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale):
+def _new_scale(loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale):
+    """A fresh loss scale for amp's settings (checking them)."""
     if loss_scale is None:
-        return lambda: NoOpLossScale(_i64(0))
+        return NoOpLossScale(_i64(0))
     if loss_scale == "dynamic":
         if not (0 < backoff < 1):
             raise ValueError(f"amp: backoff must be in (0, 1), got {backoff}")
@@ -268,10 +318,10 @@ def _scale_factory(loss_scale, init_scale, growth_interval, backoff, hysteresis,
             raise ValueError(f"amp: hysteresis must be an int >= 1, got {hysteresis!r}")
         if not (0 < min_scale <= init_scale):
             raise ValueError(f"amp: need 0 < min_scale <= init_scale, got {min_scale} and {init_scale}")
-        return lambda: DynamicLossScale(
+        return DynamicLossScale(
             torch.tensor(float(init_scale)), _i64(0), _i64(hysteresis), _i64(0),
             growth_interval, backoff, hysteresis, float(min_scale),
         )  # fmt: skip
     if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0:
-        return lambda: StaticLossScale(torch.tensor(float(loss_scale)), _i64(0))
+        return StaticLossScale(torch.tensor(float(loss_scale)), _i64(0))
     raise ValueError(f'amp: loss_scale must be "dynamic", a positive float or None, got {loss_scale!r}')

@@ -60,17 +60,18 @@ import torch
 from zerofn import collectives as C
 from zerofn import optim as O
 from zerofn import tree as T
-from zerofn.step import Step
+from zerofn.extension import Extension
+from zerofn.step import Step, reapply, transform
+from zerofn.storage import to_host
 
 __all__ = ["HostState", "NvmeFiles", "NvmeState", "offload"]
 
-NAME = "offload"
-WRAP_ORDER = 1  # after amp's master weights (order 0): the master moves with the optimizer state
 DEFAULT_SUB_GROUP_BYTES = 64 * 2**20
 
 
+@transform
 def offload(
-    step: Step | None = None,
+    step: Step,
     /,
     device: str = "cpu",
     *,
@@ -90,22 +91,16 @@ def offload(
         pin_memory: pin host buffers when CUDA is present.
 
     Returns:
-        The rewritten Step.
+        The rewritten Step. Applied to a step that already offloads with the
+        same settings it returns that step unchanged.
 
     Raises:
         TypeError: ``step`` is not a Step.
-        ValueError: an unknown device, a missing or unwritable ``path``, bad sizes, or offload applied twice.
+        ValueError: an unknown device, a missing or unwritable ``path``, bad
+            sizes, or a step that already offloads with other settings.
     """
-    if step is None:
-        return functools.partial(
-            offload, device=device, path=path, params=params, sub_group_bytes=sub_group_bytes, pin_memory=pin_memory
-        )
-    if not isinstance(step, Step):
-        raise TypeError(f"offload expects a Step from zf.train_step, got {type(step).__name__}")
     if device not in ("cpu", "nvme"):
         raise ValueError(f'offload: device must be "cpu" or "nvme", got {device!r}')
-    if NAME in step.transforms:
-        raise ValueError(f"offload: {step.name} already offloads; apply offload once")
     if not isinstance(sub_group_bytes, int) or sub_group_bytes < 4096:
         raise ValueError(f"offload: sub_group_bytes must be an int >= 4096, got {sub_group_bytes!r}")
     if params and device != "cpu":
@@ -114,15 +109,25 @@ def offload(
     if device == "nvme":
         root = _check_path(path)
         wrap = functools.partial(_nvme_optimizer, root=root, sub_group_bytes=sub_group_bytes)
+        options = ("nvme", root, sub_group_bytes)
     else:
         if path is not None:
             raise ValueError('offload: path is for device="nvme"; device="cpu" keeps state in RAM')
-        wrap = functools.partial(_host_optimizer, pin=pin, params_on_host=params)
-    phases = step.phases._replace(
-        wrap_optimizer=step.phases.wrap_optimizer + ((WRAP_ORDER, wrap),),
-        host_params=bool(params),
-    )
-    return step.replace(transforms=step.transforms + (NAME,), phases=phases)
+        wrap = functools.partial(_host_optimizer, pin=pin, params_on_host=bool(params))
+        options = ("cpu", bool(params), pin)
+    have = step.extension("offload")
+    if reapply(step, "offload", have and have.options, options, "offloads (device, settings)"):
+        return step
+    step = step.extend(Extension("offload", options, wrap_optimizer=wrap, check=_needs_units if params else None))
+    return step.replace(storage=step.storage.replace(host=True)) if params else step
+
+
+def _needs_units(step: Step) -> None:
+    if step.reduction.stage < 3:
+        raise ValueError(
+            f"{step.name}.init: offload(params=True) keeps parameter shards on the host and brings them in "
+            "per unit, which needs shard_params: offload(shard_params(step), params=True)"
+        )
 
 
 def _check_path(path: Any) -> str:
@@ -154,17 +159,12 @@ class HostState(NamedTuple):
     grads: Any
     inner: Any
 
-
-def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A copy of ``t`` in its own host buffer (pinned under CUDA; non-blocking from a device)."""
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-    out.copy_(t, non_blocking=pin)
-    return out
+    offloaded = True  # the state's printout says where the optimizer state lives
 
 
 def _host_optimizer(inner: O.GradientTransformation, *, pin: bool, params_on_host: bool) -> O.GradientTransformation:
     def init(params):
-        host = None if params_on_host else T.tree_map(lambda p: _host(p.detach(), pin), params)
+        host = None if params_on_host else T.tree_map(lambda p: to_host(p.detach(), pin), params)
         grads = T.tree_map(lambda p: torch.zeros(p.shape, dtype=torch.float32, pin_memory=pin), params)
         return HostState(host, grads, inner.init(params if params_on_host else host))
 
@@ -226,6 +226,8 @@ class NvmeState(NamedTuple):
 
     small: list
     files: NvmeFiles
+
+    offloaded = True
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """``shard_grads`` (ZeRO stage 2): no rank ever holds the whole gradient.
 
 Implies ``shard_optimizer``: applying both, in either order, is the same
-step. On top of stage 1 it rewrites one phase (see ``zerofn.step.Phases``):
-
-- ``reduce_every_micro``: with ``accumulate_steps=K`` every micro-step
-  reduce-scatters its buckets during backward and adds the result into this
-  rank's gradient partition, which the state carries between micro-steps
-  (1/N of the gradient instead of stage 1's full local sums).
+step. It replaces the step's ``reduction`` part with a stage-2
+:class:`~zerofn.transforms.shard_optimizer.ShardedReduction`: with
+``accumulate_steps=K`` every micro-step reduce-scatters its buckets during
+backward and adds the result into this rank's gradient partition, which
+the state carries between micro-steps (1/N of the gradient instead of stage
+1's full local sums).
 
 During backward a parameter's gradient is copied into its bucket and freed
 as soon as autograd hands it over; a completed bucket is reduce-scattered
@@ -32,17 +32,14 @@ Example:
 
 from __future__ import annotations
 
-import functools
-
-from zerofn.step import Step
+from zerofn.step import Step, reapply, transform
 from zerofn.transforms.shard_optimizer import shard_optimizer
 
 __all__ = ["shard_grads"]
 
-NAME = "shard_grads"
 
-
-def shard_grads(step: Step | None = None, /, *, bucket_bytes: int | None = None) -> Step:
+@transform
+def shard_grads(step: Step, /, *, bucket_bytes: int | None = None) -> Step:
     """Shard gradients as backward produces them (ZeRO stage 2).
 
     Args:
@@ -53,26 +50,20 @@ def shard_grads(step: Step | None = None, /, *, bucket_bytes: int | None = None)
 
     Returns:
         The rewritten Step, named ``shard_grads(...)`` whether or not
-        ``shard_optimizer`` was applied before or after it.
+        ``shard_optimizer`` was applied before or after it. Applied to a
+        step that already shards gradients it returns that step unchanged
+        (with another ``bucket_bytes`` it raises).
 
     Raises:
         TypeError: ``step`` is not a Step.
-        ValueError: ``bucket_bytes`` is not a positive int.
+        ValueError: ``bucket_bytes`` is not a positive int, or differs from
+            the bucket size of a step that already shards gradients.
     """
-    if step is None:
-        return functools.partial(shard_grads, bucket_bytes=bucket_bytes)
-    if not isinstance(step, Step):
-        raise TypeError(
-            f"shard_grads expects a Step from zf.train_step, got {type(step).__name__}. "
-            "Build one first: shard_grads(zf.train_step(loss_fn, optimizer))."
-        )
     if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
         raise ValueError(f"shard_grads: bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    if step.phases.reduce_every_micro:  # already sharding gradients
-        return step if bucket_bytes is None else step.replace(bucket_bytes=bucket_bytes)
+    want = step.bucket_bytes if bucket_bytes is None else bucket_bytes
+    have = step.bucket_bytes if step.reduction.stage >= 2 else None
+    if reapply(step, "shard_grads", have, want, "shards gradients in buckets of bucket_bytes"):
+        return step
     sharded = shard_optimizer(step)
-    return sharded.replace(
-        transforms=tuple(t for t in sharded.transforms if t != "shard_optimizer") + (NAME,),
-        phases=sharded.phases._replace(reduce_every_micro=True),
-        bucket_bytes=bucket_bytes or step.bucket_bytes,
-    )
+    return sharded.replace(reduction=sharded.reduction.replace(stage=2, name="shard_grads"), bucket_bytes=want)

@@ -10,30 +10,36 @@ no block: embeddings, final norm, head; and any parameter two units share).
 Each unit's parameters form one flat buffer per dtype, padded to a multiple
 of N and sharded like a ``shard_optimizer`` bucket.
 
-One step (the phases it rewrites, see ``zerofn.step.Phases``):
+It replaces two parts of the step (see ``zerofn.step``): the ``reduction``,
+with a stage-3 ``ShardedReduction`` (unit buckets reduce-scattered as
+their gradients land, as in ``shard_grads``), and the ``storage``, with a
+:class:`UnitStorage`:
 
 - ``bind``: ``loss_fn`` receives meta placeholders; ``apply`` (from
   ``zf.functional``) sees that a sharded step is running and calls the
   module with leaves that view per-unit full buffers whose storage is
   empty. A forward pre-hook all-gathers a unit's buffer just before the unit
   runs, and starts the gathers of the next ``prefetch`` units (in the order
-  the previous step ran them) so they overlap compute; a forward hook
-  releases it (``storage.resize_(0)``: autograd keeps its saved views,
+  the previous step ran them, which the state carries under
+  ``state.extra["shard_params.order"]``) so they overlap compute; a forward
+  hook releases it (``storage.resize_(0)``: autograd keeps its saved views,
   whose memory is gone) and hooks the unit's outputs, whose gradient marks
   the start of the unit's backward: there the buffer is gathered again
   (with the next units in backward order prefetched). As backward hands
   over a unit's gradients they go into its bucket, which is reduce-scattered
-  while backward goes on (as in ``shard_grads``); when the unit's last
-  gradient is in, its full buffer is released.
-- ``opt_view`` / ``publish``: the optimizer updates the shards in place;
-  nothing is gathered after the update.
-- ``init_state``: the state is built shard by shard, one parameter (one
+  while backward goes on; when the unit's last gradient is in, its full
+  buffer is released.
+- ``opt_view`` / ``publish``: the state holds shards, which the optimizer
+  updates in place; nothing is gathered after the update.
+- ``init``: the state is built shard by shard, one parameter (one
   module's parameters, for ``reset_parameters``) at a time, also from a
   model built on the meta device.
-- ``full_params`` and ``apply``: gather one unit at a time.
+- ``full_params`` and ``forward`` (``step.apply``): gather one unit at a time.
+- ``host`` (``offload(params=True)``): shards rest in host memory and each
+  is copied in just before its unit's all-gather.
 
 Why module hooks and not autograd-aware gathers under selective
-recomputation (DESIGN.md's "JAX road"): ``torch.func`` refuses the
+recomputation (the "JAX road" in docs/design.md): ``torch.func`` refuses the
 saved-tensor hooks that checkpointing needs, the recomputed collective
 needs ``wait_tensor`` bookkeeping, and the hook road gives the same
 traffic with any ``nn.Module`` and lets a unit's gradients flow straight
@@ -74,16 +80,18 @@ import torch
 from torch import nn
 
 from zerofn import collectives as C
-from zerofn.functional import ACTIVE_RUN, Functional, owner_of
 from zerofn import tree as T
+from zerofn.functional import ACTIVE_RUN, Functional
+from zerofn.reduction import GradSink
 from zerofn.state import Bucket, Layout, TrainState
-from zerofn.step import Step, find_functional
+from zerofn.step import Step, reapply, transform
+from zerofn.storage import Held, ParamSplit, Storage, to_host
 from zerofn.transforms.shard_grads import shard_grads
 
-__all__ = ["shard_params"]
+__all__ = ["UnitStorage", "shard_params"]
 
-NAME = "shard_params"
 ROOT = ""
+ORDER = "shard_params.order"  # state.extra key: unit indices in the order the last step ran them
 
 
 @dataclass(frozen=True)
@@ -95,8 +103,9 @@ class Unit:
     frozen: tuple[int, ...]  # its frozen buckets (indices into layout.frozen_buckets)
 
 
+@transform
 def shard_params(
-    step: Step | None = None,
+    step: Step,
     /,
     *,
     units: Callable[[str, nn.Module], bool] | list[str] | None = None,
@@ -120,52 +129,40 @@ def shard_params(
 
     Returns:
         The rewritten Step, named ``shard_params(...)`` whatever shard
-        transforms it was combined with.
+        transforms it was combined with. Applied to a step that already
+        shards parameters with the same options it returns that step unchanged.
 
     Raises:
         TypeError: ``step`` is not a Step.
-        ValueError: a negative ``prefetch``.
+        ValueError: a negative ``prefetch``, or a step that already shards
+            parameters with other options.
     """
-    if step is None:
-        return functools.partial(shard_params, units=units, prefetch=prefetch, init_fn=init_fn)
-    if not isinstance(step, Step):
-        raise TypeError(
-            f"shard_params expects a Step from zf.train_step, got {type(step).__name__}. "
-            "Build one first: shard_params(zf.train_step(loss_fn, optimizer))."
-        )
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"shard_params: prefetch must be an int >= 0, got {prefetch!r}")
-    if step.phases.init_state is not None:  # already sharding parameters
+    storage = UnitStorage(host=step.storage.host, units=units, prefetch=prefetch, init_fn=init_fn)
+    have = step.storage if step.reduction.stage >= 3 else None
+    if reapply(step, "shard_params", have, storage, "shards parameters"):
         return step
     sharded = shard_grads(step)
-    plan = _Plan(units, prefetch, init_fn)
-    return sharded.replace(
-        transforms=tuple(t for t in sharded.transforms if t != "shard_grads") + (NAME,),
-        phases=sharded.phases._replace(
-            opt_view=lambda flat, bucket, rank: flat,  # the state holds shards already
-            publish=lambda flats, layout, rank: None,  # updated in place, gathered when used
-            init_state=plan.init_state,
-            bind=plan.bind,
-            full_params=plan.full_params,
-            apply=plan.apply,
-        ),
-    )
+    return sharded.replace(reduction=sharded.reduction.replace(stage=3, name="shard_params"), storage=storage)
 
 
-# ---------------------------------------------------------------- plan and init
+# ---------------------------------------------------------------- the storage
 
 
-@dataclass(frozen=True, eq=False)
-class _Plan:
-    units: Any
-    prefetch: int
-    init_fn: Any
+@dataclass(frozen=True)
+class UnitStorage(Storage):
+    """Parameter shards at rest, gathered per unit around the module's calls (see the module docs)."""
 
-    def init_state(self, step: Step, params: Any, named: dict, trainable: dict, treedef: Any) -> TrainState:
-        functional = owner_of(params) or find_functional(step.loss_fn)
-        module = functional.module
+    units: Any = None
+    prefetch: int = 1
+    init_fn: Any = None
+
+    def init(self, split: ParamSplit, *, shards: int, bucket_bytes: int, model: Callable) -> Held:
+        functional = model()
+        named, trainable = split.named, split.trainable
         world, rank = C.world_size(), C.rank()
-        unit_names = _unit_names(module, self.units)
+        unit_names = _unit_names(functional.module, self.units)
         unit_of = _assign_units(functional, named, unit_names)
         buckets: list[Bucket] = []
         frozen_buckets: list[Bucket] = []
@@ -192,32 +189,39 @@ class _Plan:
             frozen_buckets=tuple(frozen_buckets),
             units=tuple(units),
         )
-        shards = _Materialiser(module, named, self.init_fn).fill(buckets + frozen_buckets, rank)
-        if step.phases.host_params:  # offload(params=True): shards at rest in host memory
-            pin = torch.cuda.is_available()
-            shards = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in shards]
+        shards = _Materialiser(functional.module, named, self.init_fn).fill(buckets + frozen_buckets, rank)
+        if self.host:  # shards at rest in host memory
+            shards = [to_host(t, torch.cuda.is_available()) for t in shards]
         flats, frozen = tuple(shards[: len(buckets)]), tuple(shards[len(buckets) :])
-        return step.make_state(flats, frozen, layout, treedef, context=functional)
+        return Held(flats, frozen, layout, {ORDER: torch.zeros(0, dtype=torch.int64)})
 
     @contextlib.contextmanager
-    def bind(self, step: Step, state: TrainState, sink: Any):
-        runner = _Runner(state, self.prefetch, sink, step.phases.host_params)
+    def bind(self, state: TrainState, sink: GradSink, model: Callable, extra: dict):
+        runner = _Runner(state, model(), self.prefetch, sink, self.host)
         token = ACTIVE_RUN.set(runner)
         try:
             yield runner.placeholders()
         finally:
             ACTIVE_RUN.reset(token)
             runner.close()
+            if runner.forward_order:
+                extra[ORDER] = torch.tensor([u.index for u in dict.fromkeys(runner.forward_order)], dtype=torch.int64)
 
-    def apply(self, step: Step, state: TrainState, args: tuple, kwargs: dict) -> Any:
-        runner = _Runner(state, self.prefetch, None, step.phases.host_params)
+    def opt_view(self, flat: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
+        return flat  # the state holds shards already
+
+    def publish(self, flats: tuple, layout: Layout, rank: int) -> None:
+        return None  # updated in place, gathered when used
+
+    def forward(self, state: TrainState, model: Callable, args: tuple, kwargs: dict) -> Any:
+        runner = _Runner(state, model(), self.prefetch, None, self.host)
         try:
             with torch.no_grad():
                 return runner.run(args, kwargs)
         finally:
             runner.close()
 
-    def full_params(self, step: Step, state: TrainState) -> Any:
+    def full_params(self, state: TrainState, model: Callable) -> Any:
         layout = state.spec.layout
         out: dict[str, torch.Tensor] = {}
         for shards, buckets in ((state.params, layout.buckets), (state.frozen, layout.frozen_buckets)):
@@ -391,10 +395,10 @@ class _LiveUnit:
 class _Runner:
     """Gathers and releases units around the module's forward and backward."""
 
-    def __init__(self, state: TrainState, prefetch: int, sink: Any, host_shards: bool = False):
+    def __init__(self, state: TrainState, functional: Functional, prefetch: int, sink: Any, host_shards: bool):
         spec = state.spec
-        self.functional: Functional = spec.context
-        self.module = self.functional.module
+        self.functional = functional
+        self.module = functional.module
         self.layout = spec.layout
         self.treedef = spec.treedef
         self.prefetch = prefetch
@@ -405,6 +409,8 @@ class _Runner:
         self.leaves: dict[str, torch.Tensor] = {}
         self.hooks: list[Any] = []
         self.forward_order: list[_LiveUnit] = []
+        self.last_order = state.extra.get(ORDER)
+        self.expected: list[_LiveUnit] | None = None
         self.backward_queue: list[_LiveUnit] | None = None
         trainable = sink is not None and torch.is_grad_enabled()
         for unit in self.units:
@@ -416,9 +422,8 @@ class _Runner:
                 for s in bucket.slots:
                     leaf = raw[s.offset : s.offset + s.numel].view(s.shape)
                     if grads and trainable:
-                        leaf.requires_grad_(True)
-                        self.hooks.append(leaf.register_post_accumulate_grad_hook(sink.hook(s.name)))
-                        self.hooks.append(leaf.register_post_accumulate_grad_hook(self._grad_in(unit)))
+                        leaf, hooks = sink.leaf(s.name, leaf, then=self._grad_in(unit))
+                        self.hooks += hooks
                         unit.remaining += 1
                     self.leaves[s.name] = leaf
                 full.untyped_storage().resize_(0)
@@ -470,9 +475,6 @@ class _Runner:
             h.remove()
         for unit in self.units:
             self._release(unit)
-        order = [u.spec.name for u in dict.fromkeys(self.forward_order)]
-        if order:
-            self.functional._zf_unit_order = order
 
     # ---------------------------------------------------------- gather and release
 
@@ -523,10 +525,12 @@ class _Runner:
     # ---------------------------------------------------------- hooks
 
     def _expected_forward(self) -> list[_LiveUnit]:
-        names = getattr(self.functional, "_zf_unit_order", None)
-        if names is None:  # first step: the root runs first, then the blocks in registration order
-            names = [ROOT] + [u.spec.name for u in reversed(self.units) if u.spec.name != ROOT]
-        return [self.by_name[n] for n in names if n in self.by_name]
+        if self.expected is None:
+            if self.last_order is not None and self.last_order.numel():
+                self.expected = [self.units[i] for i in self.last_order.tolist()]
+            else:  # first step: the root runs first, then the blocks in registration order
+                self.expected = [self.by_name[ROOT]] + [u for u in reversed(self.units) if u.spec.name != ROOT]
+        return self.expected
 
     def _before(self, unit: _LiveUnit, module: nn.Module, args: Any) -> None:
         if unit.spec.name != ROOT and unit is not self.open_block:

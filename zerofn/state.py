@@ -141,7 +141,6 @@ class StateSpec:
     world_size: int
     layout: Layout
     treedef: Any  # the params tree's structure, to rebuild it for loss_fn
-    context: Any = dataclasses.field(default=None, compare=False)  # e.g. the model a sharded step runs
 
 
 class DonatedStateError(RuntimeError):
@@ -177,6 +176,9 @@ class TrainState:
         grad_accum: per-bucket gradient sums between micro-steps, or None.
         loss_scale: the loss scale (``amp``), a pytree with ``scale`` and
             ``adjust(finite)``, or None.
+        extra: key -> pytree: entries the step's parts and extensions keep
+            between steps (``zerofn.extension``), e.g. the order in which
+            ``shard_params`` saw its units run.
         spec: static: the chain, world size and layout that made the state.
     """
 
@@ -187,6 +189,7 @@ class TrainState:
     micro: torch.Tensor
     grad_accum: Any
     loss_scale: Any
+    extra: dict
     spec: StateSpec = T.field(static=True)
 
     def __getattribute__(self, name: str) -> Any:
@@ -235,8 +238,10 @@ def _params_note(state: TrainState, lay: Layout) -> str:
 
 def _opt_note(opt_state: Any, sharded: bool, world: int) -> str:
     note = f"sharded 1/{world}" if sharded else "replicated"
-    kind = type(opt_state).__name__
-    return f"{note}, offloaded ({kind})" if kind in ("HostState", "NvmeState") else note
+    # An optimizer state kept away from the parameters says so with a class attribute.
+    if getattr(type(opt_state), "offloaded", False):
+        note += f", offloaded ({type(opt_state).__name__})"
+    return note
 
 
 def describe(state: TrainState) -> str:

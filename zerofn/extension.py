@@ -1,0 +1,68 @@
+"""What a transform adds to a step beyond its three parts: an :class:`Extension` in the step's chain.
+
+A Step has three parts that a transform may replace (``reduction``,
+``storage``, ``precision``) and one ordered chain that a transform extends:
+``step.extensions``. An extension is one transform's additions, each
+optional:
+
+- ``wrap_optimizer``: optimizer -> optimizer. Applied after the precision
+  part's wrapper (amp's fp32 master weights are optimizer state, so a
+  wrapper that places optimizer state moves them too), then in the order
+  the extensions were added.
+- ``around``: ``around(model, state)`` -> a context manager entered around
+  forward and backward, outermost first; ``model()`` returns the
+  ``zf.functional`` apply the loss calls (found on first use).
+- ``entries``: ``(key, init)`` pairs; a fresh state carries ``init()``
+  under ``state.extra[key]``.
+- ``check``: ``check(step)`` runs when ``step.init`` is called, before
+  anything is built, for settings that depend on transforms applied later.
+
+Its ``name`` is its piece of the step's name, and ``options`` what it was
+asked for: a transform applied to a step that already has its extension
+returns the step unchanged when the options agree and raises when they
+differ (:func:`zerofn.step.reapply`).
+
+Example (a transform written outside zerofn, counting forward passes):
+    >>> import contextlib, torch, zerofn as zf
+    >>> from zerofn.extension import Extension
+    >>> calls = []
+    >>> @contextlib.contextmanager
+    ... def count(model, state):
+    ...     calls.append(int(state.count))
+    ...     yield
+    >>> def counted(step):
+    ...     return step.extend(Extension("counted", around=count))
+    >>> apply = zf.functional(torch.nn.Linear(2, 1))
+    >>> step = counted(zf.train_step(lambda p, b: apply(p, b).sum(), zf.optim.sgd(0.1)))
+    >>> state, _ = step(step.init(apply.params), torch.ones(1, 2))
+    >>> step.name, calls
+    ('counted(train_step)', [0])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["Extension"]
+
+
+@dataclass(frozen=True)
+class Extension:
+    """One transform's additions to a step (see the module docs).
+
+    Attributes:
+        name: the transform's name, its piece of the step's name.
+        options: the transform's settings (compared when it is applied again).
+        wrap_optimizer: optimizer -> optimizer, or None.
+        around: ``(model, state) -> context manager`` around forward and backward, or None.
+        entries: ``(key, init)`` pairs for ``state.extra``.
+        check: ``step -> None``, raises when the finished step cannot honour the extension.
+    """
+
+    name: str
+    options: Any = None
+    wrap_optimizer: Callable | None = None
+    around: Callable | None = None
+    entries: tuple[tuple[str, Callable[[], Any]], ...] = ()
+    check: Callable | None = None

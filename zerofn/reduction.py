@@ -1,0 +1,196 @@
+"""How gradients are reduced across ranks: the :class:`Reduction` part of a Step, and the engine that runs it.
+
+A Step's ``reduction`` says how a gradient bucket is reduced over the ranks
+and how many shards the optimizer splits each bucket into. The default here
+is DDP's: every bucket all-reduced, every rank holding and updating the
+whole of it (ZeRO stage 0). A transform that shards optimizer state replaces
+it with a subclass of a higher ``stage``; transforms that imply one another
+compare stages (``step.reduction.stage >= 2``), never names.
+
+:class:`GradSink` is the engine: backward hands it each parameter's
+gradient through a post-accumulate-grad hook on a leaf the step created
+(:meth:`GradSink.leaf`); it copies the gradient into its bucket, frees it,
+and launches the bucket's reduction as soon as the bucket is complete, in
+bucket order, while backward goes on.
+
+Example:
+    >>> from zerofn.reduction import Reduction
+    >>> r = Reduction()
+    >>> r.stage, r.shards(world=4), r.replicated, r.every_micro
+    (0, 1, True, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from zerofn import collectives as C
+from zerofn.state import Bucket, Layout
+
+__all__ = ["GradSink", "Reduction"]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """Replicated gradients (DDP): each bucket is all-reduced; the optimizer updates all of it.
+
+    Attributes:
+        stage: the ZeRO stage this reduction gives: 0 here; subclasses raise
+            it (1 optimizer state sharded, 2 gradients too, 3 parameters too).
+        name: this part's piece of the step's name (None: it adds none).
+    """
+
+    stage: int = 0
+    name: str | None = None
+
+    def shards(self, world: int) -> int:
+        """How many shards each bucket is split into for the optimizer."""
+        return 1
+
+    @property
+    def replicated(self) -> bool:
+        """True when every rank ends with the same reduced gradient (one rank's norm is the global norm)."""
+        return True
+
+    @property
+    def every_micro(self) -> bool:
+        """Reduce on every accumulation micro-step and carry the reduced partition (sharded
+        gradients), instead of carrying full local sums and reducing once."""
+        return False
+
+    def reduce(self, grad: torch.Tensor, bucket: Bucket, rank: int, out: torch.Tensor | None) -> C.Handle:
+        """Launch the reduction of a bucket's gradient; ``wait()`` gives the summed gradient the optimizer sees.
+
+        ``out``, when given, is this rank's running partition, which the
+        reduction overwrites with the new total (sharded reductions only).
+        """
+        if out is not None:
+            raise ValueError("a replicated (all-reduce) bucket is reduced in place; it takes no out tensor")
+        return C.all_reduce(grad, "sum", async_op=True)
+
+    def replace(self, **changes) -> "Reduction":
+        return dataclasses.replace(self, **changes)
+
+
+class GradSink:
+    """Gradient buckets that backward fills and that are reduced as they complete.
+
+    A bucket's buffer is allocated when its first gradient arrives. When
+    ``reduce`` is set, a completed bucket is reduced at once, in bucket order
+    (so every rank issues the same collectives in the same order), while
+    backward goes on. A sharded reduction writes a new partition-sized
+    tensor, so its full bucket is dropped as soon as it lands; at most one
+    such reduction is in flight, which bounds the full-size gradient memory
+    to two buckets (the one in flight and the one filling) plus the
+    gradient autograd is handing over.
+
+    Args:
+        layout: the state's bucket layout.
+        reduction: the step's :class:`Reduction`.
+        grad_dtype: bucket dtype -> the dtype its gradient travels in.
+        rank: this rank.
+        reduce: reduce completed buckets (False: only accumulate local sums).
+        carried: full local gradient sums from earlier micro-steps, or None.
+        reduced_sums: reduced partitions from earlier micro-steps, or None;
+            each reduction updates its partition in place, so only one
+            partition is ever alive.
+    """
+
+    def __init__(self, layout: Layout, reduction: Reduction, grad_dtype: Callable[[torch.dtype], torch.dtype],
+                 rank: int, reduce: bool, carried=None, reduced_sums=None):  # fmt: skip
+        n = len(layout.buckets)
+        self.sums = list(reduced_sums) if reduced_sums is not None else None
+        self.layout, self.reduction, self.rank, self.reduce = layout, reduction, rank, reduce
+        self.dtypes = [grad_dtype(b.dtype) for b in layout.buckets]
+        self.buffers: list[torch.Tensor | None] = list(carried) if carried is not None else [None] * n
+        self.views: dict[str, torch.Tensor] = {}
+        self.where = {s.name: i for i, b in enumerate(layout.buckets) for s in b.slots}
+        self.remaining = [len(b.slots) for b in layout.buckets]
+        self.handles: list[C.Handle | None] = [None] * n
+        self.results: list[torch.Tensor | None] = [None] * n
+        self.launched = 0
+        self.release = not reduction.replicated
+        # fp16 gradients are divided by the world size before the reduction, so that
+        # summing N ranks' scaled gradients does not overflow fp16's range.
+        world = C.world_size()
+        self.predivide = [world if d == torch.float16 else 1 for d in self.dtypes]
+
+    def leaf(self, name: str, view: torch.Tensor, then: Callable[[torch.Tensor], None] | None = None):
+        """A fresh leaf over ``view`` whose gradient goes into parameter ``name``'s bucket slot.
+
+        Returns ``(leaf, hooks)``; ``then(leaf)`` runs after the gradient is
+        taken. Remove the hooks when the step is over.
+        """
+        leaf = view.detach().requires_grad_(True)
+        hooks = [leaf.register_post_accumulate_grad_hook(self._take(name))]
+        if then is not None:
+            hooks.append(leaf.register_post_accumulate_grad_hook(then))
+        return leaf, hooks
+
+    def buffer(self, i: int) -> torch.Tensor:
+        buf = self.buffers[i]
+        if buf is None:
+            b = self.layout.buckets[i]
+            buf = self.buffers[i] = torch.zeros(b.padded, dtype=self.dtypes[i], device=b.device)
+        if self.layout.buckets[i].slots[0].name not in self.views:
+            self.views.update(self.layout.bucket_views(i, buf))
+        return buf
+
+    def _take(self, name: str) -> Callable[[torch.Tensor], None]:
+        def on_grad(leaf: torch.Tensor) -> None:
+            i = self.where[name]
+            self.buffer(i)
+            view = self.views[name]
+            view.add_(leaf.grad.reshape(view.shape))
+            leaf.grad = None
+            self.remaining[i] -= 1
+            if self.reduce and self.remaining[i] == 0:
+                j = self.launched
+                while j < len(self.remaining) and self.remaining[j] == 0:
+                    j += 1
+                self._launch_upto(j)
+
+        return on_grad
+
+    def _launch_upto(self, upto: int) -> None:
+        while self.launched < upto:
+            i = self.launched
+            if self.release and i > 0:
+                self._settle(i - 1)
+            bucket, out = self.layout.buckets[i], None
+            if self.predivide[i] != 1:
+                self.buffer(i).mul_(1.0 / self.predivide[i])
+            if self.sums is not None:
+                # Fold the running sum into this rank's own slice of the input: the
+                # reduction then lands the new total in place, with no temporary.
+                lo, hi = bucket.shard_range(self.rank)
+                self.buffer(i)[lo:hi].add_(self.sums[i])
+                out = self.sums[i]
+            self.handles[i] = self.reduction.reduce(self.buffer(i), bucket, self.rank, out)
+            self.launched += 1
+
+    def _settle(self, i: int) -> None:
+        if self.results[i] is None and self.handles[i] is not None:
+            self.results[i] = self.handles[i].wait()
+            self.handles[i] = None
+            if self.release:
+                self.buffers[i] = None
+                for s in self.layout.buckets[i].slots:
+                    self.views.pop(s.name, None)
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Reduce what is left (a bucket with an unused parameter keeps zeros there); return every result."""
+        self._launch_upto(len(self.layout.buckets))
+        for i in range(len(self.layout.buckets)):
+            self._settle(i)
+        out = {f"b{i}": r for i, r in enumerate(self.results)}
+        self.results = []  # the caller owns them now: they die when it lets go
+        return out
+
+    def full_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The local (unreduced) gradient sums, one per bucket, to carry to the next micro-step."""
+        return tuple(self.buffer(i) for i in range(len(self.layout.buckets)))

@@ -1,0 +1,180 @@
+"""How a step holds its parameters: the :class:`Storage` part of a Step.
+
+A storage builds the parameter part of a fresh state (``init``), binds the
+parameters for a forward and backward (``bind``: the tree ``loss_fn``
+receives, whose gradients flow into a :class:`~zerofn.reduction.GradSink`),
+says which tensor the optimizer updates (``opt_view``), makes updated
+parameters whole again (``publish``), and reads them back (``full_params``,
+``forward`` for ``step.apply``).
+
+The default here keeps the full parameters on every rank in flat buckets
+(:class:`~zerofn.state.Layout`). When the reduction shards a bucket, the
+optimizer updates this rank's slice of it and ``publish`` all-gathers the
+updated slices in place. ``shard_params`` replaces this part with one that
+keeps only shards and gathers them per unit.
+
+Example:
+    >>> import torch
+    >>> from zerofn.storage import Storage, split_params
+    >>> split = split_params({"w": torch.ones(2, 3, requires_grad=True), "n": torch.zeros(1)}, "init")
+    >>> held = Storage().init(split, shards=1, bucket_bytes=1 << 20, model=None)
+    >>> [t.shape for t in held.params], sorted(held.frozen)
+    ([torch.Size([6])], ['n'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from zerofn import collectives as C
+from zerofn import tree as T
+from zerofn.reduction import GradSink
+from zerofn.state import Bucket, Layout, TrainState
+
+__all__ = ["Held", "ParamSplit", "Storage", "split_params", "to_host"]
+
+
+class ParamSplit(NamedTuple):
+    """A params tree taken apart for ``init``.
+
+    Attributes:
+        named: key path -> tensor, every leaf, in the tree's leaf order.
+        trainable: the leaves that get gradients, in registration order.
+        treedef: the tree's structure, to rebuild it for ``loss_fn``.
+        source: the params tree as given (a storage may look up its model from it).
+    """
+
+    named: dict
+    trainable: dict
+    treedef: Any
+    source: Any
+
+
+class Held(NamedTuple):
+    """What a storage's ``init`` returns: the parameter part of a fresh state."""
+
+    params: tuple
+    frozen: Any
+    layout: Layout
+    extra: dict = {}
+
+
+def split_params(params: Any, where: str) -> ParamSplit:
+    """Take ``params`` apart; ``where`` names the caller in errors."""
+    paths, leaves, treedef = T.tree_flatten_with_path(params)
+    if not leaves:
+        raise ValueError(f"{where}: params holds no tensors; pass apply.params from zf.functional(model)")
+    named: dict[str, torch.Tensor] = {}
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{where}: params leaf {T.keystr(path)} is a {type(leaf).__name__}, expected a "
+                "torch.Tensor. Pass a tree of tensors such as apply.params."
+            )
+        named[T.keystr(path)] = leaf
+    trainable = {k: v for k, v in named.items() if v.requires_grad and v.is_floating_point()}
+    if isinstance(params, dict):
+        # Flattening sorts dict keys ("layers.10" before "layers.2"); buckets follow
+        # registration order instead, which is the reverse of backward's.
+        position = {T.keystr((k,)): i for i, k in enumerate(params)}
+        trainable = dict(sorted(trainable.items(), key=lambda kv: position.get(kv[0], -1)))
+    return ParamSplit(named, trainable, treedef, params)
+
+
+def to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A copy of ``t`` in its own host buffer (pinned when ``pin``; non-blocking from a device then)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    out.copy_(t, non_blocking=pin)
+    return out
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Full parameters in flat buckets on every rank.
+
+    Attributes:
+        name: this part's piece of the step's name (None: it adds none).
+        host: keep parameters at rest in host memory and bring them in when
+            used; honoured by storages that gather parameters when used
+            (this one keeps them where they are).
+    """
+
+    name: str | None = None
+    host: bool = False
+
+    def init(self, split: ParamSplit, *, shards: int, bucket_bytes: int, model: Callable | None) -> Held:
+        """The parameter part of a fresh state; ``model()`` returns the ``zf.functional`` apply, if needed."""
+        trainable = split.trainable
+        frozen = {k: v.detach().clone() for k, v in split.named.items() if k not in trainable}
+        layout = Layout.build(
+            trainable, shards=shards, bucket_bytes=bucket_bytes, names=tuple(split.named), frozen=tuple(frozen)
+        )
+        flats = []
+        for b in layout.buckets:
+            flat = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            for s in b.slots:
+                flat[s.offset : s.offset + s.numel].copy_(trainable[s.name].detach().reshape(-1))
+            flats.append(flat)
+        return Held(tuple(flats), frozen, layout)
+
+    @contextlib.contextmanager
+    def bind(self, state: TrainState, sink: GradSink, model: Callable, extra: dict):
+        """Yield the params tree ``loss_fn`` receives, alive through backward.
+
+        Each trainable parameter is a fresh leaf viewing its bucket; its
+        gradient goes to ``sink``. A storage may record entries for the next
+        state in ``extra``.
+        """
+        layout = state.spec.layout
+        leaves: dict[str, torch.Tensor] = {}
+        hooks: list = []
+        for name, view in layout.views(state.params).items():
+            leaves[name], h = sink.leaf(name, view)
+            hooks += h
+        try:
+            yield _tree(state, leaves)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def opt_view(self, flat: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
+        """The tensor the optimizer updates for one bucket: all of it, or this rank's shard."""
+        if bucket.shards == 1:
+            return flat
+        lo, hi = bucket.shard_range(rank)
+        return flat[lo:hi]
+
+    def publish(self, flats: tuple, layout: Layout, rank: int) -> None:
+        """Make updated parameters whole on every rank: all-gather each sharded bucket in place."""
+        handles = []
+        for flat, bucket in zip(flats, layout.buckets):
+            if bucket.shards > 1:
+                lo, hi = bucket.shard_range(rank)
+                # In place: the input is this rank's slice of the output, so no temporary.
+                handles.append(C.all_gather(flat, flat[lo:hi], async_op=True))
+        for h in handles:
+            h.wait()
+
+    def full_params(self, state: TrainState, model: Callable) -> Any:
+        """The full parameters, a new tree shaped like the ``init`` input."""
+        views = state.spec.layout.views(state.params)
+        return _tree(state, {k: v.detach().clone() for k, v in views.items()})
+
+    def forward(self, state: TrainState, model: Callable, args: tuple, kwargs: dict) -> Any:
+        """The model's forward on the state's parameters, without gradients."""
+        with torch.no_grad():
+            return model()(_tree(state, state.spec.layout.views(state.params)), *args, **kwargs)
+
+    def replace(self, **changes) -> "Storage":
+        return dataclasses.replace(self, **changes)
+
+
+def _tree(state: TrainState, trainable: dict) -> Any:
+    """The params tree: ``trainable`` where given, the state's frozen tensors elsewhere."""
+    names = state.spec.layout.names
+    return T.tree_unflatten(state.spec.treedef, [trainable[n] if n in trainable else state.frozen[n] for n in names])
