@@ -46,8 +46,7 @@ def cpu_update(n: int, repeat: int) -> None:
     grad = torch.randn(n)
     ref = torch.optim.AdamW([p_ref], lr=1e-3, fused=True)
     params = {"b0": torch.randn(n)}
-    wrapper = dict(zf.transforms.offload(zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-3)), "cpu").phases.wrap_optimizer)
-    opt = wrapper[1](zf.optim.adamw(1e-3))
+    opt = offload(zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-3)), "cpu").effective_optimizer
     state = [opt.init(params)]
 
     def zf_step():
@@ -76,8 +75,7 @@ def cpu_update(n: int, repeat: int) -> None:
 
 def nvme_stream(n: int, path: str, repeat: int) -> None:
     root = tempfile.mkdtemp(dir=path)
-    step = offload(zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-3)), "nvme", path=root)
-    opt = dict(step.phases.wrap_optimizer)[1](zf.optim.adamw(1e-3))
+    opt = offload(zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-3)), "nvme", path=root).effective_optimizer
     params = {"b0": torch.randn(n)}
     state = [opt.init(params)]
     grad = {"b0": torch.randn(n)}

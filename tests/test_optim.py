@@ -477,7 +477,7 @@ def _leaves(tree):
 def test_fused_path_follows_a_schedule_and_a_clip():
     sched = optim.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 40)
     opt = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(sched, weight_decay=0.1))
-    assert opt.apply is not None
+    assert opt.update_in_place is not None
     gen = torch.Generator().manual_seed(3)
     p1 = {"w": torch.randn(40, generator=gen), "b": torch.randn(3, generator=gen)}
     p2 = {k: v.clone() for k, v in p1.items()}

@@ -156,9 +156,9 @@ def master_weights(inner: O.GradientTransformation) -> O.GradientTransformation:
     """Run ``inner`` on fp32 master copies of low-precision parameters.
 
     ``init(params)`` keeps an fp32 copy of ``params`` (which may be bf16/fp16
-    shards); ``update``/``apply`` take fp32 gradients, update the master with
-    ``inner`` (its fused path where it has one) and cast the result back into
-    the low-precision parameters in place.
+    shards); its update takes fp32 gradients, updates the master with
+    ``inner`` (its fused path where it has one) and casts the result back
+    into the low-precision parameters in place.
 
     Example:
         >>> import torch
@@ -176,23 +176,13 @@ def master_weights(inner: O.GradientTransformation) -> O.GradientTransformation:
         return MasterState(master, inner.init(master))
 
     @torch.no_grad()
-    def apply(grads, state, params, **extra):
+    def update_in_place(grads, state, params, **extra):
         grads = T.tree_map(lambda g: g.float(), grads)
         new_inner = O.update_params(inner, grads, state.inner, state.master, **extra)
         torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.master))
         return MasterState(state.master, new_inner)
 
-    @torch.no_grad()
-    def update(updates, state, params=None, **extra):
-        if params is None:
-            raise ValueError("master_weights.update needs the params; call update(updates, state, params)")
-        before = T.tree_leaves(params)
-        new_state = apply(updates, state, T.tree_map(torch.clone, params), **extra)
-        new = [m.to(p.dtype) for m, p in zip(T.tree_leaves(new_state.master), before)]
-        out = T.tree_unflatten(T.tree_structure(params), [n - p for n, p in zip(new, before)])
-        return out, new_state
-
-    return O.GradientTransformation(init, update, apply)
+    return O.in_place(init, update_in_place, "master_weights")
 
 
 # ---------------------------------------------------------------- the policy

@@ -169,7 +169,7 @@ def _host_optimizer(inner: O.GradientTransformation, *, pin: bool, params_on_hos
         return HostState(host, grads, inner.init(params if params_on_host else host))
 
     @torch.no_grad()
-    def apply(grads, state, params, **extra):
+    def update_in_place(grads, state, params, **extra):
         torch._foreach_copy_(T.tree_leaves(state.grads), T.tree_leaves(grads), non_blocking=pin)
         if pin:
             torch.cuda.current_stream().synchronize()
@@ -179,21 +179,7 @@ def _host_optimizer(inner: O.GradientTransformation, *, pin: bool, params_on_hos
             torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.params), non_blocking=pin)
         return HostState(state.params, state.grads, new_inner)
 
-    return O.GradientTransformation(init, _update_via_apply(apply), apply)
-
-
-def _update_via_apply(apply):
-    """``update`` for a wrapper defined by its in-place ``apply``: the change it makes, as updates."""
-
-    @torch.no_grad()
-    def update(updates, state, params=None, **extra):
-        if params is None:
-            raise ValueError("offload's optimizer needs the params: update(updates, state, params)")
-        work = T.tree_map(torch.clone, params)
-        new_state = apply(updates, state, work, **extra)
-        return T.tree_map(lambda n, p: n - p, work, params), new_state
-
-    return update
+    return O.in_place(init, update_in_place, "offload")
 
 
 # ---------------------------------------------------------------- NVMe
@@ -271,7 +257,7 @@ def _nvme_optimizer(inner: O.GradientTransformation, *, root: str, sub_group_byt
         return NvmeState(small, files)
 
     @torch.no_grad()
-    def apply(grads, state, params, **extra):
+    def update_in_place(grads, state, params, **extra):
         files = state.files
         shape, _ = _probe(inner, next(iter(params.values())).dtype)
         old, new = files.generation, 1 - files.generation
@@ -323,7 +309,7 @@ def _nvme_optimizer(inner: O.GradientTransformation, *, root: str, sub_group_byt
         new_files = NvmeFiles(files.root, files.entries, new, files.signature)
         return NvmeState(new_small if new_small is not None else state.small, new_files)
 
-    return O.GradientTransformation(init, _update_via_apply(apply), apply)
+    return O.in_place(init, update_in_place, "offload")
 
 
 def _chunk_elems(shape: _Shape, sub_group_bytes: int) -> int:

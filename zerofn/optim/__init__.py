@@ -49,6 +49,7 @@ from zerofn.optim.base import (
     TraceState,
     apply_updates,
     chain,
+    in_place,
     update_params,
 )
 from zerofn.optim.schedules import (
@@ -83,6 +84,7 @@ __all__ = [
     "adamw",
     "add_decayed_weights",
     "apply_updates",
+    "in_place",
     "chain",
     "clip_by_global_norm",
     "constant_schedule",

@@ -120,7 +120,7 @@ def adam(
     parts.append(scale_by_learning_rate(lr))
     base = chain(*parts)
     adam_at = 1 if weight_decay else 0
-    return base._replace(apply=_fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, decoupled=False))
+    return base._replace(update_in_place=_fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, decoupled=False))
 
 
 def adamw(
@@ -170,4 +170,4 @@ def adamw(
         else:
             parts.append(decay_weights(lr * weight_decay))
     base = chain(*parts)
-    return base._replace(apply=_fused_adam(base, 0, lr, b1, b2, eps, weight_decay, decoupled=True))
+    return base._replace(update_in_place=_fused_adam(base, 0, lr, b1, b2, eps, weight_decay, decoupled=True))

@@ -13,6 +13,7 @@ from typing import Any, Callable, NamedTuple, Union
 import torch
 
 from zerofn.optim._checks import _check_same, _flat
+from zerofn.tree import tree_map
 
 
 Tree = Any
@@ -33,10 +34,10 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
-    # Optional fast path: apply(grads, state, params, **extra) -> state updates
-    # params in place, equal to update() followed by apply_updates() (for
-    # example one fused kernel for all of AdamW). See update_params().
-    apply: Callable[..., OptState] | None = None
+    # Optional fast path: update_in_place(grads, state, params, **extra) -> state
+    # updates params in place, equal to update() followed by apply_updates()
+    # (for example one fused kernel for all of AdamW). See update_params().
+    update_in_place: Callable[..., OptState] | None = None
 
 
 class EmptyState(NamedTuple):
@@ -133,19 +134,19 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return updates, tuple(new_state)
 
     last = transforms[-1] if transforms else None
-    if last is None or last.apply is None:
+    if last is None or last.update_in_place is None:
         return GradientTransformation(init, update)
 
-    def apply(grads, state, params, **extra):
+    def update_in_place(grads, state, params, **extra):
         # The members before the last transform the gradients; the last one
         # (e.g. a fused AdamW) turns them into parameter updates in place.
         head = []
         for t, s in zip(transforms[:-1], state[:-1]):
             grads, s = t.update(grads, s, params, **extra)
             head.append(s)
-        return tuple(head) + (last.apply(grads, state[-1], params, **extra),)
+        return tuple(head) + (last.update_in_place(grads, state[-1], params, **extra),)
 
-    return GradientTransformation(init, update, apply)
+    return GradientTransformation(init, update, update_in_place)
 
 
 @torch.no_grad()
@@ -195,8 +196,38 @@ def update_params(optimizer: GradientTransformation, grads: Updates, state: OptS
         >>> [round(x, 4) for x in p["w"].tolist()], int(state[0].count)
         ([0.9, 0.9], 1)
     """
-    if optimizer.apply is not None:
-        return optimizer.apply(grads, state, params, **extra)
+    if optimizer.update_in_place is not None:
+        return optimizer.update_in_place(grads, state, params, **extra)
     updates, state = optimizer.update(grads, state, params, **extra)
     apply_updates(params, updates)
     return state
+
+
+def in_place(init: Callable, update_in_place: Callable, where: str) -> GradientTransformation:
+    """A GradientTransformation defined by its in-place update alone.
+
+    Its ``update`` runs ``update_in_place`` on a copy of the params and
+    returns the change it made as updates, so the pure interface works for
+    wrappers whose work is naturally in place (master weights, offloaded
+    state). ``where`` names the wrapper in errors.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> def halve(grads, state, params, **extra):
+        ...     params["w"].mul_(0.5)
+        ...     return state
+        >>> opt = optim.in_place(lambda p: (), halve, "halve")
+        >>> opt.update({"w": torch.zeros(2)}, (), {"w": torch.ones(2)})[0]["w"].tolist()
+        [-0.5, -0.5]
+    """
+
+    @torch.no_grad()
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError(f"{where}.update needs the params: update(updates, state, params)")
+        work = tree_map(torch.clone, params)
+        new_state = update_in_place(updates, state, work, **extra)
+        return tree_map(lambda n, p: n - p, work, params), new_state
+
+    return GradientTransformation(init, update, update_in_place)

@@ -1,7 +1,7 @@
 """The fused in-place Adam/AdamW path: torch's ``_fused_adam(w)_`` kernels.
 
 :func:`~zerofn.optim.alias.adam` and :func:`~zerofn.optim.alias.adamw` attach
-``_fused_adam`` as their ``apply``, which :func:`~zerofn.optim.base.update_params`
+``_fused_adam`` as their ``update_in_place``, which :func:`~zerofn.optim.base.update_params`
 takes; it falls back to the equivalent chain of primitives where the kernel
 does not apply (see ``_fusable``).
 """
@@ -29,20 +29,20 @@ def _fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     @torch.no_grad()
-    def apply(grads, state, params, **extra):
-        g, spec = _flat("adam.apply", "grads", grads)
-        p, p_spec = _flat("adam.apply", "params", params)
+    def update_in_place(grads, state, params, **extra):
+        g, spec = _flat("adam.update_in_place", "grads", grads)
+        p, p_spec = _flat("adam.update_in_place", "params", params)
         adam = state[adam_at]
-        mu, _ = _flat("adam.apply", "state.mu", adam.mu)
-        nu, _ = _flat("adam.apply", "state.nu", adam.nu)
+        mu, _ = _flat("adam.update_in_place", "state.mu", adam.mu)
+        nu, _ = _flat("adam.update_in_place", "state.nu", adam.nu)
         if spec != p_spec or not all(_fusable(*ts) for ts in zip(p, g, mu, nu)):
             updates, state = base.update(grads, state, params, **extra)
             apply_updates(params, updates)
             return state
-        count = _check_count("adam.apply", adam.count)
-        lr_value = _schedule_value("adam.apply", lr, count) if callable(lr) else lr
+        count = _check_count("adam.update_in_place", adam.count)
+        lr_value = _schedule_value("adam.update_in_place", lr, count) if callable(lr) else lr
         if lr_value < 0:
-            raise ValueError(f"adam.apply: the learning-rate schedule returned {lr_value} at count {count}; it must be >= 0")
+            raise ValueError(f"adam.update_in_place: the learning-rate schedule returned {lr_value} at count {count}; it must be >= 0")
         for sub in state:  # the counts of adam, the lr schedule and the decay schedule
             c = getattr(sub, "count", None)
             if isinstance(c, torch.Tensor):
@@ -56,7 +56,7 @@ def _fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool
             )
         return state
 
-    return apply
+    return update_in_place
 
 
 def _fusable(*tensors: torch.Tensor) -> bool:
