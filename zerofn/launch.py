@@ -22,93 +22,37 @@ How it works, and why:
   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
   ``OMP_NUM_THREADS=1`` unless it is already set.
 - Messages go over ``multiprocessing.connection`` on 127.0.0.1 with a random
-  authkey. The caller waits on those connections and on process handles at
-  once, so a rank that raises or dies fails the call at once (all ranks are
-  killed; the others may be stuck in a collective) and nothing hangs.
+  authkey. The caller owns the listening socket (port 0 again) and waits on
+  it, on the rank connections and on the process handles at once, so a rank
+  that raises or dies, even before it connects, fails the call at once (all
+  ranks are killed; the others may be stuck in a collective) and nothing
+  hangs.
 - Rank stdout and stderr are the caller's, so prints from ranks show up.
 
-This module and ``collectives.py`` are the only ones that touch
-``torch.distributed``: here only to start the process group.
+This module holds the public API. One generation of ranks is
+``_ranks.Ranks``, built from ``_rank_procs`` (start, watch and kill the
+processes), ``_rank_links`` (listening socket, handshake, messages) and
+``_rank_errors`` (``RankError``, and which rank failed and how);
+``_rank_main`` is what each rank runs. With ``collectives.py`` they are the
+only modules that touch ``torch.distributed``, and only to host the store
+(``_rank_procs``) and start the process group (``_rank_main``).
 """
 
 from __future__ import annotations
 
-import atexit
-import datetime
-import json
-import os
-import signal
-import subprocess
-import sys
 import threading
-import time
-import traceback
 import weakref
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any, Callable
 
 import cloudpickle
 
+from zerofn._rank_errors import RankError
+from zerofn._ranks import Ranks
+
 __all__ = ["RankError", "RankPool", "spawn"]
 
-_HOST = "127.0.0.1"
 # Seconds a rank may take to start: interpreter, `import torch`, rendezvous.
 _START_TIMEOUT = 120.0
-# Seconds ranks get to exit cleanly on close before they are killed.
-_CLOSE_TIMEOUT = 10.0
-# Collective timeout of the process group (torch's default for gloo).
-_PG_TIMEOUT = datetime.timedelta(minutes=30)
-# Seconds to look for a dead rank behind another rank's error.
-_DEATH_GRACE = 0.1
-# Seconds between liveness checks where the OS gives no process handle.
-_POLL_INTERVAL = 0.1
-
-_ENV_INFO = "ZEROFN_LAUNCH_INFO"
-_ENV_PATH = "ZEROFN_LAUNCH_SYS_PATH"
-# The rank entry point: put the caller's sys.path first, then start the loop.
-_BOOTSTRAP = (
-    "import json, os, sys; "
-    f"sys.path[:0] = json.loads(os.environ.pop({_ENV_PATH!r})); "
-    "del json, os, sys; "
-    "from zerofn.launch import _child_main; "
-    "_child_main()"
-)
-
-
-class RankError(RuntimeError):
-    """A rank raised, or its process died, while running a function.
-
-    Attributes:
-        rank: the rank that failed first.
-        exitcode: the process exit code when the rank died without reporting
-            (negative: killed by that signal), else ``None``.
-        remote_traceback: the rank's formatted traceback when it raised, else
-            ``None``. It is also part of the message.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        rank: int,
-        exitcode: int | None = None,
-        remote_traceback: str | None = None,
-    ):
-        super().__init__(message)
-        self.rank = rank
-        self.exitcode = exitcode
-        self.remote_traceback = remote_traceback
-
-    def __reduce__(self):
-        kwargs = dict(
-            rank=self.rank, exitcode=self.exitcode, remote_traceback=self.remote_traceback
-        )
-        return (_make_rank_error, (self.args[0], kwargs))
-
-
-def _make_rank_error(message: str, kwargs: dict) -> RankError:
-    return RankError(message, **kwargs)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, /, *args: Any, timeout: float | None = None) -> list:
@@ -257,11 +201,11 @@ class RankPool:
         state = "closed" if self.closed else "running" if self._box.ranks else "idle"
         return f"RankPool({self.world_size}, {state})"
 
-    def _ensure_started(self, label: str) -> _Ranks:
+    def _ensure_started(self, label: str) -> Ranks:
         if self.closed:
             raise ValueError(f"{label}: the pool is closed. Make a new RankPool.")
         if self._box.ranks is None:
-            self._box.ranks = _Ranks.start(self.world_size, self._start_timeout, label)
+            self._box.ranks = Ranks.start(self.world_size, self._start_timeout, label)
         return self._box.ranks
 
     def _run(self, fn, args, timeout, label) -> list:
@@ -289,7 +233,7 @@ class _Box:
     """The pool's current ranks, kept apart from the pool for its finalizer."""
 
     def __init__(self):
-        self.ranks: _Ranks | None = None
+        self.ranks: Ranks | None = None
 
     def close(self) -> None:
         ranks, self.ranks = self.ranks, None
@@ -300,351 +244,6 @@ class _Box:
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
             ranks.kill()
-
-
-class _Ranks:
-    """One generation of rank processes, their connections and the store."""
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-        self.procs: list[subprocess.Popen] = []
-        self.conns: list[Connection | None] = [None] * world_size
-        self.sentinels: list[int | None] = []
-        self.store = None
-        self.listener: Listener | None = None
-
-    @classmethod
-    def start(cls, world_size: int, start_timeout: float, label: str) -> _Ranks:
-        """Start all ranks in parallel and wait until each joined the group."""
-        ranks = cls(world_size)
-        try:
-            ranks._start(start_timeout, label)
-        except BaseException:
-            ranks.kill()
-            raise
-        return ranks
-
-    def _start(self, start_timeout: float, label: str) -> None:
-        import torch.distributed as dist
-
-        n = self.world_size
-        self.store = dist.TCPStore(
-            _HOST,
-            0,
-            None,
-            True,
-            timeout=datetime.timedelta(seconds=start_timeout),
-            wait_for_workers=False,
-        )
-        authkey = os.urandom(32)
-        self.listener = Listener((_HOST, 0), backlog=max(n, 8), authkey=authkey)
-        host, port = self.listener.address
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("PYTHONUNBUFFERED", "1")  # killed ranks lose no prints
-        env.update(
-            WORLD_SIZE=str(n),
-            LOCAL_WORLD_SIZE=str(n),
-            MASTER_ADDR=_HOST,
-            MASTER_PORT=str(self.store.port),
-        )
-        env[_ENV_PATH] = json.dumps(sys.path)
-        # Our buffered output first, so it is not overtaken by the ranks'.
-        _flush_std()
-        for rank in range(n):
-            info = dict(
-                host=host,
-                port=port,
-                authkey=authkey.hex(),
-                rank=rank,
-                world_size=n,
-                parent_pid=os.getpid(),
-                start_timeout=start_timeout,
-            )
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank))
-            env[_ENV_INFO] = json.dumps(info)
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOTSTRAP],
-                env=env,
-                cwd=os.getcwd(),
-                start_new_session=os.name == "posix",
-            )
-            self.procs.append(proc)
-            self.sentinels.append(_process_handle(proc))
-
-        # The listening socket, so accepting waits alongside the process
-        # handles: a rank that dies before connecting must not hang us.
-        listen_socket = self.listener._listener._socket
-        deadline = time.monotonic() + start_timeout
-        ready: set[int] = set()
-        while len(ready) < n:
-            waiting = [r for r in range(n) if r not in ready]
-            objs: list = [listen_socket] if None in self.conns else []
-            objs += [self.conns[r] for r in waiting if self.conns[r] is not None]
-            got = self._wait_step(objs, waiting, deadline)
-            if got == "timeout":
-                raise TimeoutError(
-                    f"{label}: ranks {waiting} of world size {n} did not start within "
-                    f"{start_timeout:g} s (interpreter start, `import torch`, gloo "
-                    "rendezvous). All ranks were stopped. On a busy machine pass a "
-                    "larger start_timeout to RankPool."
-                )
-            for obj in got:
-                if obj is listen_socket:
-                    self._accept(label)
-                    continue
-                rank = self._rank_of(obj)
-                if rank in ready:
-                    continue
-                if isinstance(obj, Connection):
-                    kind, data = self._recv(rank, label, "while starting")
-                    if kind != "ready":
-                        raise self._error(rank, data, label, "while starting")
-                    ready.add(rank)
-                elif self.procs[rank].poll() is not None:
-                    raise self._dead_or_reported(rank, label, "while starting")
-
-    def _wait_step(self, objs: list, r_list: list[int], deadline: float | None):
-        """Wait on ``objs`` and the process handles of ``r_list``.
-
-        Returns the ready objects (process handles as ints, or the rank's
-        index as a ``_Dead`` marker where there is no handle), or "timeout".
-        """
-        handles = [self.sentinels[r] for r in r_list if self.sentinels[r] is not None]
-        polling = len(handles) < len(r_list)
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        step = remaining
-        if polling:
-            step = _POLL_INTERVAL if remaining is None else min(remaining, _POLL_INTERVAL)
-        ready = wait(objs + handles, timeout=step)
-        if polling:
-            ready += [
-                _Dead(r)
-                for r in r_list
-                if self.sentinels[r] is None and self.procs[r].poll() is not None
-            ]
-        if not ready and deadline is not None and time.monotonic() >= deadline:
-            return "timeout"
-        # Messages before deaths: a rank that reported and then died has
-        # reported.
-        return sorted(ready, key=lambda o: not isinstance(o, Connection))
-
-    def _rank_of(self, obj) -> int:
-        if isinstance(obj, _Dead):
-            return obj.rank
-        if isinstance(obj, Connection):
-            return self.conns.index(obj)
-        return self.sentinels.index(obj)
-
-    def _accept(self, label: str) -> None:
-        try:
-            conn = self.listener.accept()
-        except (AuthenticationError, EOFError, OSError):
-            return  # a stranger on the port, or a rank that died mid-handshake
-        try:
-            kind, rank = conn.recv()
-        except (EOFError, OSError):
-            conn.close()
-            return  # its death shows on its process handle
-        if kind != "hello" or not 0 <= rank < self.world_size or self.conns[rank] is not None:
-            conn.close()
-            raise RuntimeError(f"{label}: unexpected greeting {kind!r} from rank {rank!r}.")
-        self.conns[rank] = conn
-
-    def _recv(self, rank: int, label: str, when: str):
-        try:
-            return self.conns[rank].recv()
-        except (EOFError, OSError):
-            raise self._death(rank, label, when) from None
-
-    def run(self, payload: bytes, timeout: float | None, label: str) -> list:
-        """Send one job to every rank and gather the results in rank order."""
-        n = self.world_size
-        _flush_std()
-        for rank in range(n):
-            try:
-                self.conns[rank].send(("run", payload))
-            except OSError:
-                raise self._death(rank, label, "before the job reached it") from None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        results: dict[int, bytes] = {}
-        while len(results) < n:
-            pending = [r for r in range(n) if r not in results]
-            ready = self._wait_step([self.conns[r] for r in pending], pending, deadline)
-            if ready == "timeout":
-                raise TimeoutError(
-                    f"{label}: ranks {pending} of world size {n} did not finish within "
-                    f"{timeout:g} s. All ranks were stopped. Raise the timeout, or look "
-                    "for a rank stuck in a collective that another rank never reached."
-                )
-            for obj in ready:
-                rank = self._rank_of(obj)
-                if rank in results:
-                    continue
-                if isinstance(obj, Connection):
-                    kind, data = self._recv(rank, label, "before reporting a result")
-                    if kind != "ok":
-                        raise self._error(rank, data, label, "")
-                    results[rank] = data
-                elif self.procs[rank].poll() is not None:
-                    raise self._dead_or_reported(rank, label, "before reporting a result")
-        out = []
-        for rank in range(n):
-            try:
-                out.append(cloudpickle.loads(results[rank]))
-            except Exception as err:
-                raise RankError(
-                    f"{label}: the result of rank {rank} could not be unpickled here: "
-                    f"{type(err).__name__}: {err}. Return tensors and plain data, or "
-                    "types importable in this process.",
-                    rank=rank,
-                ) from err
-        return out
-
-    def _pending_error(self, rank: int):
-        """The error a rank reported but we have not read yet, else ``None``."""
-        conn = self.conns[rank]
-        try:
-            if conn is None or not conn.poll():
-                return None
-            kind, data = conn.recv()
-        except (EOFError, OSError):
-            return None
-        return data if kind == "error" else None
-
-    def _dead_ranks(self, exclude: int) -> list[int]:
-        """Ranks other than ``exclude`` whose process has exited, after a short grace."""
-        others = [r for r in range(self.world_size) if r != exclude]
-        handles = [self.sentinels[r] for r in others if self.sentinels[r] is not None]
-        if len(handles) == len(others):
-            wait(handles, timeout=_DEATH_GRACE)
-        else:
-            time.sleep(_DEATH_GRACE)
-        return [r for r in others if self.procs[r].poll() is not None]
-
-    def _dead_or_reported(self, rank: int, label: str, when: str) -> RankError:
-        """The error for a rank whose process exited: what it reported, or its death."""
-        data = self._pending_error(rank)
-        if data is not None:
-            return self._error(rank, data, label, when, check_deaths=False)
-        return self._death(rank, label, when)
-
-    def _error(self, rank: int, data, label: str, when: str, *, check_deaths=True) -> RankError:
-        """The error for a rank that raised, unless another rank died first.
-
-        When a rank dies, the others fail in their next collective ("Connection
-        reset by peer") and may report that before its death shows: the death
-        is the cause, so it wins.
-        """
-        exc_line, tb = data
-        if check_deaths:
-            dead = self._dead_ranks(exclude=rank)
-            if dead:
-                err = self._dead_or_reported(dead[0], label, when or "before reporting a result")
-                note = f"\n\nRank {rank} then raised {exc_line}"
-                err.args = (err.args[0] + note,)
-                return err
-        self.kill()
-        when = f" {when}" if when else ""
-        return RankError(
-            f"{label}: rank {rank} raised {exc_line}{when}. All {self.world_size} "
-            f"ranks were stopped.\n\nTraceback from rank {rank}:\n{tb}",
-            rank=rank,
-            remote_traceback=tb,
-        )
-
-    def _death(self, rank: int, label: str, when: str) -> RankError:
-        proc = self.procs[rank]
-        try:
-            code = proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            code = None
-        self.kill()
-        if code is None:
-            how = "closed its connection but did not exit"
-        elif code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            how = f"was killed by {name} (exit code {code})"
-        else:
-            how = f"exited with exit code {code}"
-        return RankError(
-            f"{label}: rank {rank} (pid {proc.pid}) {how}{' ' + when if when else ''}. All "
-            f"{self.world_size} ranks were stopped. Its own output, if any, is above "
-            "on stderr.",
-            rank=rank,
-            exitcode=code,
-        )
-
-    def close(self) -> None:
-        """Ask the ranks to exit, then kill those that do not."""
-        for conn in self.conns:
-            if conn is not None:
-                try:
-                    conn.send(("close", None))
-                except OSError:
-                    pass
-        deadline = time.monotonic() + _CLOSE_TIMEOUT
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                break
-        self.kill()
-
-    def kill(self) -> None:
-        """Kill every rank (and its process group) now; idempotent."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    if os.name == "posix":
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    else:
-                        proc.kill()
-                except (ProcessLookupError, PermissionError):
-                    pass
-        for proc in self.procs:
-            proc.wait()
-        for conn in self.conns:
-            if conn is not None:
-                conn.close()
-        self.conns = [None] * self.world_size
-        for handle in self.sentinels:
-            if handle is not None:
-                os.close(handle)
-        self.sentinels = [None] * len(self.sentinels)
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
-        self.store = None
-
-
-class _Dead:
-    """Marks a rank found dead by polling (no OS process handle)."""
-
-    def __init__(self, rank: int):
-        self.rank = rank
-
-
-def _process_handle(proc: subprocess.Popen) -> int | None:
-    """A file descriptor that becomes readable when ``proc`` exits, if the OS has one."""
-    pidfd_open = getattr(os, "pidfd_open", None)
-    if pidfd_open is None:
-        return None
-    try:
-        return pidfd_open(proc.pid)
-    except OSError:
-        return None
-
-
-def _flush_std() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
 
 
 def _fn_name(fn) -> str:
@@ -679,78 +278,3 @@ def _check_timeout(timeout, where: str, name: str = "timeout") -> None:
         )
     if not timeout > 0:
         raise ValueError(f"{where}: {name} must be positive seconds or None, got {timeout}.")
-
-
-# --------------------------------------------------------------------------
-# Rank side.
-
-
-def _child_main() -> None:
-    """Entry point of a rank process: connect, join the group, run jobs until closed."""
-    info = json.loads(os.environ.pop(_ENV_INFO))
-    seen: set[str] = set()
-    sys.path[:] = [p for p in sys.path if not (p in seen or seen.add(p))]
-    rank, world_size = info["rank"], info["world_size"]
-    conn = Client((info["host"], info["port"]), authkey=bytes.fromhex(info["authkey"]))
-    _watch_parent(info["parent_pid"])
-    conn.send(("hello", rank))
-    try:
-        import torch.distributed as dist
-
-        store = dist.TCPStore(
-            info["host"],
-            int(os.environ["MASTER_PORT"]),
-            world_size,
-            False,
-            timeout=datetime.timedelta(seconds=info["start_timeout"]),
-        )
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=_PG_TIMEOUT
-        )
-    except BaseException as exc:
-        conn.send(("error", (_exc_line(exc), traceback.format_exc())))
-        _flush_std()
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            kind, payload = conn.recv()
-        except (EOFError, OSError):
-            break
-        if kind == "close":
-            break
-        try:
-            fn, args = cloudpickle.loads(payload)
-            reply = ("ok", cloudpickle.dumps(fn(*args)))
-        except BaseException as exc:
-            reply = ("error", (_exc_line(exc), traceback.format_exc()))
-        _flush_std()
-        conn.send(reply)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
-    conn.close()
-    # Run atexit handlers, then skip the rest of interpreter teardown: with
-    # torch loaded it takes about a second, and close() waits for it.
-    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
-    if run_exitfuncs is not None:
-        run_exitfuncs()
-    _flush_std()
-    os._exit(0)
-
-
-def _exc_line(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit this rank if the caller dies, so no orphan outlives it."""
-
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="zerofn-parent-watch", daemon=True).start()
