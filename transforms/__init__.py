@@ -1,9 +1,14 @@
 """Transforms that rewrite a Step into a collective-aware Step.
 
-Each is a function ``Step -> Step`` in a module of its own. The shard
-transforms nest: ``shard_params`` implies ``shard_grads``, which implies
-``shard_optimizer``; applying an
-implied transform again returns the step unchanged.
+Each is a function ``Step -> Step`` in a module of its own that replaces a
+part of the step (``reduction``, ``storage``, ``precision``) or extends its
+chain of extensions; see docs/design.md. The shard transforms nest:
+``shard_params`` implies ``shard_grads``, which implies ``shard_optimizer``.
+
+Applying a transform to a step that already has its effect (itself, or a
+transform that implies it) returns the step unchanged when the options
+agree, and raises a ValueError naming both settings when they differ; the
+same rule holds for all five.
 """
 
 from zerofn.transforms.amp import amp

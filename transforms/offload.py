@@ -116,7 +116,7 @@ def offload(
         wrap = functools.partial(_host_optimizer, pin=pin, params_on_host=bool(params))
         options = ("cpu", bool(params), pin)
     have = step.extension("offload")
-    if reapply(step, "offload", have and have.options, options, "offloads (device, settings)"):
+    if reapply(step, "offload", have and have.options, options, "offloads (device and settings)"):
         return step
     step = step.extend(Extension("offload", options, wrap_optimizer=wrap, check=_needs_units if params else None))
     return step.replace(storage=step.storage.replace(host=True)) if params else step

@@ -489,6 +489,6 @@ def reapply(step: Step, name: str, have: Any, want: Any, what: str) -> bool:
     if have == want:
         return True
     raise ValueError(
-        f"{name}: {step.name} already {what} with {have!r}; applying {name} again with {want!r} would change "
-        f"it. Apply {name} once (to change its settings, rebuild the step from zf.train_step)."
+        f"{name}: {step.name} already {what}: {have!r}; applying {name} again with {want!r} would change it. "
+        f"Apply {name} once (to change its settings, rebuild the step from zf.train_step)."
     )
