@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,8 +117,13 @@ def rank_slice(batch, rank, world):
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
+    """The largest |a - b| over every key; nan when any difference is nan (a nan parameter on either side),
+    so that every comparison with it fails (Python's max() would drop a nan that is not first)."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    for k in a:
+        assert a[k].shape == b[k].shape, (k, tuple(a[k].shape), tuple(b[k].shape))  # no broadcasting
+    diffs = [(a[k].double() - b[k].double()).abs().max().item() for k in a]
+    return math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
 
 
 def train(step, state, batch_fn, steps, global_batch, world, rank):

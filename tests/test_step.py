@@ -98,16 +98,21 @@ def test_hard_shapes_layout():
     _, apply, loss_fn = make_transformer()
     assert "head.weight" not in apply.params and "tok.weight" in apply.params
     assert apply.params["frozen_proj"].requires_grad is False
+    frozen_before = apply.params["frozen_proj"].clone()
     step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-3)))
     state = step.init(apply.params)
     layout = state.spec.layout
     assert layout.frozen == ("frozen_proj",)
     dtypes = {b.dtype for b in layout.buckets}
     assert dtypes == {torch.float32, torch.float64}
+    # adamw's two moments cover the trainable parameters only (tied once, frozen none), plus its int64 count
+    trainable_bytes = sum(p.numel() * p.element_size() for p in apply.params.values() if p.requires_grad)
+    assert zf.memory.state_bytes(state)["optimizer"] == 2 * trainable_bytes + 8
     state, _ = step(state, transformer_batch(0, 4))
     full = step.full_params(state)
     assert full["gate64"].dtype == torch.float64 and full["temperature"].shape == ()
-    assert torch.equal(full["frozen_proj"], apply.params["frozen_proj"])
+    assert torch.equal(full["frozen_proj"], frozen_before)
+    assert not torch.equal(full["tok.weight"], apply.params["tok.weight"])  # while the trainable ones moved
 
 
 def _rank_bytes():
@@ -146,6 +151,10 @@ def test_state_bytes_and_comm_bytes_formulas(ranks, world):
         assert sharded["state_bytes"]["optimizer"] == 2 * shard_bytes + counters
         pad = max(len(sharded["buckets"]) * (world - 1) * 8, 0)
         assert 2 * psi_bytes // world <= 2 * shard_bytes <= 2 * psi_bytes // world + 2 * pad
+        # each bucket is padded to the next multiple of N elements, and only that
+        assert all(s == 1 and p == n for n, p, s, _ in plain["buckets"])
+        assert all(s == world and p == -(-n // world) * world for n, p, s, _ in sharded["buckets"])
+        assert sharded["padded_bytes"] == world * shard_bytes
         for s in (plain, sharded):
             assert s["state_bytes"]["params"] == s["padded_bytes"] + s["frozen_bytes"]
             assert s["state_bytes"]["total"] == s["state_bytes"]["params"] + s["state_bytes"]["optimizer"]
@@ -183,9 +192,15 @@ def test_donated_state_raises():
     with pytest.raises(zf.DonatedStateError):
         zf.tree.tree_leaves(state)
     assert "donated" in repr(state)
-    # the new state reuses the old buffers: no second copy of the optimizer state
+    # the new state reuses the old buffers: no second copy of the parameters or the optimizer state.
+    # The donated input cannot be read after the step, so note where its buffers live before it.
+    params_in = [t.data_ptr() for t in zf.tree.tree_leaves(new.params)]
+    opt_in = [t.data_ptr() for t in zf.tree.tree_leaves(new.opt_state) if isinstance(t, torch.Tensor) and t.dim()]
+    assert params_in and len(opt_in) >= 2  # adamw: a first and a second moment per bucket
     new2, _ = step(new, mlp_batch(1, 8))
-    assert all(a is b for a, b in zip(zf.tree.tree_leaves(new2.params), zf.tree.tree_leaves(new2.params)))
+    assert [t.data_ptr() for t in zf.tree.tree_leaves(new2.params)] == params_in
+    assert [t.data_ptr() for t in zf.tree.tree_leaves(new2.opt_state) if isinstance(t, torch.Tensor) and t.dim()] == opt_in
+    assert int(new2.count) == 2  # and it did update them
 
 
 def test_donation_keeps_peak_below_two_optimizer_states():
@@ -265,23 +280,25 @@ def test_batches_of_different_shapes_raise_on_every_rank(ranks):
         assert stepped
 
 
-def _rank_state_bytes_sharded(world_expected):
+def _rank_state_sharded():
     _, apply, loss_fn = make_mlp()
     step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-2)))
     state = step.init(apply.params)
-    return zf.memory.state_bytes(state), repr(state)
+    return state, zf.memory.state_bytes(state), repr(state)
 
 
 def test_state_from_other_world_size(ranks):
     """A state made on 2 ranks is refused on 1 with the reshard hint."""
     _, apply, loss_fn = make_mlp()
     step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-2)))
-    state = step.init(apply.params)
-    bad = state.replace(spec=type(state.spec)(state.spec.chain, 2, state.spec.layout, state.spec.treedef))
-    with pytest.raises(ValueError, match="on world size 2, but this step is .* on world size 1"):
-        step(bad, mlp_batch(0, 8))
-    sizes, text = ranks(2).run(_rank_state_bytes_sharded, 2)[0]
+    made_on_two, sizes, text = ranks(2).run(_rank_state_sharded)[0]
+    with pytest.raises(ValueError, match=r"on world size 2, but this step is .* on world size 1(.|\n)*full_params"):
+        step(made_on_two, mlp_batch(0, 8))
     assert "sharded 1/2" in text and "opt_state" in text
+    # what rank 0 holds: the whole parameters, half of adamw's two moments (+ the int64 count)
+    numel = sum(p.numel() for p in apply.params.values())
+    assert sizes["params"] == 4 * numel
+    assert sizes["optimizer"] == 2 * 4 * -(-numel // 2) + 8
 
 
 def _rank_nan_on_one_rank():
@@ -305,7 +322,7 @@ def test_non_finite_gradient_on_one_rank_skips_everywhere(ranks):
 
 
 def _rank_aux():
-    rank = dist.get_rank()
+    world, rank = dist.get_world_size(), dist.get_rank()
     _, apply, _ = make_mlp()
 
     def loss_fn(params, batch):
@@ -314,13 +331,23 @@ def _rank_aux():
         return loss, {"rank_plus_one": torch.tensor(rank + 1.0), "tag": "local", "out_mean": out.mean()}
 
     step = zf.train_step(loss_fn, zf.optim.sgd(0.1))
-    state, metrics = step(step.init(apply.params), mlp_batch(0, 4))
+    # each rank its own slice: the local loss and out_mean differ from rank to rank
+    state, metrics = step(step.init(apply.params), rank_slice(mlp_batch(0, 12), rank, world))
     return {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
 
 
 def test_aux_values_are_averaged_over_ranks(ranks):
     results = ranks(3).run(_rank_aux)
+    # the mean over 3 equal slices is the mean over the whole batch: one process's values on it
+    _, apply, _ = make_mlp()
+    batch = mlp_batch(0, 12)
+    with torch.no_grad():
+        out = apply(apply.params, batch["x"])
+        whole_loss, whole_out_mean = float(((out - batch["y"]) ** 2).mean()), float(out.mean())
+        local_losses = [float(((o - y) ** 2).mean()) for o, y in zip(out.chunk(3), batch["y"].chunk(3))]
+    assert max(local_losses) - min(local_losses) > 1e-3  # so a rank's own loss would not pass for the mean
     for m in results:
         assert m["rank_plus_one"] == pytest.approx(2.0)  # mean of 1, 2, 3
         assert m["tag"] == "local" and m["skipped"] is False
-        assert m["loss"] == pytest.approx(results[0]["loss"])
+        assert m["loss"] == pytest.approx(whole_loss, rel=1e-6)
+        assert m["out_mean"] == pytest.approx(whole_out_mean, rel=1e-6, abs=1e-7)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -49,14 +50,20 @@ def _excess(a: dict, b: dict, dtype) -> float:
 
     Each rank rounds its gradient to ``dtype`` before the reduction, one process rounds the whole batch's:
     the last bits of a gradient differ, and where Adam's normalised step is driven by such bits, a
-    parameter may move by up to one learning rate differently. Returns max(|a - b| - tolerance), <= 0 if fine.
+    parameter may move by up to one learning rate differently. Returns max(|a - b| - tolerance), <= 0 if fine,
+    and nan when a parameter is nan on either side (Python's max() would drop it).
     """
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
     eps = torch.finfo(dtype).eps
     worst = -1.0
     for k in a:
         x, y = a[k].double(), b[k].double()
+        assert x.shape == y.shape, (k, tuple(x.shape), tuple(y.shape))
         tol = 2 * eps * torch.maximum(x.abs(), y.abs()) + LR
-        worst = max(worst, ((x - y).abs() - tol).max().item())
+        excess = ((x - y).abs() - tol).max().item()
+        if math.isnan(excess):
+            return math.nan
+        worst = max(worst, excess)
     return worst
 
 
@@ -166,19 +173,33 @@ def _rank_overflow_on_one_rank():
     before = zf.tree.tree_map(torch.clone, (state.params, state.opt_state, state.count))
     boom = torch.tensor(float("inf") if rank == 1 else 1.0)
     state, m = step(state, (rank_slice(transformer_batch(1, 8), rank, world), boom))
-    after = (state.params, state.opt_state, state.count)
-    unchanged = all(torch.equal(a, b) for a, b in zip(zf.tree.tree_leaves(before), zf.tree.tree_leaves(after)))
+    before, after = zf.tree.tree_leaves(before), zf.tree.tree_leaves((state.params, state.opt_state, state.count))
+    unchanged = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
     skipped, scale, skips = m["skipped"], float(m["loss_scale"]), m["consecutive_skips"]
     for i in range(2, 5):
         state, m2 = step(state, (rank_slice(transformer_batch(i, 8), rank, world), torch.tensor(1.0)))
     return skipped, unchanged, scale, skips, m2["skipped"], int(state.count), float(m2["loss"])
 
 
+def _one_process_overflow_loss():
+    """The same run on one process fed the whole batch, overflowing at the same step: its last loss."""
+    apply, loss = _blowup_model()
+    step = amp(shard_grads(zf.train_step(loss, zf.optim.adamw(1e-3))), torch.float16)
+    state = step.init(apply.params)
+    for i, boom in enumerate((1.0, float("inf"), 1.0, 1.0, 1.0)):
+        state, m = step(state, (transformer_batch(i, 8), torch.tensor(boom)))
+        assert m["skipped"] is (i == 1)
+    return float(m["loss"])
+
+
 def test_overflow_on_one_rank_skips_everywhere_then_recovers(ranks):
+    ref_loss = _one_process_overflow_loss()
     for skipped, unchanged, scale, skips, later, count, loss in ranks(2).run(_rank_overflow_on_one_rank):
         assert skipped is True and unchanged
         assert scale == 2.0**16 and skips == 1  # first overflow: hysteresis 2 holds the scale
-        assert later is False and count == 4 and loss == loss
+        assert later is False and count == 4
+        # it recovers: training goes on as if that step had never been fed (as on one process)
+        assert math.isfinite(loss) and loss == pytest.approx(ref_loss, abs=2e-3)
 
 
 # ---------------------------------------------------------------- the memory table
@@ -197,6 +218,7 @@ def _rank_table():
             held=zf.memory.state_bytes(state),
             psi=layout.trainable_numel,
             padded=sum(b.padded for b in layout.buckets),
+            buckets=len(layout.buckets),
         )
     return rows
 
@@ -216,7 +238,7 @@ def test_state_bytes_follow_the_memory_table(ranks):
                 assert (params, opt) == (2 * pad, 12 * pad // n + counts)
             else:  # ZeRO-3: 16 Psi / N
                 assert (params, opt) == (2 * pad // n, 12 * pad // n + counts)
-            assert pad - psi < 8 * n  # padding: under N elements per bucket
+            assert 0 <= pad - psi < n * r["buckets"]  # padding: under N elements per bucket
 
 
 def test_amp_arguments_are_checked():
@@ -224,8 +246,9 @@ def test_amp_arguments_are_checked():
     base = zf.train_step(loss_fn, zf.optim.adamw(1e-3))
     with pytest.raises(ValueError, match="bfloat16 or torch.float16"):
         amp(base, torch.float32)
-    with pytest.raises(ValueError, match="already runs in mixed precision"):
-        amp(amp(base))
+    with pytest.raises(ValueError, match="already runs in mixed precision.*Apply amp once"):
+        amp(amp(base), torch.float16)  # other settings: refused (the same settings are a no-op)
+    assert amp(amp(base)) == amp(base)
     with pytest.raises(ValueError, match="backoff must be in"):
         amp(base, torch.float16, backoff=2.0)
     with pytest.raises(ValueError, match='loss_scale must be "dynamic"'):
@@ -251,3 +274,4 @@ def test_bf16_gpt_reaches_fp32_loss():
     fp32 = train_gpt.main(args + ["--quiet"])
     bf16 = train_gpt.main(args + ["--quiet", "--amp", "bf16"])
     assert abs(bf16 - fp32) <= 0.02 * fp32, (bf16, fp32)
+    assert bf16 != fp32  # the bf16 run really ran in bf16 (not the same fp32 arithmetic again)
