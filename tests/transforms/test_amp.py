@@ -224,8 +224,9 @@ def _rank_table():
 
 
 def test_state_bytes_follow_the_memory_table(ranks):
-    """DESIGN.md's table on N = 4: 2 bytes of parameters, 12 of optimizer state (fp32 master + Adam), 2 of
-    gradients (alive only inside a step); each row's between-step bytes are exactly the table minus gradients."""
+    """The memory table (docs/design.md) on N = 4: 2 bytes of parameters, 12 of optimizer state (fp32 master +
+    Adam), 2 of gradients (alive only inside a step); each row's between-step bytes are exactly the table minus
+    gradients."""
     n = 4
     for rows in ranks(n).run(_rank_table):
         for shard, r in rows.items():
