@@ -139,6 +139,7 @@ def shard_params(
     """
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"shard_params: prefetch must be an int >= 0, got {prefetch!r}")
+    units = tuple(units) if isinstance(units, (list, tuple)) else units  # hashable, like the rest of a Step
     storage = UnitStorage(host=step.storage.host, units=units, prefetch=prefetch, init_fn=init_fn)
     have = step.storage if step.reduction.stage >= 3 else None
     if reapply(step, "shard_params", have, storage, "shards parameters"):

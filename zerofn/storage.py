@@ -46,13 +46,11 @@ class ParamSplit(NamedTuple):
         named: key path -> tensor, every leaf, in the tree's leaf order.
         trainable: the leaves that get gradients, in registration order.
         treedef: the tree's structure, to rebuild it for ``loss_fn``.
-        source: the params tree as given (a storage may look up its model from it).
     """
 
     named: dict
     trainable: dict
     treedef: Any
-    source: Any
 
 
 class Held(NamedTuple):
@@ -83,7 +81,7 @@ def split_params(params: Any, where: str) -> ParamSplit:
         # registration order instead, which is the reverse of backward's.
         position = {T.keystr((k,)): i for i, k in enumerate(params)}
         trainable = dict(sorted(trainable.items(), key=lambda kv: position.get(kv[0], -1)))
-    return ParamSplit(named, trainable, treedef, params)
+    return ParamSplit(named, trainable, treedef)
 
 
 def to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
