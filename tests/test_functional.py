@@ -11,14 +11,31 @@ import zerofn as zf
 from helpers import make_transformer
 
 
-def test_params_are_detached_copies_keyed_like_named_parameters():
+def test_params_are_the_modules_own_keyed_like_named_parameters():
     model, apply, _ = make_transformer()
     assert list(apply.params) == [n for n, _ in model.named_parameters()]
     for name, p in model.named_parameters():
-        q = apply.params[name]
-        assert torch.equal(p, q) and q.data_ptr() != p.data_ptr()
-        assert q.requires_grad == p.requires_grad and q.grad_fn is None
+        assert apply.params[name] is p  # no copy: a second copy would double the parameter bytes
     assert apply.tied == {"head.weight": "tok.weight"}
+
+
+def test_adopt_shares_or_replaces_every_place_of_a_parameter():
+    model, apply, _ = make_transformer()
+    idx = torch.randint(23, (3, 8))
+    expected = model(idx)
+    state = {k: v.detach().clone() for k, v in apply.params.items()}
+    apply.adopt({"tok.weight": state["tok.weight"], "pos": state["pos"]})
+    # shared: the module reads the given storage, in both places of the tied weight
+    assert model.tok.weight.data_ptr() == model.head.weight.data_ptr() == state["tok.weight"].data_ptr()
+    assert model.pos.data_ptr() == state["pos"].data_ptr()
+    # the rest: meta placeholders, in apply.params too, so nothing keeps the old storage alive
+    assert model.blocks[0].qkv.weight.device.type == "meta" and apply.params["blocks.0.qkv.weight"].is_meta
+    with pytest.raises(RuntimeError, match="calling the module: the module's parameters are held"):
+        model(idx)
+    with pytest.raises(RuntimeError, match="state_dict"):
+        model.state_dict()
+    # a call with real params still works: the placeholders are swapped out for it
+    torch.testing.assert_close(apply(state, idx), expected, rtol=0, atol=0)
 
 
 def test_apply_equals_module_forward_and_uses_given_params():

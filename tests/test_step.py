@@ -99,6 +99,7 @@ def test_hard_shapes_layout():
     assert "head.weight" not in apply.params and "tok.weight" in apply.params
     assert apply.params["frozen_proj"].requires_grad is False
     frozen_before = apply.params["frozen_proj"].clone()
+    tok_before = apply.params["tok.weight"].clone()
     step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-3)))
     state = step.init(apply.params)
     layout = state.spec.layout
@@ -112,7 +113,8 @@ def test_hard_shapes_layout():
     full = step.full_params(state)
     assert full["gate64"].dtype == torch.float64 and full["temperature"].shape == ()
     assert torch.equal(full["frozen_proj"], frozen_before)
-    assert not torch.equal(full["tok.weight"], apply.params["tok.weight"])  # while the trainable ones moved
+    assert not torch.equal(full["tok.weight"], tok_before)  # while the trainable ones moved
+    assert torch.equal(full["tok.weight"], apply.params["tok.weight"])  # and the module reads the state's values
 
 
 def _rank_bytes():

@@ -1,7 +1,18 @@
 """``zf.functional(module)``: a pure ``apply(params, *args)`` over any nn.Module.
 
 Like ``torch.func.functional_call``, but correct for a module that appears
-twice in the model (see ``Functional.call_with``).
+twice in the model (see ``Functional.call_with``), and aware of a step:
+
+- ``apply.params`` are the module's own parameters, not copies. A step's
+  ``init`` takes them over (:meth:`Functional.adopt`): afterwards the
+  module holds no parameter storage of its own, so the state is the only
+  copy (ZeRO's memory table holds for the whole program, not only for the
+  state).
+- Inside a step's forward and backward (:data:`BINDING`), the parameters a
+  call swaps in stay in place until backward is over, so activation
+  checkpointing inside the model (``torch.utils.checkpoint``, reentrant or
+  not, Hugging Face's ``gradient_checkpointing_enable()``) recomputes with
+  the step's parameters and sends their gradients to the step.
 
 Example:
     >>> import torch, zerofn as zf
@@ -17,11 +28,29 @@ from __future__ import annotations
 
 import contextvars
 import weakref
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-__all__ = ["Functional", "functional"]
+__all__ = ["ADOPTED_HELP", "BINDING", "Functional", "functional"]
+
+# A step sets this to an ExitStack for the span of its forward and backward:
+# parameters swapped in during that span are restored only when it closes.
+BINDING: contextvars.ContextVar = contextvars.ContextVar("zerofn_binding", default=None)
+
+ADOPTED_HELP = """\
+{what}: the module's parameters are held by a zerofn TrainState (step.init
+took them over, so that the state is the only copy; this module now holds
+placeholders on the meta device). Inside loss_fn, call apply with the params
+the step passes to loss_fn. Elsewhere, run the model through the step, or
+read the parameters from the state:
+
+    out = step.apply(state, *args)           # evaluation, generation (gathers shards if sharded)
+    params = step.full_params(state)         # a new dict name -> tensor
+
+To keep the module's own parameters as well (a second copy beside the
+state), build the state with step.init(apply.params, keep_module=True).
+"""
 
 # A step that holds parameters sharded (shard_params) sets this while loss_fn
 # runs: apply then hands the call to it, which gathers parameters unit by unit.
@@ -42,11 +71,11 @@ class Functional:
 
     Attributes:
         module: the wrapped nn.Module (its buffers are used as they are).
-        params: dict name -> tensor keyed like ``module.named_parameters()``:
-            detached copies that keep each parameter's ``requires_grad``
-            flag (``False`` marks a frozen parameter: no gradient, no
-            optimizer state). A tied parameter appears once, under its
-            first name.
+        params: dict name -> parameter keyed like ``module.named_parameters()``:
+            the module's own parameters (``requires_grad=False`` marks a
+            frozen one: no gradient, no optimizer state). A tied parameter
+            appears once, under its first name. After a step's ``init`` has
+            adopted them, the placeholders that stand in their place.
         tied: dict alias name -> first name, for parameters shared under
             several names.
     """
@@ -58,10 +87,7 @@ class Functional:
                 "Wrap your model: apply = zf.functional(model)."
             )
         self.module = module
-        self.params: dict[str, torch.Tensor] = {
-            name: p.detach().clone().requires_grad_(p.requires_grad)
-            for name, p in module.named_parameters()
-        }
+        self.params: dict[str, torch.Tensor] = dict(module.named_parameters())
         first: dict[int, str] = {}
         self.tied: dict[str, str] = {}
         # Every (module, attribute) that holds a parameter, once, with the name of
@@ -76,6 +102,9 @@ class Functional:
             owner_name, _, attr = name.rpartition(".")
             owner = module.get_submodule(owner_name)
             self._slots.setdefault((id(owner), attr), (owner, attr, first[key]))
+        self._current: Any = None  # the params now swapped in, if any
+        self._adopted = False  # the module holds meta placeholders (see adopt)
+        self._guards: list = []
         _OWNERS[id(self.params)] = weakref.ref(self)
 
     def __call__(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -86,27 +115,86 @@ class Functional:
         return self.call_with(params, args, kwargs)
 
     def call_with(self, params: Mapping[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
-        """The module's forward with ``params`` swapped in (restored afterwards, even on error).
+        """The module's forward with ``params`` swapped in, restored afterwards (even on error).
 
+        Inside a step's forward and backward (``BINDING`` set) the swap is
+        restored only when the step's backward is over, so a recompute in
+        backward (activation checkpointing) sees the same tensors.
         ``torch.func.functional_call`` loses a module's own parameters when the
         module appears twice in the tree (it saves the already swapped tensor
         the second time); swapping each (module, attribute) place once avoids it.
         """
+        binding = BINDING.get()
+        if binding is not None:
+            if self._current is not params:
+                binding.callback(self._swap(params))
+            return self.module(*args, **kwargs)
+        restore = self._swap(params)
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            restore()
+
+    def _swap(self, params: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+        """Put ``params`` in the module's parameter places; returns what puts the previous ones back."""
+        if self._adopted and params is self.params:
+            raise RuntimeError(ADOPTED_HELP.format(what="apply(apply.params, ...)"))
         missing = [name for _, _, name in self._slots.values() if name not in params]
         if missing:
             raise KeyError(
                 f"apply(params, ...): params lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}; pass the "
                 "dict apply.params (or a tree with the same names)"
             )
-        saved = []
-        try:
-            for owner, attr, name in self._slots.values():
-                saved.append((owner, attr, owner._parameters[attr]))
-                owner._parameters[attr] = params[name]
-            return self.module(*args, **kwargs)
-        finally:
+        saved = [(owner, attr, owner._parameters[attr]) for owner, attr, _ in self._slots.values()]
+        previous = self._current
+        for owner, attr, name in self._slots.values():
+            owner._parameters[attr] = params[name]
+        self._current = params
+
+        def restore() -> None:
             for owner, attr, original in saved:
                 owner._parameters[attr] = original
+            self._current = previous
+
+        return restore
+
+    # ---------------------------------------------------------- ownership
+
+    def adopt(self, views: Mapping[str, torch.Tensor]) -> None:
+        """Let a state own the parameters: the module keeps no storage of its own.
+
+        A parameter named in ``views`` shares that tensor's storage (the
+        state's buffer, so the module reads the state's current values);
+        every other one becomes a placeholder on the meta device, and calling
+        the module or its ``state_dict()`` outside a step raises
+        :data:`ADOPTED_HELP`.
+        """
+        placeholders: dict[str, torch.nn.Parameter] = {}
+        for owner, attr, name in self._slots.values():
+            p = owner._parameters[attr]
+            if name in views:
+                if p.data_ptr() != views[name].data_ptr():
+                    p.data = views[name]
+                continue
+            if name not in placeholders:
+                placeholders[name] = torch.nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+                )
+            owner._parameters[attr] = placeholders[name]
+        self.params.update(placeholders)
+        if placeholders and not self._adopted:
+            self._adopted = True
+            self._guards = [
+                self.module.register_forward_pre_hook(self._guard("calling the module")),
+                self.module.register_state_dict_pre_hook(self._guard("module.state_dict()")),
+            ]
+
+    def _guard(self, what: str) -> Callable:
+        def check(module, *args) -> None:
+            if self._current is None and ACTIVE_RUN.get() is None:
+                raise RuntimeError(ADOPTED_HELP.format(what=what))
+
+        return check
 
     def __repr__(self) -> str:
         n = sum(p.numel() for p in self.params.values())
@@ -122,8 +210,8 @@ def functional(module: torch.nn.Module) -> Functional:
     Returns:
         A :class:`Functional`: callable as ``apply(params, *args, **kwargs)``
         (each parameter swapped in place of the module's own for the call;
-        buffers come from the module), with
-        ``apply.params`` the initial parameter dict and ``apply.module``.
+        buffers come from the module), with ``apply.params`` the module's
+        own parameters (which ``step.init`` takes over) and ``apply.module``.
 
     Raises:
         TypeError: ``module`` is not an nn.Module.

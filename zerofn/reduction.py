@@ -113,6 +113,7 @@ class GradSink:
         self.handles: list[C.Handle | None] = [None] * n
         self.results: list[torch.Tensor | None] = [None] * n
         self.launched = 0
+        self.received = 0  # gradients handed over in this micro-step
         self.release = not reduction.replicated
         # fp16 gradients are divided by the world size before the reduction, so that
         # summing N ranks' scaled gradients does not overflow fp16's range.
@@ -147,6 +148,7 @@ class GradSink:
             view = self.views[name]
             view.add_(leaf.grad.reshape(view.shape))
             leaf.grad = None
+            self.received += 1
             self.remaining[i] -= 1
             if self.reduce and self.remaining[i] == 0:
                 j = self.launched

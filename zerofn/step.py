@@ -71,7 +71,7 @@ from zerofn import optim as O
 from zerofn import tree as T
 from zerofn.closure import find_functional
 from zerofn.extension import Extension
-from zerofn.functional import Functional, owner_of
+from zerofn.functional import BINDING, Functional, owner_of
 from zerofn.precision import Precision
 from zerofn.reduction import GradSink, Reduction
 from zerofn.state import Layout, StateSpec, TrainState
@@ -80,6 +80,17 @@ from zerofn.storage import Storage, split_params
 __all__ = ["DEFAULT_BUCKET_BYTES", "Step", "StepTransform", "reapply", "train_step", "transform"]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # torch DDP's default bucket_cap_mb
+
+IGNORED_PARAMS_HELP = """\
+{name}(state, batch): no gradient reached the parameters the step passed to
+loss_fn: the loss does not depend on them. loss_fn must compute the loss
+from its params argument, for example
+
+    def loss_fn(params, batch):
+        return criterion(apply(params, batch["x"]), batch["y"])   # not apply.params, not model(...)
+
+Nothing was updated and the state is as it was.
+"""
 
 
 @dataclass(frozen=True)
@@ -154,11 +165,21 @@ class Step:
 
     # ------------------------------------------------------------ init and views
 
-    def init(self, params: Any) -> TrainState:
+    def init(self, params: Any, *, keep_module: bool = False) -> TrainState:
         """Build the state for ``params`` (a tree of tensors, e.g. ``apply.params``).
 
         Tensors with ``requires_grad=False`` (or a non-float dtype) are frozen:
         no gradient, no optimizer state.
+
+        When ``params`` is ``apply.params`` of a ``zf.functional`` module, the
+        state takes the module's parameters over, so that it holds the only
+        copy: a parameter the state holds whole in the same dtype and device
+        (no sharding of parameters, no amp, a donating step) stays in the
+        module as a view of the state's buffer, and reads the state's current
+        values; every other one becomes a meta placeholder, and calling the
+        module outside a step raises, pointing to ``step.apply`` and
+        ``step.full_params``. ``keep_module=True`` leaves the module as it
+        was (a second copy of the parameters beside the state).
         """
         for e in self.extensions:
             if e.check is not None:
@@ -177,7 +198,7 @@ class Step:
         extra = dict(held.extra)
         for e in self.extensions:
             extra.update((key, init()) for key, init in e.entries)
-        return TrainState(
+        state = TrainState(
             params=held.params,
             frozen=held.frozen,
             opt_state=opt_state,
@@ -188,6 +209,10 @@ class Step:
             extra=extra,
             spec=StateSpec(self.name, world, held.layout, split.treedef),
         )
+        functional = owner_of(params)
+        if functional is not None and not keep_module:
+            self.storage.adopt(functional, state, share=self.donate)
+        return state
 
     def _opt_params(self, flats: tuple, layout: Layout, rank: int) -> dict[str, torch.Tensor]:
         return {f"b{i}": self.storage.opt_view(f, b, rank) for i, (f, b) in enumerate(zip(flats, layout.buckets))}
@@ -300,6 +325,10 @@ class Step:
             for e in self.extensions:
                 if e.around is not None:
                     stack.enter_context(e.around(self._model, state))
+            # Parameters a zf.functional call swaps in stay until backward is over,
+            # so a recompute in backward (checkpointing in the model) sees them too.
+            token = BINDING.set(stack)
+            stack.callback(BINDING.reset, token)
             with self.precision.autocast(_device(state.spec.layout)):
                 out = self.loss_fn(params, batch)
             loss, aux = _split_loss(self.name, out)
@@ -307,6 +336,8 @@ class Step:
             if loss.requires_grad:
                 (loss * scale if scale != 1.0 else loss).backward()
             del params, out
+        if sink.received == 0 and state.spec.layout.buckets:
+            raise ValueError(IGNORED_PARAMS_HELP.format(name=self.name))
         return loss.detach(), aux, extra
 
 

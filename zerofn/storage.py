@@ -33,6 +33,7 @@ import torch
 
 from zerofn import collectives as C
 from zerofn import tree as T
+from zerofn.functional import Functional
 from zerofn.reduction import GradSink
 from zerofn.state import Bucket, Layout, TrainState
 
@@ -108,7 +109,17 @@ class Storage:
     def init(self, split: ParamSplit, *, shards: int, bucket_bytes: int, model: Callable | None) -> Held:
         """The parameter part of a fresh state; ``model()`` returns the ``zf.functional`` apply, if needed."""
         trainable = split.trainable
-        frozen = {k: v.detach().clone() for k, v in split.named.items() if k not in trainable}
+        meta = [k for k, v in split.named.items() if v.device.type == "meta"]
+        if meta:
+            raise ValueError(
+                f"init: params {meta[0]!r}{' and others' if len(meta) > 1 else ''} are on the meta device (a model "
+                "built on meta, or a module whose parameters a state already holds). This step keeps full "
+                "parameters, so it needs real tensors: pass step.full_params(state) of the state that holds "
+                "them, build the model on a real device, or shard the parameters (ZeRO-3), which materialises "
+                "them shard by shard."
+            )
+        # Frozen tensors are never written, so the state shares them rather than copying.
+        frozen = {k: v.detach() for k, v in split.named.items() if k not in trainable}
         layout = Layout.build(
             trainable, shards=shards, bucket_bytes=bucket_bytes, names=tuple(split.named), frozen=tuple(frozen)
         )
@@ -167,6 +178,23 @@ class Storage:
         """The model's forward on the state's parameters, without gradients."""
         with torch.no_grad():
             return model()(_tree(state, state.spec.layout.views(state.params)), *args, **kwargs)
+
+    def adopt(self, functional: Functional, state: TrainState, share: bool) -> None:
+        """Take the module's parameters over after ``init``: the module keeps no storage of its own.
+
+        With ``share``, a parameter the state holds whole, in the module's
+        dtype and on its device, stays in the module as a view of the
+        state's buffer (the module then reads the state's current values);
+        every other parameter becomes a placeholder.
+        """
+        views: dict[str, torch.Tensor] = {}
+        if share:
+            held = {**state.spec.layout.views(state.params), **state.frozen}
+            for name, p in functional.params.items():
+                v = held.get(name)
+                if v is not None and v.dtype == p.dtype and v.device == p.device and v.shape == p.shape:
+                    views[name] = v
+        functional.adopt(views)
 
     def replace(self, **changes) -> "Storage":
         return dataclasses.replace(self, **changes)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -148,10 +150,19 @@ def test_compositions_are_one_step_and_bad_arguments():
 
 def test_apply_equals_the_module_and_refuses_other_params():
     model, apply, loss_fn = make_model()
+    reference = copy.deepcopy(model)
     step = shard_params(zf.train_step(loss_fn, zf.optim.adamw(1e-3)))
     state = step.init(apply.params)
     idx = batch_for(0, 5)[:, :-1]
-    torch.testing.assert_close(step.apply(state, idx), model(idx), rtol=0, atol=0)
+    torch.testing.assert_close(step.apply(state, idx), reference(idx), rtol=0, atol=0)
+    # the state holds the only copy: the module has placeholders and says what to use instead
+    assert all(p.device.type == "meta" for p in model.parameters())
+    with pytest.raises(RuntimeError, match=r"(?s)held by a zerofn TrainState.*step.apply\(state"):
+        model(idx)
+    with pytest.raises(RuntimeError, match=r"(?s)module.state_dict\(\).*step.full_params\(state\)"):
+        model.state_dict()
+
+    _, apply, _ = make_model()
 
     def bad_loss(params, batch):
         return apply(dict(params), batch[:, :-1]).sum()
@@ -163,10 +174,11 @@ def test_apply_equals_the_module_and_refuses_other_params():
 
 def _rank_apply():
     model, apply, loss_fn = make_model()
+    reference = copy.deepcopy(model)
     step = shard_params(zf.train_step(loss_fn, zf.optim.adamw(1e-3)))
     state = step.init(apply.params)
     idx = batch_for(0, 5)[:, :-1]
-    return (step.apply(state, idx) - model(idx)).abs().max().item()
+    return (step.apply(state, idx) - reference(idx)).abs().max().item()
 
 
 def test_apply_on_ranks_equals_the_unsharded_module(ranks):
