@@ -298,6 +298,7 @@ class _Runner:
             self.hooks.append(m.register_forward_hook(functools.partial(self._after, unit, bool(top))))
         self.open_block: _LiveUnit | None = None
         self._placeholders = None
+        self.calls = 0  # model calls running (forward); none while backward recomputes
 
     # ---------------------------------------------------------- entry points
 
@@ -320,7 +321,11 @@ class _Runner:
         return self.run(args, kwargs)
 
     def run(self, args: tuple, kwargs: dict) -> Any:
-        return self.functional.call_with(self.leaves, args, kwargs)
+        self.calls += 1
+        try:
+            return self.functional.call_with(self.leaves, args, kwargs)
+        finally:
+            self.calls -= 1
 
     def close(self) -> None:
         for h in self.hooks:
@@ -385,6 +390,12 @@ class _Runner:
         return self.expected
 
     def _before(self, unit: _LiveUnit, module: nn.Module, args: Any) -> None:
+        if not self.calls:
+            # Outside the model's call: a recompute in backward (activation checkpointing).
+            # The unit's backward is under way: have it gathered, and release it only
+            # when its last gradient is in (a recompute may stop early, so no depth count).
+            self._ensure(unit)
+            return
         if unit.spec.name != ROOT and unit is not self.open_block:
             # Entering another block: the previous one is done if none of its calls is running.
             prev = self.open_block
@@ -404,11 +415,13 @@ class _Runner:
             self._prefetch(expected[expected.index(unit) + 1 :], unit)
 
     def _after(self, unit: _LiveUnit, top: bool, module: nn.Module, args: Any, output: Any) -> None:
-        unit.depth -= 1
         if torch.is_grad_enabled() and self.sink is not None:
             for t in T.tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(functools.partial(self._before_backward, unit))
+        if not self.calls:  # a recompute in backward: see _before
+            return
+        unit.depth -= 1
         if top and unit.depth == 0:
             self._release(unit)
             if unit is self.open_block:
