@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from zerofn.extension import Extension
 from zerofn.step import Step, reapply, transform
-from zerofn.transforms._units import unit_names
+from zerofn.transforms._units import natural_blocks, unit_names
 
 __all__ = ["remat"]
 
@@ -98,7 +98,7 @@ def remat(
 def _checkpointed(blocks: Any, save: Any, model: Callable, state: Any):
     """Wrap the chosen blocks' forward in checkpoint() for one forward and backward."""
     module = model().module
-    names = unit_names(module, blocks)
+    names = natural_blocks(module) if blocks is None else unit_names(module, blocks, where="remat: blocks")
     context_fn = functools.partial(_selective, save) if save is not None else None
     patched = []
     try:

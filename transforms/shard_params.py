@@ -4,11 +4,13 @@ Implies ``shard_grads`` and ``shard_optimizer``. Between steps a rank holds
 only its shard of every parameter (frozen ones too), of the gradient
 partition while accumulating, and of the optimizer state.
 
-The model is cut into *units*: by default each child of the model's
-top-level ``nn.ModuleList`` s (the blocks) plus the root (every parameter in
-no block: embeddings, final norm, head; and any parameter two units share).
-Each unit's parameters form one flat buffer per dtype, padded to a multiple
-of N and sharded like a ``shard_optimizer`` bucket.
+The model is cut into *units*: by default its natural blocks, the children
+of every outermost ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict``
+at any depth (a block holding most of the parameters is cut into its own
+children), plus the root (every parameter in no block: embeddings, final
+norm, head; and any parameter two units share). Each unit's parameters form
+one flat buffer per dtype, padded to a multiple of N and sharded like a
+``shard_optimizer`` bucket.
 
 It replaces two parts of the step (see ``zerofn.step``): the ``reduction``,
 with a stage-3 ``ShardedReduction`` (unit buckets reduce-scattered as
@@ -31,9 +33,10 @@ their gradients land, as in ``shard_grads``), and the ``storage``, with a
   buffer is released.
 - ``opt_view`` / ``publish``: the state holds shards, which the optimizer
   updates in place; nothing is gathered after the update.
-- ``init``: the state is built shard by shard, one parameter (one
-  module's parameters, for ``reset_parameters``) at a time, also from a
-  model built on the meta device.
+- ``init``: the state is built shard by shard, one module's parameters at
+  a time, also from a model built on the meta device (initialised by
+  ``init_fn``, a Hugging Face model's own ``_init_weights``, or the module's
+  ``reset_parameters``).
 - ``full_params`` and ``forward`` (``step.apply``): gather one unit at a time.
 - ``host`` (``offload(params=True)``): shards rest in host memory and each
   is copied in just before its unit's all-gather.
@@ -85,10 +88,10 @@ from zerofn.reduction import GradSink
 from zerofn.state import Bucket, Layout, TrainState
 from zerofn.step import Step, reapply, transform
 from zerofn.storage import Held, ParamSplit, Storage, to_host
-from zerofn.transforms._units import ROOT, Materialiser, Unit, assign_units, inside, unit_buckets, unit_names
+from zerofn.transforms._units import ROOT, Materialiser, MinUnitBytes, Unit, assign_units, inside, unit_buckets, unit_names
 from zerofn.transforms.shard_grads import shard_grads
 
-__all__ = ["UnitStorage", "shard_params"]
+__all__ = ["MinUnitBytes", "UnitStorage", "shard_params"]
 
 ORDER = "shard_params.order"  # state.extra key: unit indices in the order the last step ran them
 
@@ -107,15 +110,19 @@ def shard_params(
     Args:
         step: a Step from ``zf.train_step`` (possibly already transformed).
             Called without it, returns a decorator.
-        units: which modules are gathered as one: a list of module paths, or
-            a predicate ``(path, module) -> bool``; default: every child of
-            the model's top-level ``nn.ModuleList`` s. Parameters in no unit
-            form the root unit.
+        units: which modules are gathered as one: a list of module paths, a
+            predicate ``(path, module) -> bool``, or a size policy
+            ``MinUnitBytes(n)`` (each unit the smallest module holding at
+            least n parameter bytes); default: the model's natural blocks
+            (children of ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict``
+            containers). Parameters in no unit form the root unit. A policy
+            that leaves the model one unit warns.
         prefetch: how many units ahead to gather while the current one
             computes (forward and backward), >= 0.
-        init_fn: ``init_fn(name, meta_tensor) -> tensor`` to materialise a
-            parameter given on the meta device whose module has no
-            ``reset_parameters``.
+        init_fn: ``init_fn(name, meta_tensor) -> tensor`` to materialise
+            every parameter given on the meta device (it takes precedence over
+            a Hugging Face model's ``_init_weights`` and over
+            ``reset_parameters``, which are used without it).
 
     Returns:
         The rewritten Step, named ``shard_params(...)`` whatever shard
