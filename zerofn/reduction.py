@@ -107,6 +107,10 @@ class GradSink:
         self.layout, self.reduction, self.rank, self.reduce = layout, reduction, rank, reduce
         self.dtypes = [grad_dtype(b.dtype) for b in layout.buckets]
         self.buffers: list[torch.Tensor | None] = list(carried) if carried is not None else [None] * n
+        # Gradients of a bucket whose buffer does not exist yet: the buffer is allocated
+        # when the bucket is reduced (or carried), so that, as with torch's own .grad,
+        # gradient memory grows only as backward hands gradients over.
+        self.pending: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(n)]
         self.views: dict[str, torch.Tensor] = {}
         self.where = {s.name: i for i, b in enumerate(layout.buckets) for s in b.slots}
         self.remaining = [len(b.slots) for b in layout.buckets]
@@ -133,20 +137,30 @@ class GradSink:
         return leaf, hooks
 
     def buffer(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s gradient buffer, allocated (with its pending gradients added) on first use."""
         buf = self.buffers[i]
         if buf is None:
             b = self.layout.buckets[i]
             buf = self.buffers[i] = torch.zeros(b.padded, dtype=self.dtypes[i], device=b.device)
         if self.layout.buckets[i].slots[0].name not in self.views:
             self.views.update(self.layout.bucket_views(i, buf))
+        pending, self.pending[i] = self.pending[i], []
+        for name, grad in pending:
+            self._add(name, grad)
         return buf
+
+    def _add(self, name: str, grad: torch.Tensor) -> None:
+        view = self.views[name]
+        view.add_(grad.reshape(view.shape))
 
     def _take(self, name: str) -> Callable[[torch.Tensor], None]:
         def on_grad(leaf: torch.Tensor) -> None:
             i = self.where[name]
-            self.buffer(i)
-            view = self.views[name]
-            view.add_(leaf.grad.reshape(view.shape))
+            if self.buffers[i] is None:
+                self.pending[i].append((name, leaf.grad))
+            else:
+                self.buffer(i)
+                self._add(name, leaf.grad)
             leaf.grad = None
             self.received += 1
             self.remaining[i] -= 1

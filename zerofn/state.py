@@ -89,8 +89,15 @@ class Layout:
         bucket_bytes: int,
         names: tuple[str, ...] | None = None,
         frozen: tuple[str, ...] = (),
+        first_bucket_bytes: int | None = None,
     ) -> "Layout":
-        """Group ``trainable`` into buckets, last-registered first (backward order)."""
+        """Group ``trainable`` into buckets, last-registered first (backward order).
+
+        ``first_bucket_bytes`` caps the first bucket of each dtype (the one
+        backward fills first), as DDP's 1 MiB first bucket does: its
+        gradient buffer is allocated while the forward's activations are
+        all alive, and its reduction starts early.
+        """
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         groups: dict[tuple[torch.dtype, str], list[tuple[str, torch.Tensor]]] = {}
@@ -98,7 +105,7 @@ class Layout:
             groups.setdefault((p.dtype, str(p.device)), []).append((name, p))
         buckets: list[Bucket] = []
         for (dtype, device), items in groups.items():
-            limit = max(1, bucket_bytes // _itemsize(dtype))
+            limit = max(1, min(bucket_bytes, first_bucket_bytes or bucket_bytes) // _itemsize(dtype))
             run: list[Slot] = []
             size = 0
             for name, p in items:
@@ -106,6 +113,7 @@ class Layout:
                 if run and size + n > limit:
                     buckets.append(_bucket(dtype, device, run, size, shards))
                     run, size = [], 0
+                    limit = max(1, bucket_bytes // _itemsize(dtype))
                 run.append(Slot(name, tuple(p.shape), size, n))
                 size += n
             if run:

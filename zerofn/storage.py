@@ -37,7 +37,9 @@ from zerofn.functional import Functional
 from zerofn.reduction import GradSink
 from zerofn.state import Bucket, Layout, TrainState
 
-__all__ = ["Held", "ParamSplit", "Storage", "split_params", "to_host"]
+__all__ = ["FIRST_BUCKET_BYTES", "Held", "ParamSplit", "Storage", "split_params", "to_host"]
+
+FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 class ParamSplit(NamedTuple):
@@ -121,8 +123,9 @@ class Storage:
         # Frozen tensors are never written, so the state shares them rather than copying.
         frozen = {k: v.detach() for k, v in split.named.items() if k not in trainable}
         layout = Layout.build(
-            trainable, shards=shards, bucket_bytes=bucket_bytes, names=tuple(split.named), frozen=tuple(frozen)
-        )
+            trainable, shards=shards, bucket_bytes=bucket_bytes, names=tuple(split.named), frozen=tuple(frozen),
+            first_bucket_bytes=FIRST_BUCKET_BYTES,
+        )  # fmt: skip
         flats = []
         for b in layout.buckets:
             flat = torch.zeros(b.padded, dtype=b.dtype, device=b.device)

@@ -1,0 +1,68 @@
+"""In-step memory no worse than torch's: the GPT example at world size 1, measured from building the model.
+
+Plain torch (torch.optim.AdamW) for fp32, torch AMP (autocast, fused AdamW on
+fp32 parameters) for amp; zf.memory.track() around each whole program."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zerofn as zf
+from zerofn.transforms import amp, remat
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for  # noqa: E402
+
+CFG = GPTConfig(vocab=512, seq_len=128, dim=256, heads=4, layers=4)  # the bench's GPT
+STEPS = 3
+
+
+def _data():
+    return MarkovCorpus(CFG.vocab).sample(8, CFG.seq_len + 1, seed=0)
+
+
+def _torch_program(use_amp: bool) -> tuple[int, int]:
+    data = _data()
+    with zf.memory.track() as t:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        setup = t.current
+        for _ in range(STEPS):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_amp):
+                logits = model(data[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return setup, t.peak
+
+
+def _zf_program(transform) -> tuple[int, int]:
+    data = _data()
+    with zf.memory.track() as t:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        apply = zf.functional(model)
+        step = transform(zf.train_step(loss_fn_for(apply), zf.optim.adamw(1e-3)))
+        state = step.init(apply.params)
+        setup = t.current
+        for _ in range(STEPS):
+            state, _ = step(state, data)
+    return setup, t.peak
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp"])
+def test_peak_is_at_most_torchs(precision):
+    use_amp = precision == "amp"
+    _, torch_peak = _torch_program(use_amp)
+    _, zf_peak = _zf_program(amp if use_amp else (lambda s: s))
+    assert zf_peak <= torch_peak, (zf_peak / 2**20, torch_peak / 2**20)
+    # remat cuts activations below both
+    _, remat_peak = _zf_program(lambda s: remat(amp(s)) if use_amp else remat(s))
+    assert remat_peak < zf_peak
