@@ -20,8 +20,11 @@ COMPOSITIONS = {
     "shard_grads": shard_grads,
     "shard_params": shard_params,
     "amp": amp,
+    "amp_shard_optimizer": lambda s: amp(shard_optimizer(s)),
+    "amp_shard_grads": lambda s: amp(shard_grads(s)),
     "amp_shard_params": lambda s: amp(shard_params(s)),
     "offload": lambda s: offload(s, "cpu"),
+    "amp_offload_shard_params": lambda s: amp(offload(shard_params(s), "cpu", params=True)),
 }
 
 

@@ -78,8 +78,10 @@ def _rank_pair(names):
     return {n: max_abs_diff(_run(n, True, world, rank)[0], _run(n, False, world, rank)[0]) for n in names}
 
 
-def test_remat_on_two_ranks(ranks):
+def test_remat_on_two_and_four_ranks(ranks):
     for diffs in ranks(2).run(_rank_pair, ["shard_grads", "shard_params"]):
+        assert all(d <= 1e-6 for d in diffs.values()), diffs
+    for diffs in ranks(4).run(_rank_pair, ["plain", "shard_params"]):
         assert all(d <= 1e-6 for d in diffs.values()), diffs
 
 
