@@ -136,3 +136,18 @@ def train(step, state, batch_fn, steps, global_batch, world, rank):
         for m in range(k):
             state, metrics = step(state, rank_slice(local, m, k))
     return state, metrics
+
+
+def compositions() -> dict:
+    """Each stage, amp and offload as a transform of a step, by name (imported lazily: ranks import this module)."""
+    from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_params
+
+    return {
+        "plain": lambda s: s,
+        "shard_optimizer": shard_optimizer,
+        "shard_grads": shard_grads,
+        "shard_params": shard_params,
+        "amp": amp,
+        "offload": lambda s: offload(s, "cpu"),
+    }
+

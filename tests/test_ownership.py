@@ -12,18 +12,14 @@ import torch
 from torch import nn
 
 import zerofn as zf
+from helpers import compositions
 from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_params
 
 COMPOSITIONS = {
-    "plain": lambda s: s,
-    "shard_optimizer": shard_optimizer,
-    "shard_grads": shard_grads,
-    "shard_params": shard_params,
-    "amp": amp,
+    **compositions(),
     "amp_shard_optimizer": lambda s: amp(shard_optimizer(s)),
     "amp_shard_grads": lambda s: amp(shard_grads(s)),
     "amp_shard_params": lambda s: amp(shard_params(s)),
-    "offload": lambda s: offload(s, "cpu"),
     "amp_offload_shard_params": lambda s: amp(offload(shard_params(s), "cpu", params=True)),
 }
 

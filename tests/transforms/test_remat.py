@@ -7,17 +7,10 @@ import torch
 from torch import nn
 
 import zerofn as zf
-from helpers import max_abs_diff, train
-from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params
+from helpers import compositions, max_abs_diff, train
+from zerofn.transforms import amp, remat, shard_params
 
-COMPOSITIONS = {
-    "plain": lambda s: s,
-    "shard_optimizer": shard_optimizer,
-    "shard_grads": shard_grads,
-    "shard_params": shard_params,
-    "amp": amp,
-    "offload": lambda s: offload(s, "cpu"),
-}
+COMPOSITIONS = compositions()
 
 
 class Net(nn.Module):
