@@ -11,10 +11,10 @@ intermediate tensors to the blocks' inputs plus one block's intermediates.
   as units (``ModuleList``, ``Sequential`` and ``ModuleDict`` children),
   or ``blocks=``: a list of module paths or a predicate ``(path, module) ->
   bool``.
-- What to save: ``save=`` a predicate ``op -> bool`` or a collection of
-  ops (``torch.ops.aten.mm.default``, ...) whose outputs are kept instead
-  of recomputed, like ``jax.checkpoint_policies`` (torch's selective
-  activation checkpointing); default: nothing inside a block is saved.
+- What to save: ``policy=``, as ``jax.checkpoint``'s, a predicate ``op ->
+  bool`` or a collection of ops (``torch.ops.aten.mm.default``, ...) whose
+  outputs are kept instead of recomputed (torch's selective activation
+  checkpointing); default: nothing inside a block is saved.
 - The recompute runs under the forward's autocast (``amp``) and with the
   forward's random state (dropout masks are equal), as
   ``torch.utils.checkpoint`` preserves both.
@@ -58,7 +58,7 @@ def remat(
     /,
     *,
     blocks: Callable[[str, nn.Module], bool] | list[str] | None = None,
-    save: Callable[[Any], bool] | tuple | list | frozenset | None = None,
+    policy: Callable[[Any], bool] | tuple | list | frozenset | None = None,
 ) -> Step:
     """Recompute each block's activations in backward instead of keeping them.
 
@@ -68,9 +68,9 @@ def remat(
         blocks: which modules are checkpointed: a list of module paths, a
             predicate ``(path, module) -> bool``, or None for the model's
             natural blocks (those ``shard_params`` uses as units).
-        save: ops whose outputs are saved rather than recomputed: a
-            predicate ``op -> bool`` or a collection of ops; None saves
-            nothing inside a block.
+        policy: which ops' outputs are saved rather than recomputed, like
+            ``jax.checkpoint_policies``: a predicate ``op -> bool`` or a
+            collection of ops; None saves nothing inside a block.
 
     Returns:
         The rewritten Step, named ``remat(...)``. Applied to a step that
@@ -78,20 +78,20 @@ def remat(
         unchanged.
 
     Raises:
-        TypeError: ``step`` is not a Step, or ``save`` is neither a
+        TypeError: ``step`` is not a Step, or ``policy`` is neither a
             predicate nor a collection of ops.
         ValueError: a step that already has ``remat`` with other options.
     """
     blocks = tuple(blocks) if isinstance(blocks, (list, tuple)) else blocks
-    if save is not None and not callable(save):
-        if not isinstance(save, (tuple, list, set, frozenset)):
-            raise TypeError(f"remat: save must be a predicate op -> bool or a collection of ops, got {save!r}")
-        save = frozenset(save)
-    options = (blocks, save)
+    if policy is not None and not callable(policy):
+        if not isinstance(policy, (tuple, list, set, frozenset)):
+            raise TypeError(f"remat: policy must be a predicate op -> bool or a collection of ops, got {policy!r}")
+        policy = frozenset(policy)
+    options = (blocks, policy)
     have = step.extension("remat")
     if reapply(step, "remat", have and have.options, options, "recomputes activations"):
         return step
-    return step.extend(Extension("remat", options, around=functools.partial(_checkpointed, blocks, save)))
+    return step.extend(Extension("remat", options, around=functools.partial(_checkpointed, blocks, policy)))
 
 
 @contextlib.contextmanager

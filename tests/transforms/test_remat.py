@@ -82,7 +82,7 @@ def test_remat_in_either_order_and_with_selective_saving():
     _, apply, loss_fn = make()
     base = zf.train_step(loss_fn, zf.optim.adamw(1e-2))
     assert remat(amp(base)).name == amp(remat(base)).name == "remat(amp(train_step))"
-    saving = remat(base, save=[torch.ops.aten.mm.default, torch.ops.aten.addmm.default])
+    saving = remat(base, policy=[torch.ops.aten.mm.default, torch.ops.aten.addmm.default])
     state = saving.init(apply.params, keep_module=True)  # the reference starts from the same module
     ref = base.init(apply.params)
     torch.manual_seed(5)
@@ -90,8 +90,8 @@ def test_remat_in_either_order_and_with_selective_saving():
     torch.manual_seed(5)
     ref, _ = base(ref, batch(0, 8))
     assert max_abs_diff(saving.full_params(state), base.full_params(ref)) == 0
-    with pytest.raises(TypeError, match="save must be a predicate"):
-        remat(base, save="mm")
+    with pytest.raises(TypeError, match="policy must be a predicate"):
+        remat(base, policy="mm")
 
 
 def _activation_peak(with_remat, depth, save=None):
@@ -100,7 +100,7 @@ def _activation_peak(with_remat, depth, save=None):
     for n in (8, 256):
         _, apply, loss_fn = make(depth=depth, hidden=8)
         step = zf.train_step(loss_fn, zf.optim.sgd(0.1))
-        step = remat(step, save=save) if with_remat else step
+        step = remat(step, policy=save) if with_remat else step
         state = step.init(apply.params)
         state, _ = step(state, batch(0, n))  # the first step allocates what later steps reuse
         with zf.memory.track() as t:
