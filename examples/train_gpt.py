@@ -8,7 +8,7 @@ Two ranks on this machine (gloo on CPU, nccl on GPUs), ZeRO stage 1, 2 or 3:
 
     torchrun --nproc_per_node=2 examples/train_gpt.py --zero 1
     torchrun --nproc_per_node=2 examples/train_gpt.py --zero 2 --accumulate 2
-    torchrun --nproc_per_node=2 examples/train_gpt.py --zero 3 --amp bf16
+    torchrun --nproc_per_node=2 examples/train_gpt.py --zero 3 --amp bf16 --remat
 
 Every rank feeds its own slice of the global batch; the result equals one
 process fed the whole batch. The loss should fall far below the corpus's
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import zerofn as zf  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for, unigram_entropy  # noqa: E402
-from zerofn.transforms import amp, shard_grads, shard_optimizer, shard_params  # noqa: E402
+from zerofn.transforms import amp, remat, shard_grads, shard_optimizer, shard_params  # noqa: E402
 
 STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
 
@@ -48,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--amp", choices=["bf16", "fp16"], default=None, help="mixed precision (fp32 master weights)")
+    p.add_argument("--remat", action="store_true", help="recompute each block's activations in backward")
     p.add_argument("--quiet", action="store_true", help="no progress bar or report (returns the held-out loss)")
     return p.parse_args(argv)
 
@@ -66,6 +67,8 @@ def main(argv=None) -> float:
     step = STAGES[args.zero](zf.train_step(loss_fn_for(apply), optimizer, args.accumulate))
     if args.amp:
         step = amp(step, {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp])
+    if args.remat:
+        step = remat(step)
     state = step.init(apply.params)
 
     corpus = MarkovCorpus(vocab=args.vocab, seed=args.seed)
