@@ -7,6 +7,8 @@ policy, as jmp's ``Policy`` with its loss scale:
 - ``cast``: trainable and frozen parameters are held in ``dtype`` (2 bytes
   each) and the forward runs under ``torch.autocast`` to it, so matmuls
   run in ``dtype`` and reductions (softmax, norms, losses) in fp32.
+  BatchNorm's parameters stay in fp32, beside its running statistics, as
+  FSDP's ``MixedPrecision`` keeps them.
 - ``grad_dtype``: gradients are bucketed and reduced in ``dtype`` (or
   ``reduce_dtype``, as FSDP2's ``reduce_dtype``): half of fp32's traffic.
 - ``wrap_optimizer`` (:func:`master_weights`): the optimizer state holds an
@@ -55,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from zerofn import optim as O
 from zerofn import tree as T
@@ -204,8 +207,10 @@ class MixedPrecision(Precision):
     reduce_dtype: torch.dtype | None = None
     scale_settings: tuple = (None,)
 
-    def cast(self, t: torch.Tensor) -> torch.Tensor:
-        if not t.is_floating_point() or t.dtype == self.dtype:
+    def cast(self, t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.Tensor:
+        if not t.is_floating_point() or t.dtype == self.dtype or isinstance(owner, _BatchNorm):
+            # BatchNorm keeps its parameters in its running statistics' dtype, as FSDP's
+            # MixedPrecision does: batch_norm needs them alike, and takes bf16 inputs.
             return t
         return t.detach().to(self.dtype).requires_grad_(t.requires_grad)
 

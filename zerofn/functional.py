@@ -102,6 +102,14 @@ class Functional:
             owner_name, _, attr = name.rpartition(".")
             owner = module.get_submodule(owner_name)
             self._slots.setdefault((id(owner), attr), (owner, attr, first[key]))
+        # The same for buffers (BatchNorm's running statistics, ...): a step binds the state's.
+        self._buffer_slots: dict[tuple[int, str], tuple[torch.nn.Module, str, str]] = {}
+        first_buffer: dict[int, str] = {}
+        for name, b in module.named_buffers(remove_duplicate=False):
+            first_buffer.setdefault(id(b), name)
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            self._buffer_slots.setdefault((id(owner), attr), (owner, attr, first_buffer[id(b)]))
         self._current: Any = None  # the params now swapped in, if any
         self._adopted = False  # the module holds meta placeholders (see adopt)
         self._guards: list = []
@@ -155,6 +163,36 @@ class Functional:
             for owner, attr, original in saved:
                 owner._parameters[attr] = original
             self._current = previous
+
+        return restore
+
+    def owner(self, name: str) -> torch.nn.Module | None:
+        """The module that holds parameter ``name`` (None for a name the module does not have)."""
+        try:
+            return self.module.get_submodule(name.rpartition(".")[0])
+        except AttributeError:
+            return None
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The module's buffers by name (a buffer shared under several names once), meta ones left out."""
+        out: dict[str, torch.Tensor] = {}
+        for owner, attr, name in self._buffer_slots.values():
+            b = owner._buffers[attr]
+            if b is not None and b.device.type != "meta":
+                out.setdefault(name, b)
+        return out
+
+    def bind_buffers(self, buffers: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+        """Put ``buffers`` (a state's) in the module's buffer places; returns what puts the module's back."""
+        saved = []
+        for owner, attr, name in self._buffer_slots.values():
+            if name in buffers:
+                saved.append((owner, attr, owner._buffers[attr]))
+                owner._buffers[attr] = buffers[name]
+
+        def restore() -> None:
+            for owner, attr, original in saved:
+                owner._buffers[attr] = original
 
         return restore
 

@@ -436,7 +436,7 @@ def state_bytes(state: Any) -> dict[str, int]:
         state: a ``zerofn.TrainState``.
 
     Returns:
-        ``{"params", "optimizer", "grad_accum", "total"}`` in bytes, plus
+        ``{"params", "buffers", "optimizer", "grad_accum", "total"}`` in bytes, plus
         ``"by_placement"``: total bytes per device type (``"cpu"``, ``"cuda"``)
         or other placement (``"nvme"``: files of ``offload(device="nvme")``).
         Storages shared between leaves count once.
@@ -454,6 +454,7 @@ def state_bytes(state: Any) -> dict[str, int]:
         raise TypeError(f"state_bytes expects a zerofn TrainState, got {type(state).__name__}")
     groups = {
         "params": _held_bytes((state.params, state.frozen)),
+        "buffers": _held_bytes(state.buffers),
         "optimizer": _held_bytes(state.opt_state),
         "grad_accum": _held_bytes(state.grad_accum),
     }

@@ -40,8 +40,8 @@ class Precision:
 
     name: str | None = None
 
-    def cast(self, t: torch.Tensor) -> torch.Tensor:
-        """A parameter as the state holds it (and the forward uses it)."""
+    def cast(self, t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.Tensor:
+        """A parameter as the state holds it (and the forward uses it); ``owner`` is its module, if known."""
         return t
 
     def autocast(self, device: str):

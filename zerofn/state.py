@@ -177,6 +177,9 @@ class TrainState:
         params: one flat buffer per bucket of trainable parameters (full on
             every rank unless the parameters are sharded).
         frozen: name -> parameter for parameters that get no gradient.
+        buffers: name -> the model's buffers (BatchNorm's running
+            statistics, any registered buffer), bound into the model for
+            every step and kept equal across ranks.
         opt_state: the optimizer's state over its view of ``params`` (this
             rank's slices under ``shard_optimizer``).
         count: number of optimizer updates applied (int64).
@@ -192,6 +195,7 @@ class TrainState:
 
     params: tuple
     frozen: dict
+    buffers: dict
     opt_state: Any
     count: torch.Tensor
     micro: torch.Tensor
@@ -260,6 +264,7 @@ def describe(state: TrainState) -> str:
     rows = [
         ("params", T.tree_leaves(state.params), _params_note(state, lay)),
         ("frozen", T.tree_leaves(state.frozen), f"{len(lay.frozen)} tensors"),
+        ("buffers", T.tree_leaves(state.buffers), "kept equal across ranks"),
         ("opt_state", T.tree_leaves(state.opt_state), _opt_note(state.opt_state, sharded, spec.world_size)),
         ("grad_accum", T.tree_leaves(state.grad_accum), "between micro-steps"),
     ]

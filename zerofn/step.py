@@ -185,7 +185,9 @@ class Step:
             if e.check is not None:
                 e.check(self)
         split = split_params(params, f"{self.name}.init")
-        named = {k: self.precision.cast(v) for k, v in split.named.items()}  # held (and run) in this dtype
+        functional = owner_of(params)
+        owner = functional.owner if functional is not None else (lambda name: None)
+        named = {k: self.precision.cast(v, owner(k)) for k, v in split.named.items()}  # held (and run) so
         split = split._replace(named=named, trainable={k: named[k] for k in split.trainable})
         world, rank = C.world_size(), C.rank()
         held = self.storage.init(
@@ -198,9 +200,15 @@ class Step:
         extra = dict(held.extra)
         for e in self.extensions:
             extra.update((key, init()) for key, init in e.entries)
+        # The model's buffers are state too; the module keeps the same tensors (or, with
+        # keep_module, its own), and every step binds the state's into the module.
+        buffers = functional.buffers() if functional is not None else {}
+        if keep_module:
+            buffers = {k: v.clone() for k, v in buffers.items()}
         state = TrainState(
             params=held.params,
             frozen=held.frozen,
+            buffers=buffers,
             opt_state=opt_state,
             count=torch.zeros((), dtype=torch.int64),
             micro=torch.zeros((), dtype=torch.int64),
@@ -209,7 +217,6 @@ class Step:
             extra=extra,
             spec=StateSpec(self.name, world, held.layout, split.treedef),
         )
-        functional = owner_of(params)
         if functional is not None and not keep_module:
             self.storage.adopt(functional, state, share=self.donate)
         return state
@@ -231,7 +238,10 @@ class Step:
         larger than one rank.
         """
         self._check_state(state)
-        with self.precision.autocast(_device(state.spec.layout)):
+        with contextlib.ExitStack() as stack:
+            if state.buffers:
+                stack.callback(self._model().bind_buffers(state.buffers))
+            stack.enter_context(self.precision.autocast(_device(state.spec.layout)))
             return self.storage.forward(state, self._model, args, kwargs)
 
     def _check_state(self, state: Any) -> None:
@@ -320,7 +330,10 @@ class Step:
     def _forward_backward(self, state: TrainState, batch: Any, sink: GradSink, scale: float):
         """Phase 2: returns the loss (detached), the aux dict and the state entries for the next state."""
         extra = dict(state.extra)
+        before = _float_buffers(state.buffers, copy=True)
         with contextlib.ExitStack() as stack:
+            if state.buffers:
+                stack.callback(self._model().bind_buffers(state.buffers))
             params = stack.enter_context(self.storage.bind(state, sink, self._model, extra))
             for e in self.extensions:
                 if e.around is not None:
@@ -338,10 +351,45 @@ class Step:
             del params, out
         if sink.received == 0 and state.spec.layout.buckets:
             raise ValueError(IGNORED_PARAMS_HELP.format(name=self.name))
+        _average_buffers(_float_buffers(state.buffers), before)
         return loss.detach(), aux, extra
 
 
 # ---------------------------------------------------------------- what a step computes besides the update
+
+
+def _float_buffers(buffers: dict, copy: bool = False) -> list[torch.Tensor]:
+    """The float buffers (copies of them, before a forward), when there are ranks to agree with."""
+    if C.world_size() == 1:
+        return []
+    return [b.clone() if copy else b for b in buffers.values() if b.is_floating_point()]
+
+
+def _average_buffers(after: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+    """Make float buffers equal on every rank: add the mean over ranks of what each rank's forward changed.
+
+    DDP instead broadcasts rank 0's buffers before each forward, which drops
+    the other ranks' updates. Averaging the changes keeps them: a running
+    mean updated by equal-sized local batches then equals the one updated by
+    their concatenation (a running variance misses the spread between the
+    ranks' means), and a buffer no forward changes stays exactly as it was.
+    Integer buffers (counters) advance alike on every rank. One all-reduce
+    per dtype, of every float buffer, so that all ranks issue the same one.
+    """
+    if not after:
+        return
+    for group, old in zip(_by_dtype(after), _by_dtype(before)):
+        delta = torch.cat([(b - o).reshape(-1) for b, o in zip(group, old)])
+        C.all_reduce(delta, "mean")
+        pieces = delta.split([b.numel() for b in group])
+        torch._foreach_copy_(group, [o + d.view_as(o) for o, d in zip(old, pieces)])
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
 
 
 def _device(layout: Layout) -> str:
