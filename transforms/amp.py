@@ -226,6 +226,17 @@ class MixedPrecision(Precision):
     def optimizer_grads(self, reduced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.float() for k, v in reduced.items()}  # the optimizer works on the fp32 masters
 
+    def masters(self, opt_state: Any) -> tuple | None:
+        found = [n for n in T.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, MasterState))
+                 if isinstance(n, MasterState)]  # fmt: skip
+        if not found:
+            raise ValueError(
+                "amp: the fp32 master weights are not in the optimizer state held in memory (offloaded to NVMe "
+                "files?); read them from the files, or use full_params(state) for the low-precision parameters"
+            )
+        master = found[0].master
+        return tuple(master[f"b{i}"] for i in range(len(master)))
+
     def new_loss_scale(self) -> Any:
         return _new_scale(*self.scale_settings)
 

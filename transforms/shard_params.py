@@ -87,7 +87,7 @@ from zerofn.functional import ACTIVE_RUN, Functional
 from zerofn.reduction import GradSink
 from zerofn.state import Bucket, Layout, TrainState
 from zerofn.step import Step, reapply, transform
-from zerofn.storage import Held, ParamSplit, Storage, to_host
+from zerofn.storage import Held, ParamSplit, Storage, gathered, to_host
 from zerofn.transforms._units import ROOT, Materialiser, MinUnitBytes, Unit, assign_units, inside, unit_buckets, unit_names
 from zerofn.transforms.shard_grads import shard_grads
 
@@ -222,13 +222,14 @@ class UnitStorage(Storage):
         finally:
             runner.close()
 
-    def full_params(self, state: TrainState, model: Callable) -> Any:
+    def full_params(self, state: TrainState, model: Callable, masters: tuple | None = None) -> Any:
         layout = state.spec.layout
+        dtype = masters[0].dtype if masters else None
+        frozen = [f.to(dtype) if dtype is not None and f.is_floating_point() else f for f in state.frozen]
         out: dict[str, torch.Tensor] = {}
-        for shards, buckets in ((state.params, layout.buckets), (state.frozen, layout.frozen_buckets)):
+        for shards, buckets in ((masters or state.params, layout.buckets), (frozen, layout.frozen_buckets)):
             for shard, bucket in zip(shards, buckets):  # one unit's buffer at a time
-                full = torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
-                C.all_gather(full, shard)
+                full = gathered(shard.to(bucket.device), bucket)
                 for s in bucket.slots:
                     out[s.name] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
                 del full

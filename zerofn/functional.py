@@ -173,6 +173,24 @@ class Functional:
         except AttributeError:
             return None
 
+    def state_dict_of(self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> dict:
+        """A ``module.state_dict()``-shaped dict of ``params`` (by first name) and ``buffers``.
+
+        Every name the module's own ``state_dict`` has: a tied parameter under
+        each of its names, persistent buffers only, in the module's order.
+        """
+        out: dict[str, torch.Tensor] = {}
+        first_buffer = {(id(o), a): n for o, a, n in self._buffer_slots.values()}
+        for prefix, m in self.module.named_modules(remove_duplicate=False):
+            dot = f"{prefix}." if prefix else ""
+            for attr, p in m._parameters.items():
+                if p is not None:
+                    out[dot + attr] = params[self.tied.get(dot + attr, dot + attr)]
+            for attr, b in m._buffers.items():
+                if b is not None and attr not in m._non_persistent_buffers_set:
+                    out[dot + attr] = buffers.get(first_buffer.get((id(m), attr), dot + attr), b)
+        return out
+
     def buffers(self) -> dict[str, torch.Tensor]:
         """The module's buffers by name (a buffer shared under several names once), meta ones left out."""
         out: dict[str, torch.Tensor] = {}

@@ -60,6 +60,11 @@ class Precision:
         """The reduced gradients as the optimizer takes them."""
         return reduced
 
+    def masters(self, opt_state: Any) -> tuple | None:
+        """The full-precision copies the optimizer updates, one per bucket as it sees them; None:
+        the parameters themselves are."""
+        return None
+
     # ---------------------------------------------------------- the loss scale (a pytree in the state)
 
     def new_loss_scale(self) -> Any:

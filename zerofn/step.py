@@ -224,10 +224,25 @@ class Step:
     def _opt_params(self, flats: tuple, layout: Layout, rank: int) -> dict[str, torch.Tensor]:
         return {f"b{i}": self.storage.opt_view(f, b, rank) for i, (f, b) in enumerate(zip(flats, layout.buckets))}
 
-    def full_params(self, state: TrainState) -> Any:
-        """The full parameters (a new tree shaped like the ``init`` input) on every rank."""
+    def full_params(self, state: TrainState, *, master: bool = False) -> Any:
+        """The full parameters (a new tree shaped like the ``init`` input) on every rank.
+
+        Collective: every rank must call it. ``master=True`` gives the
+        full-precision weights the optimizer updates (amp's fp32 masters;
+        frozen parameters, which have none, as held, in fp32).
+        """
         self._check_state(state)
-        return self.storage.full_params(state, self._model)
+        masters = self.precision.masters(state.opt_state) if master else None
+        return self.storage.full_params(state, self._model, masters)
+
+    def state_dict(self, state: TrainState, *, master: bool = False) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict`` from the state: every parameter name (tied ones under each of
+        their names) and every persistent buffer, for ``model.load_state_dict(..., strict=True)``.
+
+        Collective, like :meth:`full_params`; ``master`` as there.
+        """
+        full = self.full_params(state, master=master)
+        return self._model().state_dict_of(full, state.buffers)
 
     def apply(self, state: TrainState, *args: Any, **kwargs: Any) -> Any:
         """The model's forward on the current parameters, without gradients (evaluation, generation).

@@ -37,7 +37,7 @@ from zerofn.functional import Functional
 from zerofn.reduction import GradSink
 from zerofn.state import Bucket, Layout, TrainState
 
-__all__ = ["FIRST_BUCKET_BYTES", "Held", "ParamSplit", "Storage", "split_params", "to_host"]
+__all__ = ["FIRST_BUCKET_BYTES", "Held", "ParamSplit", "Storage", "gathered", "split_params", "to_host"]
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 
@@ -172,10 +172,23 @@ class Storage:
         for h in handles:
             h.wait()
 
-    def full_params(self, state: TrainState, model: Callable) -> Any:
-        """The full parameters, a new tree shaped like the ``init`` input."""
-        views = state.spec.layout.views(state.params)
-        return _tree(state, {k: v.detach().clone() for k, v in views.items()})
+    def full_params(self, state: TrainState, model: Callable, masters: tuple | None = None) -> Any:
+        """The full parameters, a new tree shaped like the ``init`` input.
+
+        ``masters``, when given, replaces each bucket by the tensor the
+        optimizer updates for it (fp32 master weights under amp: the whole
+        bucket, or this rank's shard, gathered here); frozen parameters,
+        which have none, come as held, in the masters' dtype.
+        """
+        layout = state.spec.layout
+        if masters is None:
+            return _tree(state, {k: v.detach().clone() for k, v in layout.views(state.params).items()})
+        out: dict[str, torch.Tensor] = {}
+        for i, (m, bucket) in enumerate(zip(masters, layout.buckets)):
+            out.update(layout.bucket_views(i, gathered(m, bucket)))
+        frozen = {k: v.to(masters[0].dtype) if v.is_floating_point() else v for k, v in state.frozen.items()}
+        names = layout.names
+        return T.tree_unflatten(state.spec.treedef, [out[n] if n in out else frozen[n].clone() for n in names])
 
     def forward(self, state: TrainState, model: Callable, args: tuple, kwargs: dict) -> Any:
         """The model's forward on the state's parameters, without gradients."""
@@ -201,6 +214,15 @@ class Storage:
 
     def replace(self, **changes) -> "Storage":
         return dataclasses.replace(self, **changes)
+
+
+def gathered(part: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+    """A bucket whole, in ``part``'s dtype: ``part`` itself, or the all-gather of every rank's shard."""
+    if part.numel() == bucket.padded:
+        return part.detach().clone()
+    full = torch.empty(bucket.padded, dtype=part.dtype, device=part.device)
+    C.all_gather(full, part.detach())
+    return full
 
 
 def _tree(state: TrainState, trainable: dict) -> Any:
