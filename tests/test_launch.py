@@ -234,6 +234,23 @@ def test_bad_arguments(call, error, match):
         call()
 
 
+def test_rank_killed_by_sigabrt_hints_at_a_collective_mismatch():
+    from zerofn._rank_errors import Blame
+
+    class Procs:  # a rank that gloo aborted (collectives of different sizes)
+        world_size = 2
+
+        def exit_code(self, rank, timeout):
+            return -signal.SIGABRT
+
+        def pid(self, rank):
+            return 1234
+
+    err = Blame(Procs(), links=None).died(1, "spawn(fn, world_size=2)", "")
+    assert "rank 1 (pid 1234) was killed by SIGABRT" in str(err)
+    assert "every rank must make the same collective calls in the same order" in str(err)
+
+
 def test_rank_error_pickles():
     err = RankError("msg", rank=2, exitcode=-9, remote_traceback="tb")
     back = pickle.loads(pickle.dumps(err))

@@ -4,12 +4,15 @@ Public names only; see the modules for the details.
 """
 
 from zerofn import collectives, memory, optim, testing, tree
+from zerofn.collectives import CollectiveError, CollectiveTimeoutError
 from zerofn.functional import Functional, functional
 from zerofn.launch import RankError, RankPool, spawn
 from zerofn.state import DonatedStateError, TrainState
 from zerofn.step import Step, train_step
 
 __all__ = [
+    "CollectiveError",
+    "CollectiveTimeoutError",
     "DonatedStateError",
     "Functional",
     "RankError",

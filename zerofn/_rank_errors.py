@@ -115,10 +115,17 @@ class Blame:
             how = f"was killed by {name} (exit code {code})"
         else:
             how = f"exited with exit code {code}"
+        hint = ""
+        if code == -signal.SIGABRT:
+            hint = (
+                " gloo aborts a rank whose collective receives data of another size than it "
+                "expects (\"Is there a distributed collective mismatch in your code?\" on "
+                "stderr): every rank must make the same collective calls in the same order."
+            )
         return RankError(
             f"{label}: rank {rank} (pid {self.procs.pid(rank)}) {how}"
             f"{' ' + when if when else ''}. All {self.procs.world_size} ranks were "
-            "stopped. Its own output, if any, is above on stderr.",
+            f"stopped. Its own output, if any, is above on stderr.{hint}",
             rank=rank,
             exitcode=code,
         )

@@ -1,8 +1,10 @@
 """The rank side of ``zerofn.launch``: what each rank process runs.
 
 :data:`zerofn._rank_procs.BOOTSTRAP` calls :func:`main`, which connects back to
-the caller, joins the gloo process group and then runs the jobs it is sent
-until it is told to close (or the caller goes away).
+the caller, joins the gloo process group (each collective bounded by
+``ZEROFN_TIMEOUT_S``, read here from the environment the rank inherits from
+the caller) and then runs the jobs it is sent until it is told to close (or
+the caller goes away).
 """
 
 from __future__ import annotations
@@ -21,9 +23,6 @@ import cloudpickle
 
 from zerofn._rank_procs import ENV_INFO, flush_std
 
-# Collective timeout of the process group (torch's default for gloo).
-PG_TIMEOUT = datetime.timedelta(minutes=30)
-
 
 def main() -> None:
     """Entry point of a rank process: connect, join the group, run jobs until closed."""
@@ -37,16 +36,17 @@ def main() -> None:
     try:
         import torch.distributed as dist
 
+        from zerofn import collectives
+
+        timeout = collectives.timeout_s()  # ZEROFN_TIMEOUT_S, from the caller's environment
+        start = datetime.timedelta(seconds=info["start_timeout"])
         store = dist.TCPStore(
-            info["host"],
-            int(os.environ["MASTER_PORT"]),
-            world_size,
-            False,
-            timeout=datetime.timedelta(seconds=info["start_timeout"]),
+            info["host"], int(os.environ["MASTER_PORT"]), world_size, False, timeout=start
         )
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=PG_TIMEOUT
-        )
+        # Join with the start timeout (interpreters start unevenly), then bound
+        # each collective's wait by ZEROFN_TIMEOUT_S.
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=start)
+        collectives._set_group_timeout(timeout)
     except BaseException as exc:
         conn.send(("error", (_exc_line(exc), traceback.format_exc())))
         flush_std()

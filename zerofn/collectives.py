@@ -5,6 +5,14 @@ so a single-process reference costs nothing. Under torchrun (or ``zf.spawn``)
 the default process group is created on first use from the environment
 torchrun sets: gloo for CPU tensors, nccl when CUDA is present.
 
+Every wait on another rank is bounded by ``ZEROFN_TIMEOUT_S`` seconds
+(default 600), read when the group is created: under torchrun here, under
+``zf.spawn`` and ``zf.RankPool`` in each rank as it starts. A collective
+that some rank never joins (a rank calling ``step.full_params`` alone, a save
+on some ranks only) then raises :class:`CollectiveTimeoutError` on the ranks
+that wait, naming the call; one that fails because another rank is gone
+raises :class:`CollectiveError`.
+
 Traffic is counted the way the ZeRO paper counts it: an all-reduce of a
 tensor of n bytes costs 2n (a reduce-scatter plus an all-gather), a
 reduce-scatter or an all-gather whose full tensor has n bytes costs n. At
@@ -24,6 +32,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -33,6 +44,8 @@ import torch.distributed as dist
 from zerofn import tree as T
 
 __all__ = [
+    "CollectiveError",
+    "CollectiveTimeoutError",
     "Handle",
     "all_gather",
     "all_gather_tree",
@@ -46,10 +59,13 @@ __all__ = [
     "rank",
     "reduce_scatter",
     "reduce_scatter_tree",
+    "timeout_s",
     "world_size",
 ]
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("ZEROFN_TIMEOUT_S", "600"))
+# Seconds a collective waits for the other ranks when ZEROFN_TIMEOUT_S is not set.
+DEFAULT_TIMEOUT_S = 600.0
+TIMEOUT_ENV = "ZEROFN_TIMEOUT_S"
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -63,21 +79,75 @@ def _env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def timeout_s() -> float:
+    """Seconds a collective waits for the other ranks: ``ZEROFN_TIMEOUT_S``, default 600.
+
+    Read from the environment when the process group is created (so set it
+    before the first collective, or before ``zf.spawn``/``zf.RankPool``,
+    whose ranks inherit the caller's environment).
+    """
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(
+            f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds that a collective "
+            f"may wait for the other ranks (default {DEFAULT_TIMEOUT_S:g})."
+        )
+    return seconds
+
+
+# The timeout the default group was given (what a timed-out collective reports).
+_group_timeout_s: float | None = None
+
+
+def _set_group_timeout(seconds: float | None = None) -> float:
+    """Bound every later collective of the default group by ``seconds`` (default :func:`timeout_s`).
+
+    ``zf.spawn``'s ranks join with the generous start timeout (interpreters
+    start unevenly) and then call this.
+    """
+    global _group_timeout_s
+    seconds = timeout_s() if seconds is None else seconds
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=seconds))
+    _group_timeout_s = seconds
+    return seconds
+
+
 def ensure_initialized() -> bool:
     """Join the default process group if the environment asks for one.
 
     Under torchrun (``WORLD_SIZE`` > 1 in the environment) this initialises
-    the default group once: nccl when CUDA is available, gloo otherwise.
+    the default group once: nccl when CUDA is available, gloo otherwise,
+    with :func:`timeout_s` bounding both the join and every collective.
     Returns True when a process group is active.
     """
+    global _group_timeout_s
     if dist.is_available() and dist.is_initialized():
         return True
     if _env_world_size() <= 1:
         return False
+    seconds = timeout_s()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    start = time.monotonic()
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds))
+    except RuntimeError as err:
+        env_rank = os.environ.get("RANK", "")
+        rank, world = (int(env_rank) if env_rank.isdigit() else "?"), _env_world_size()
+        new = _translate(err, _JOIN, start, rank=rank, world=world, limit=seconds)
+        if new is None:
+            raise
+        raise new from err
+    _group_timeout_s = seconds
     return True
 
 
@@ -129,20 +199,174 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# ---------------------------------------------------------------- errors
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank because another rank is gone or never joined.
+
+    The message names the collective, the zerofn call it ran in and where
+    that was called, this rank, the world size and how long it waited; the
+    backend's own error is chained (``__cause__``).
+
+    Attributes:
+        call: the collective, the zerofn call it ran in and where that was
+            called (``"all_gather (144 bytes) in Step.full_params, called
+            from main (train.py:41)"``).
+        rank, world_size: this rank and the group's size.
+        waited_s: seconds from issuing the collective to the failure.
+    """
+
+    def __init__(self, message: str, *, call: str = "", rank: Any = None, world_size: Any = None, waited_s: float = 0.0):
+        super().__init__(message)
+        self.call, self.rank, self.world_size, self.waited_s = call, rank, world_size, waited_s
+
+    def __reduce__(self):
+        kwargs = dict(call=self.call, rank=self.rank, world_size=self.world_size, waited_s=self.waited_s)
+        return (_make_error, (type(self), self.args[0], kwargs))
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective waited ``ZEROFN_TIMEOUT_S`` for a rank that did not join it.
+
+    Both a :class:`CollectiveError` (a ``RuntimeError``, as torch's own error
+    was) and a ``TimeoutError``.
+    """
+
+
+def _make_error(cls: type, message: str, kwargs: dict) -> CollectiveError:
+    return cls(message, **kwargs)
+
+
+_JOIN = "joining the process group"
+_SAME_CALLS = (
+    "Every rank must make the same collective calls in the same order: step(state, batch), "
+    "step.init, step.full_params and step.apply are collective; call them on every rank"
+)
+# Backend messages that say a peer's connection is gone (gloo), or that this
+# rank's group was closed by its own earlier timeout ("pair closure").
+_GONE = re.compile(r"closed by peer|reset by peer|pair closure|broken pipe|connection refused|socket closed", re.I)
+_TIMED_OUT = re.compile(r"timed? ?out|timeout", re.I)
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+# This process's first collective failure, quoted by later ones.
+_first_failure: str | None = None
+
+
+def _reraise(err: RuntimeError, kind: str, nbytes: int, started: float):
+    """Raise ``err`` as a :class:`CollectiveError` naming the collective, or unchanged."""
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+    except Exception:  # the group is gone as well
+        rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    what = f"{kind} ({nbytes:,} bytes)" if nbytes else kind
+    new = _translate(err, what, started, rank=rank, world=world, limit=_group_timeout_s)
+    if new is None:
+        raise err
+    raise new from err
+
+
+def _translate(err: RuntimeError, what: str, started: float, *, rank, world, limit: float | None):
+    """The :class:`CollectiveError` for a backend error ``err`` in collective ``what``;
+    None when ``err`` is not a timeout or a lost connection (it then goes up unchanged).
+
+    ``limit``: the group's timeout, None for a group zerofn did not create.
+    """
+    global _first_failure
+    if isinstance(err, CollectiveError):
+        return None
+    text = str(err)
+    gone, timed_out = bool(_GONE.search(text)), bool(_TIMED_OUT.search(text))
+    if not (gone or timed_out or isinstance(err, getattr(dist, "DistError", ()))):
+        return None
+    waited = time.monotonic() - started
+    call = what + _where()
+    here = f"on rank {rank} of world size {world} after {waited:.1f} s"
+    limit_text = f"{TIMEOUT_ENV}={limit:g} s" if limit is not None else "the process group's timeout"
+    if gone:
+        earlier = f" Earlier on this rank: {_first_failure}." if _first_failure else ""
+        cls, message = CollectiveError, (
+            f"{call} failed {here}: the connection to another rank is gone. Another rank exited or "
+            f"failed (its own error is in its log), or gave up waiting in a collective after "
+            f"{limit_text}, as it does when the ranks do not make the same collective calls.{earlier} "
+            f"{_SAME_CALLS}."
+        )
+        summary = f"{call} lost a peer after {waited:.1f} s"
+    elif timed_out:
+        joined = "joined within that time" if what == _JOIN else "joined it"
+        cls, message = CollectiveTimeoutError, (
+            f"{call} timed out {here} ({limit_text}): not every rank {joined}. {_SAME_CALLS}, "
+            f"not under `if rank == 0:`. A rank busy for longer than {TIMEOUT_ENV} (loading data, "
+            f"writing a file) looks the same: then raise {TIMEOUT_ENV}."
+        )
+        summary = f"{call} timed out after {waited:.1f} s"
+    else:
+        cls, message = CollectiveError, f"{call} failed {here}."
+        summary = f"{call} failed after {waited:.1f} s"
+    first_line = _SOURCE_PREFIX.sub("", text.strip().splitlines()[0] if text.strip() else "")
+    backend = dist.get_backend() if dist.is_initialized() else "torch.distributed"
+    message += f" [{backend}: {type(err).__name__}: {first_line[:300]}]"
+    if _first_failure is None:
+        _first_failure = summary
+    return cls(message, call=call, rank=rank, world_size=world, waited_s=waited)
+
+
+def _where() -> str:
+    """Which zerofn call the failing collective ran in, and where the user called it.
+
+    The outermost frame of a zerofn module (the launch machinery aside) is
+    the call (``Step.full_params``); the frame above it is the call site.
+    """
+    frame = sys._getframe(1)
+    entry = caller = None
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if (module == "zerofn" or module.startswith("zerofn.")) and not module.startswith(
+            ("zerofn._rank", "zerofn.launch")
+        ):
+            entry, caller = frame, frame.f_back
+        frame = frame.f_back
+    if entry is None:
+        return ""
+    text = ""
+    if entry.f_globals.get("__name__") != __name__:
+        code = entry.f_code
+        name = getattr(code, "co_qualname", None)
+        if name is None:  # Python 3.10
+            owner = entry.f_locals.get("self")
+            name = f"{type(owner).__name__}.{code.co_name}" if owner is not None else code.co_name
+        text = f" in {name}"
+    if caller is not None:
+        path = caller.f_code.co_filename
+        with contextlib.suppress(ValueError):  # another drive on Windows
+            rel = os.path.relpath(path) if os.path.isabs(path) else path
+            path = path if rel.startswith("..") else rel
+        text += f", called from {caller.f_code.co_name} ({path}:{caller.f_lineno})"
+    return text
+
+
 # ---------------------------------------------------------------- handles
 
 
 class Handle:
-    """An in-flight collective; ``wait()`` returns its result."""
+    """An in-flight collective; ``wait()`` returns its result.
 
-    __slots__ = ("_work", "_result", "_after")
+    ``wait()`` raises :class:`CollectiveTimeoutError` or
+    :class:`CollectiveError` (naming the collective) when the collective
+    timed out or lost a rank.
+    """
 
-    def __init__(self, work: Any, result: Any, after=None):
+    __slots__ = ("_work", "_result", "_after", "_kind", "_nbytes", "_started")
+
+    def __init__(self, work: Any, result: Any, after=None, kind: str = "collective", nbytes: int = 0, started: float = 0.0):
         self._work, self._result, self._after = work, result, after
+        self._kind, self._nbytes, self._started = kind, nbytes, started
 
     def wait(self) -> Any:
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as err:
+                _reraise(err, self._kind, self._nbytes, self._started)
             self._work = None
             if self._after is not None:
                 self._after(self._result)
@@ -176,9 +400,13 @@ def all_reduce(t: torch.Tensor, op: str = "sum", *, async_op: bool = False):
     if n == 1:
         return _done(t) if async_op else t
     _count("all_reduce", 2 * _nbytes(t))
-    work = dist.all_reduce(t, op=_reduce_op(op), async_op=True)
+    started = time.monotonic()
+    try:
+        work = dist.all_reduce(t, op=_reduce_op(op), async_op=True)
+    except RuntimeError as err:
+        _reraise(err, "all_reduce", _nbytes(t), started)
     after = (lambda r: r.div_(n)) if op == "mean" else None
-    h = Handle(work, t, after)
+    h = Handle(work, t, after, "all_reduce", _nbytes(t), started)
     return h if async_op else h.wait()
 
 
@@ -205,9 +433,13 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, op: str = "sum", *, as
             out.copy_(full)
         return _done(out) if async_op else out
     _count("reduce_scatter", _nbytes(full))
-    work = _reduce_scatter_single(out, full, op=_reduce_op(op), async_op=True)
+    started = time.monotonic()
+    try:
+        work = _reduce_scatter_single(out, full, op=_reduce_op(op), async_op=True)
+    except RuntimeError as err:
+        _reraise(err, "reduce_scatter", _nbytes(full), started)
     after = (lambda r: r.div_(n)) if op == "mean" else None
-    h = Handle(work, out, after)
+    h = Handle(work, out, after, "reduce_scatter", _nbytes(full), started)
     return h if async_op else h.wait()
 
 
@@ -224,14 +456,23 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = Fals
             full.copy_(shard)
         return _done(full) if async_op else full
     _count("all_gather", _nbytes(full))
-    work = _all_gather_single(full, shard, async_op=True)
-    h = Handle(work, full)
+    started = time.monotonic()
+    try:
+        work = _all_gather_single(full, shard, async_op=True)
+    except RuntimeError as err:
+        _reraise(err, "all_gather", _nbytes(full), started)
+    h = Handle(work, full, None, "all_gather", _nbytes(full), started)
     return h if async_op else h.wait()
 
 
 def barrier() -> None:
+    """Wait until every rank reached its ``barrier()``."""
     if world_size() > 1:
-        dist.barrier()
+        started = time.monotonic()
+        try:
+            dist.barrier()
+        except RuntimeError as err:
+            _reraise(err, "barrier", 0, started)
 
 
 def gather_objects(obj: Any) -> list[Any]:
@@ -240,7 +481,11 @@ def gather_objects(obj: Any) -> list[Any]:
     if n == 1:
         return [obj]
     out: list[Any] = [None] * n
-    dist.all_gather_object(out, obj)
+    started = time.monotonic()
+    try:
+        dist.all_gather_object(out, obj)
+    except RuntimeError as err:
+        _reraise(err, "gather_objects", 0, started)
     return out
 
 
@@ -249,7 +494,11 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    started = time.monotonic()
+    try:
+        dist.broadcast_object_list(box, src=src)
+    except RuntimeError as err:
+        _reraise(err, "broadcast_object", 0, started)
     return box[0]
 
 

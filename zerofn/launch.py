@@ -28,6 +28,14 @@ How it works, and why:
   ranks are killed; the others may be stuck in a collective) and nothing
   hangs.
 - Rank stdout and stderr are the caller's, so prints from ranks show up.
+- Each collective waits at most ``ZEROFN_TIMEOUT_S`` seconds (default 600)
+  for the other ranks: the ranks join the group with the start timeout, then
+  set that bound, read from the environment they inherit from the caller. A
+  collective that one rank never joins (rank 0 alone calling
+  ``step.full_params``) raises ``zerofn.collectives.CollectiveTimeoutError``,
+  naming the call, on the rank that waits, and the call fails with the
+  ``RankError`` of that rank. It bounds one collective's wait, not a call:
+  ``timeout=`` does that.
 
 This module holds the public API. One generation of ranks is
 ``_ranks.Ranks``, built from ``_rank_procs`` (start, watch and kill the
@@ -71,7 +79,9 @@ def spawn(fn: Callable[..., Any], world_size: int, /, *args: Any, timeout: float
         *args: positional arguments for ``fn``, pickled with cloudpickle and
             identical on every rank.
         timeout: seconds ``fn`` may run, counted from when the ranks are up;
-            ``None`` for no limit.
+            ``None`` for no limit. Without it, a collective that some rank
+            never joins still fails after ``ZEROFN_TIMEOUT_S`` (default
+            600 s; set it in the environment before calling).
 
     Returns:
         The list of ``fn``'s return values, rank 0 first (tensors included).
@@ -110,7 +120,9 @@ class RankPool:
     process group between runs. After a failed run (a rank raised, died or
     timed out) every rank is killed and fresh ones start on the next
     :meth:`run`. Close it with :meth:`close` or a ``with`` block; it is also
-    closed when garbage collected and at interpreter exit.
+    closed when garbage collected and at interpreter exit. Each collective
+    waits at most ``ZEROFN_TIMEOUT_S`` (default 600 s), as set in the
+    environment when the ranks start.
 
     Args:
         world_size: number of ranks, at least 1.

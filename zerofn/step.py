@@ -180,6 +180,9 @@ class Step:
         module outside a step raises, pointing to ``step.apply`` and
         ``step.full_params``. ``keep_module=True`` leaves the module as it
         was (a second copy of the parameters beside the state).
+
+        Collective: call it on every rank, with the same params (under
+        torchrun it joins the process group, and the ranks' states must match).
         """
         for e in self.extensions:
             if e.check is not None:
@@ -227,7 +230,11 @@ class Step:
     def full_params(self, state: TrainState, *, master: bool = False) -> Any:
         """The full parameters (a new tree shaped like the ``init`` input) on every rank.
 
-        Collective: every rank must call it. ``master=True`` gives the
+        Collective: every rank must call it, in the same order as its other
+        collective calls; called on some ranks only, it fails after
+        ``ZEROFN_TIMEOUT_S`` with ``zerofn.collectives.CollectiveTimeoutError``
+        (to save on one rank, call it on every rank and write on rank 0 only).
+        ``master=True`` gives the
         full-precision weights the optimizer updates (amp's fp32 masters;
         frozen parameters, which have none, as held, in fp32).
         """
@@ -250,7 +257,8 @@ class Step:
         Runs the model that ``loss_fn`` calls (through ``zf.functional``) on
         the state's parameters as the storage holds them: under
         ``shard_params`` it gathers one unit at a time, so it runs models
-        larger than one rank.
+        larger than one rank. Collective: call it on every rank, in the same
+        order as the other collective calls.
         """
         self._check_state(state)
         with contextlib.ExitStack() as stack:
@@ -278,6 +286,14 @@ class Step:
     # ------------------------------------------------------------ the step
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        """One micro-step: ``(new_state, metrics)``; the input state is donated (see ``train_step``).
+
+        Collective: every rank calls it once per micro-batch, in the same
+        order, with micro-batches of the same shapes. A rank that does not
+        call it makes the others fail with
+        ``zerofn.collectives.CollectiveTimeoutError`` after
+        ``ZEROFN_TIMEOUT_S`` (default 600 s).
+        """
         self._check_state(state)
         with C.counting() as counter:
             _check_batch(self.name, batch)
