@@ -98,6 +98,19 @@ def test_the_module_reads_the_state_or_says_what_to_use():
         assert step.apply(state, x).shape == (5, 1)
 
 
+def test_a_second_init_from_taken_parameters_is_refused():
+    torch.manual_seed(0)
+    model = Blocks()
+    apply = zf.functional(model)
+    step = amp(zf.train_step(lambda p, x: apply(p, x).square().mean(), zf.optim.adamw(1e-2)))
+    state = step.init(apply.params)
+    for other in (step, shard_params(step)):  # shard_params would otherwise re-initialise the placeholders
+        with pytest.raises(ValueError, match=r"(?s)init\(apply.params\): the module's parameters are held.*full_params"):
+            other.init(apply.params)
+    again = shard_params(step).init(step.full_params(state))  # the way to build another state
+    zf.testing.assert_trees_all_close(shard_params(step).full_params(again), step.full_params(state))
+
+
 def test_keep_module_leaves_the_module_alone():
     torch.manual_seed(0)
     model = Blocks()

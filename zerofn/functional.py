@@ -48,8 +48,10 @@ read the parameters from the state:
     out = step.apply(state, *args)           # evaluation, generation (gathers shards if sharded)
     params = step.full_params(state)         # a new dict name -> tensor
 
-To keep the module's own parameters as well (a second copy beside the
-state), build the state with step.init(apply.params, keep_module=True).
+To build another state, pass the parameters a state holds:
+other_step.init(step.full_params(state)). To keep the module's own
+parameters as well (a second copy beside the state), build the state with
+step.init(apply.params, keep_module=True).
 """
 
 # A step that holds parameters sharded (shard_params) sets this while loss_fn
@@ -215,6 +217,11 @@ class Functional:
         return restore
 
     # ---------------------------------------------------------- ownership
+
+    @property
+    def adopted(self) -> bool:
+        """True once a state holds the parameters and the module has placeholders (see :meth:`adopt`)."""
+        return self._adopted
 
     def adopt(self, views: Mapping[str, torch.Tensor]) -> None:
         """Let a state own the parameters: the module keeps no storage of its own.

@@ -71,7 +71,7 @@ from zerofn import optim as O
 from zerofn import tree as T
 from zerofn.closure import find_functional
 from zerofn.extension import Extension
-from zerofn.functional import BINDING, Functional, owner_of
+from zerofn.functional import ADOPTED_HELP, BINDING, Functional, owner_of
 from zerofn.precision import Precision
 from zerofn.reduction import GradSink, Reduction
 from zerofn.state import Layout, StateSpec, TrainState
@@ -189,6 +189,10 @@ class Step:
                 e.check(self)
         split = split_params(params, f"{self.name}.init")
         functional = owner_of(params)
+        if functional is not None and functional.adopted:
+            # Its parameters are placeholders now: materialising them afresh would silently
+            # start from other numbers than the state that holds them.
+            raise ValueError(ADOPTED_HELP.format(what=f"{self.name}.init(apply.params)"))
         owner = functional.owner if functional is not None else (lambda name: None)
         named = {k: self.precision.cast(v, owner(k)) for k, v in split.named.items()}  # held (and run) so
         split = split._replace(named=named, trainable={k: named[k] for k in split.trainable})
