@@ -252,6 +252,17 @@ _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 _first_failure: str | None = None
 
 
+@contextlib.contextmanager
+def _named(kind: str, nbytes: int = 0, started: float | None = None) -> Iterator[float]:
+    """Issue or wait for collective ``kind`` inside: a backend timeout or lost peer becomes a
+    :class:`CollectiveError` naming it. Yields the time it was issued (``started``, or now)."""
+    started = time.monotonic() if started is None else started
+    try:
+        yield started
+    except RuntimeError as err:
+        _reraise(err, kind, nbytes, started)
+
+
 def _reraise(err: RuntimeError, kind: str, nbytes: int, started: float):
     """Raise ``err`` as a :class:`CollectiveError` naming the collective, or unchanged."""
     try:
@@ -363,10 +374,8 @@ class Handle:
 
     def wait(self) -> Any:
         if self._work is not None:
-            try:
+            with _named(self._kind, self._nbytes, self._started):
                 self._work.wait()
-            except RuntimeError as err:
-                _reraise(err, self._kind, self._nbytes, self._started)
             self._work = None
             if self._after is not None:
                 self._after(self._result)
@@ -400,11 +409,8 @@ def all_reduce(t: torch.Tensor, op: str = "sum", *, async_op: bool = False):
     if n == 1:
         return _done(t) if async_op else t
     _count("all_reduce", 2 * _nbytes(t))
-    started = time.monotonic()
-    try:
+    with _named("all_reduce", _nbytes(t)) as started:
         work = dist.all_reduce(t, op=_reduce_op(op), async_op=True)
-    except RuntimeError as err:
-        _reraise(err, "all_reduce", _nbytes(t), started)
     after = (lambda r: r.div_(n)) if op == "mean" else None
     h = Handle(work, t, after, "all_reduce", _nbytes(t), started)
     return h if async_op else h.wait()
@@ -433,11 +439,8 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, op: str = "sum", *, as
             out.copy_(full)
         return _done(out) if async_op else out
     _count("reduce_scatter", _nbytes(full))
-    started = time.monotonic()
-    try:
+    with _named("reduce_scatter", _nbytes(full)) as started:
         work = _reduce_scatter_single(out, full, op=_reduce_op(op), async_op=True)
-    except RuntimeError as err:
-        _reraise(err, "reduce_scatter", _nbytes(full), started)
     after = (lambda r: r.div_(n)) if op == "mean" else None
     h = Handle(work, out, after, "reduce_scatter", _nbytes(full), started)
     return h if async_op else h.wait()
@@ -456,11 +459,8 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = Fals
             full.copy_(shard)
         return _done(full) if async_op else full
     _count("all_gather", _nbytes(full))
-    started = time.monotonic()
-    try:
+    with _named("all_gather", _nbytes(full)) as started:
         work = _all_gather_single(full, shard, async_op=True)
-    except RuntimeError as err:
-        _reraise(err, "all_gather", _nbytes(full), started)
     h = Handle(work, full, None, "all_gather", _nbytes(full), started)
     return h if async_op else h.wait()
 
@@ -468,11 +468,8 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = Fals
 def barrier() -> None:
     """Wait until every rank reached its ``barrier()``."""
     if world_size() > 1:
-        started = time.monotonic()
-        try:
+        with _named("barrier"):
             dist.barrier()
-        except RuntimeError as err:
-            _reraise(err, "barrier", 0, started)
 
 
 def gather_objects(obj: Any) -> list[Any]:
@@ -481,11 +478,8 @@ def gather_objects(obj: Any) -> list[Any]:
     if n == 1:
         return [obj]
     out: list[Any] = [None] * n
-    started = time.monotonic()
-    try:
+    with _named("gather_objects"):
         dist.all_gather_object(out, obj)
-    except RuntimeError as err:
-        _reraise(err, "gather_objects", 0, started)
     return out
 
 
@@ -494,11 +488,8 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if world_size() == 1:
         return obj
     box = [obj]
-    started = time.monotonic()
-    try:
+    with _named("broadcast_object"):
         dist.broadcast_object_list(box, src=src)
-    except RuntimeError as err:
-        _reraise(err, "broadcast_object", 0, started)
     return box[0]
 
 

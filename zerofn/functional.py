@@ -90,28 +90,12 @@ class Functional:
             )
         self.module = module
         self.params: dict[str, torch.Tensor] = dict(module.named_parameters())
-        first: dict[int, str] = {}
-        self.tied: dict[str, str] = {}
         # Every (module, attribute) that holds a parameter, once, with the name of
         # the parameter it holds: a module used twice, or a weight tied between two
-        # modules, is swapped exactly once per place.
-        self._slots: dict[tuple[int, str], tuple[torch.nn.Module, str, str]] = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            key = id(p)
-            if key in first and first[key] != name:
-                self.tied[name] = first[key]
-            first.setdefault(key, name)
-            owner_name, _, attr = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            self._slots.setdefault((id(owner), attr), (owner, attr, first[key]))
-        # The same for buffers (BatchNorm's running statistics, ...): a step binds the state's.
-        self._buffer_slots: dict[tuple[int, str], tuple[torch.nn.Module, str, str]] = {}
-        first_buffer: dict[int, str] = {}
-        for name, b in module.named_buffers(remove_duplicate=False):
-            first_buffer.setdefault(id(b), name)
-            owner_name, _, attr = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            self._buffer_slots.setdefault((id(owner), attr), (owner, attr, first_buffer[id(b)]))
+        # modules, is swapped exactly once per place. The same for buffers
+        # (BatchNorm's running statistics, ...), which a step binds from its state.
+        self._slots, self.tied = _places(module, module.named_parameters(remove_duplicate=False))
+        self._buffer_slots, _ = _places(module, module.named_buffers(remove_duplicate=False))
         self._current: Any = None  # the params now swapped in, if any
         self._adopted = False  # the module holds meta placeholders (see adopt)
         self._guards: list = []
@@ -155,15 +139,12 @@ class Functional:
                 f"apply(params, ...): params lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}; pass the "
                 "dict apply.params (or a tree with the same names)"
             )
-        saved = [(owner, attr, owner._parameters[attr]) for owner, attr, _ in self._slots.values()]
         previous = self._current
-        for owner, attr, name in self._slots.values():
-            owner._parameters[attr] = params[name]
+        put_back = _put(self._slots, "_parameters", params)
         self._current = params
 
         def restore() -> None:
-            for owner, attr, original in saved:
-                owner._parameters[attr] = original
+            put_back()
             self._current = previous
 
         return restore
@@ -204,17 +185,7 @@ class Functional:
 
     def bind_buffers(self, buffers: Mapping[str, torch.Tensor]) -> Callable[[], None]:
         """Put ``buffers`` (a state's) in the module's buffer places; returns what puts the module's back."""
-        saved = []
-        for owner, attr, name in self._buffer_slots.values():
-            if name in buffers:
-                saved.append((owner, attr, owner._buffers[attr]))
-                owner._buffers[attr] = buffers[name]
-
-        def restore() -> None:
-            for owner, attr, original in saved:
-                owner._buffers[attr] = original
-
-        return restore
+        return _put(self._buffer_slots, "_buffers", buffers)
 
     # ---------------------------------------------------------- ownership
 
@@ -262,6 +233,37 @@ class Functional:
     def __repr__(self) -> str:
         n = sum(p.numel() for p in self.params.values())
         return f"functional({type(self.module).__name__}, {len(self.params)} params, {n:,} elements)"
+
+
+def _places(module: torch.nn.Module, named) -> tuple[dict, dict[str, str]]:
+    """Each (module, attribute) place of ``named`` (name, tensor) pairs once, with the first name of the
+    tensor it holds; and alias name -> first name for tensors held under several names."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    places: dict[tuple[int, str], tuple[torch.nn.Module, str, str]] = {}
+    for name, t in named:
+        if id(t) in first and first[id(t)] != name:
+            aliases[name] = first[id(t)]
+        first.setdefault(id(t), name)
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        places.setdefault((id(owner), attr), (owner, attr, first[id(t)]))
+    return places, aliases
+
+
+def _put(places: dict, store: str, values: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+    """Put ``values`` (by name) in ``places`` of each owner's ``store`` dict; returns what puts the old ones back."""
+    saved = []
+    for owner, attr, name in places.values():
+        if name in values:
+            saved.append((owner, attr, getattr(owner, store)[attr]))
+            getattr(owner, store)[attr] = values[name]
+
+    def restore() -> None:
+        for owner, attr, original in saved:
+            getattr(owner, store)[attr] = original
+
+    return restore
 
 
 def functional(module: torch.nn.Module) -> Functional:

@@ -72,6 +72,7 @@ from zerofn import tree as T
 from zerofn.closure import find_functional
 from zerofn.extension import Extension
 from zerofn.functional import ADOPTED_HELP, BINDING, Functional, owner_of
+from zerofn.optim.base import _groups  # the device/dtype grouping foreach kernels need
 from zerofn.precision import Precision
 from zerofn.reduction import GradSink, Reduction
 from zerofn.state import Layout, StateSpec, TrainState
@@ -201,7 +202,7 @@ class Step:
             split,
             shards=self.reduction.shards(world),
             bucket_bytes=self.bucket_bytes,
-            model=lambda: owner_of(params) or self._model(),
+            model=lambda: functional or self._model(),
         )
         opt_state = self.effective_optimizer.init(self._opt_params(held.params, held.layout, rank))
         extra = dict(held.extra)
@@ -413,18 +414,11 @@ def _average_buffers(after: list[torch.Tensor], before: list[torch.Tensor]) -> N
     """
     if not after:
         return
-    for group, old in zip(_by_dtype(after), _by_dtype(before)):
+    for group, old in _groups(after, before):
         delta = torch.cat([(b - o).reshape(-1) for b, o in zip(group, old)])
         C.all_reduce(delta, "mean")
         pieces = delta.split([b.numel() for b in group])
         torch._foreach_copy_(group, [o + d.view_as(o) for o, d in zip(old, pieces)])
-
-
-def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return list(groups.values())
 
 
 def _device(layout: Layout) -> str:
