@@ -154,6 +154,10 @@ class MasterState(NamedTuple):
     master: Any
     inner: Any
 
+    def checkpoint_parts(self) -> dict:
+        """For ``zerofn.checkpoint``: the masters are their own quantity; the inner state continues."""
+        return {"@master": self.master, "": self.inner}
+
 
 def master_weights(inner: O.GradientTransformation) -> O.GradientTransformation:
     """Run ``inner`` on fp32 master copies of low-precision parameters.

@@ -47,6 +47,7 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import hashlib
 import json
@@ -60,6 +61,7 @@ import torch
 from zerofn import collectives as C
 from zerofn import optim as O
 from zerofn import tree as T
+from zerofn.checkpoint import FileTensor
 from zerofn.extension import Extension
 from zerofn.step import Step, reapply, transform
 from zerofn.storage import to_host
@@ -161,11 +163,17 @@ class HostState(NamedTuple):
 
     offloaded = True  # the state's printout says where the optimizer state lives
 
+    def checkpoint_parts(self) -> dict:
+        """For ``zerofn.checkpoint``: the inner state; the host parameters mirror the parameters
+        (filled on load, not saved); the gradient buffers are scratch."""
+        return {"": self.inner} if self.params is None else {"": self.inner, "=params": self.params}
+
 
 def _host_optimizer(inner: O.GradientTransformation, *, pin: bool, params_on_host: bool) -> O.GradientTransformation:
     def init(params):
         host = None if params_on_host else T.tree_map(lambda p: to_host(p.detach(), pin), params)
-        grads = T.tree_map(lambda p: torch.zeros(p.shape, dtype=torch.float32, pin_memory=pin), params)
+        # fp32 (amp's gradients reach the optimizer in fp32), or wider for a wider parameter
+        grads = T.tree_map(lambda p: torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pin), params)
         return HostState(host, grads, inner.init(params if params_on_host else host))
 
     @torch.no_grad()
@@ -193,6 +201,8 @@ class NvmeFiles:
     entries: list  # (file stem, dtype name, numel) per parameter-shaped state tensor
     generation: int = 0
     signature: str = ""  # what the manifest records: model layout, world size and rank
+    tree: Any = None  # the inner optimizer state's structure over every bucket
+    roles: tuple = ()  # per leaf of tree: ("file", stem, dtype name, numel) or ("small", index)
     placement: str = field(default="nvme", init=False)
 
     @property
@@ -214,6 +224,15 @@ class NvmeState(NamedTuple):
     files: NvmeFiles
 
     offloaded = True
+
+    def checkpoint_parts(self) -> dict:
+        """For ``zerofn.checkpoint``: the inner optimizer state, its parameter-shaped leaves as files."""
+        f = self.files
+        leaves = [
+            FileTensor(f.file(r[1]), getattr(torch, r[2]), r[3]) if r[0] == "file" else self.small[r[1]]
+            for r in f.roles
+        ]
+        return {"": T.tree_unflatten(f.tree, leaves)}
 
 
 @dataclass(frozen=True)
@@ -245,7 +264,8 @@ def _nvme_optimizer(inner: O.GradientTransformation, *, root: str, sub_group_byt
         entries = [(f"{k}_{j}", str(dt).replace("torch.", ""), params[k].numel()) for k in keys for j, dt in enumerate(shape.big_dtypes)]
         signature = _signature(entries, C.world_size(), C.rank())
         _check_manifest(rank_dir, signature)
-        files = NvmeFiles(rank_dir, entries, 0, signature)
+        files = NvmeFiles(rank_dir, entries, 0, signature, *_roles(inner, params))
+        _fresh(files, 0, keys)
         # Write generation 0 sub-group by sub-group: init's values for each slice of the parameters.
         for k in keys:
             flat = params[k].detach().reshape(-1)
@@ -263,6 +283,7 @@ def _nvme_optimizer(inner: O.GradientTransformation, *, root: str, sub_group_byt
         old, new = files.generation, 1 - files.generation
         chunk = _chunk_elems(shape, sub_group_bytes)
         new_small = None
+        _fresh(files, new, list(params))
         try:
             with concurrent.futures.ThreadPoolExecutor(2) as io:
                 for k in params:
@@ -306,10 +327,38 @@ def _nvme_optimizer(inner: O.GradientTransformation, *, root: str, sub_group_byt
                 _pread(files.file(f"{k}_next", 0), buf, a)
                 flat_p[a:b].copy_(buf)
         _write_manifest(files.root, files.signature, new)
-        new_files = NvmeFiles(files.root, files.entries, new, files.signature)
+        new_files = dataclasses.replace(files, generation=new)
         return NvmeState(new_small if new_small is not None else state.small, new_files)
 
     return O.in_place(init, update_in_place, "offload")
+
+
+def _roles(inner: O.GradientTransformation, params: dict) -> tuple[Any, tuple]:
+    """The inner state's structure over every bucket, and where each of its leaves lives (see NvmeFiles)."""
+    meta = {k: torch.empty(v.numel(), dtype=v.dtype, device="meta") for k, v in params.items()}
+    paths, leaves, tree = T.tree_flatten_with_path(inner.init(meta))
+    roles, seen, n_small = [], {}, 0
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
+            key = next(c for c in reversed(path) if c in params)
+            j = seen[key] = seen.get(key, -1) + 1
+            roles.append(("file", f"{key}_{j}", str(leaf.dtype).replace("torch.", ""), leaf.numel()))
+        else:
+            roles.append(("small", n_small))
+            n_small += 1
+    return tree, tuple(roles)
+
+
+def _fresh(files: NvmeFiles, generation: int, keys: list) -> None:
+    """Unlink a generation's files before writing it: new files, never old ones changed in place, so a
+    checkpoint's hard link to them keeps the bytes it saw."""
+    stems = [e[0] for e in files.entries] + [f"{k}_next" for k in keys]
+    for stem in stems:
+        for g in {generation, 0} if stem.endswith("_next") else {generation}:
+            try:
+                os.unlink(files.file(stem, g))
+            except FileNotFoundError:
+                pass
 
 
 def _chunk_elems(shape: _Shape, sub_group_bytes: int) -> int:

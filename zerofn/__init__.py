@@ -3,7 +3,7 @@
 Public names only; see the modules for the details.
 """
 
-from zerofn import collectives, memory, optim, testing, tree
+from zerofn import checkpoint, collectives, memory, optim, testing, tree
 from zerofn.collectives import CollectiveError, CollectiveTimeoutError
 from zerofn.functional import Functional, functional
 from zerofn.launch import RankError, RankPool, spawn
@@ -19,6 +19,7 @@ __all__ = [
     "RankPool",
     "Step",
     "TrainState",
+    "checkpoint",
     "collectives",
     "functional",
     "memory",

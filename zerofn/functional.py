@@ -162,17 +162,27 @@ class Functional:
         Every name the module's own ``state_dict`` has: a tied parameter under
         each of its names, persistent buffers only, in the module's order.
         """
-        out: dict[str, torch.Tensor] = {}
+        live = {n: b for n, b in self.module.named_buffers(remove_duplicate=False)}
+        return {
+            name: params[held] if kind == "param" else buffers.get(held, live.get(name))
+            for name, kind, held in self.state_dict_names()
+        }
+
+    def state_dict_names(self) -> tuple[tuple[str, str, str], ...]:
+        """``(state_dict name, "param" or "buffer", the name the params or buffers dict holds it under)``
+        for every entry of the module's ``state_dict``, in its order (tied parameters and shared
+        buffers under each of their names; persistent buffers only)."""
+        out: list[tuple[str, str, str]] = []
         first_buffer = {(id(o), a): n for o, a, n in self._buffer_slots.values()}
         for prefix, m in self.module.named_modules(remove_duplicate=False):
             dot = f"{prefix}." if prefix else ""
             for attr, p in m._parameters.items():
                 if p is not None:
-                    out[dot + attr] = params[self.tied.get(dot + attr, dot + attr)]
+                    out.append((dot + attr, "param", self.tied.get(dot + attr, dot + attr)))
             for attr, b in m._buffers.items():
                 if b is not None and attr not in m._non_persistent_buffers_set:
-                    out[dot + attr] = buffers.get(first_buffer.get((id(m), attr), dot + attr), b)
-        return out
+                    out.append((dot + attr, "buffer", first_buffer.get((id(m), attr), dot + attr)))
+        return tuple(dict.fromkeys(out))
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The module's buffers by name (a buffer shared under several names once), meta ones left out."""

@@ -149,6 +149,9 @@ class StateSpec:
     world_size: int
     layout: Layout
     treedef: Any  # the params tree's structure, to rebuild it for loss_fn
+    # The model's state_dict entries: (name, "param" or "buffer", the name the state holds it
+    # under), when the params came from zf.functional; checkpoints export by these names.
+    model: tuple = ()
 
 
 class DonatedStateError(RuntimeError):

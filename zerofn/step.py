@@ -223,7 +223,9 @@ class Step:
             grad_accum=None,
             loss_scale=self.precision.new_loss_scale(),
             extra=extra,
-            spec=StateSpec(self.name, world, held.layout, split.treedef),
+            spec=StateSpec(
+                self.name, world, held.layout, split.treedef, functional.state_dict_names() if functional else ()
+            ),
         )
         if functional is not None and not keep_module:
             self.storage.adopt(functional, state, share=self.donate)
