@@ -61,6 +61,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from zerofn import optim as O
 from zerofn import tree as T
+from zerofn.checkpoint import FileTensor, find_quantity
 from zerofn.precision import Precision
 from zerofn.step import Step, reapply, transform
 
@@ -231,15 +232,10 @@ class MixedPrecision(Precision):
         return {k: v.float() for k, v in reduced.items()}  # the optimizer works on the fp32 masters
 
     def masters(self, opt_state: Any) -> tuple | None:
-        found = [n for n in T.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, MasterState))
-                 if isinstance(n, MasterState)]  # fmt: skip
+        found = find_quantity(opt_state, "master")  # in memory, on the host, or in NVMe files
         if not found:
-            raise ValueError(
-                "amp: the fp32 master weights are not in the optimizer state held in memory (offloaded to NVMe "
-                "files?); read them from the files, or use full_params(state) for the low-precision parameters"
-            )
-        master = found[0].master
-        return tuple(master[f"b{i}"] for i in range(len(master)))
+            raise ValueError("amp: no fp32 master weights in the optimizer state (a state of another step?)")
+        return tuple(t.read() if isinstance(t, FileTensor) else t for t in (found[i] for i in range(len(found))))
 
     def new_loss_scale(self) -> Any:
         return _new_scale(*self.scale_settings)

@@ -80,7 +80,8 @@ from zerofn.functional import owner_of
 from zerofn.state import Bucket, Slot, TrainState
 
 __all__ = [
-    "CheckpointError", "FileTensor", "IntegrityError", "SaveHandle", "consolidate", "latest", "load", "save", "verify",
+    "CheckpointError", "FileTensor", "IntegrityError", "SaveHandle", "consolidate", "find_quantity", "latest", "load",
+    "save", "verify",
 ]  # fmt: skip
 
 FORMAT = "zerofn-checkpoint-1"
@@ -111,6 +112,20 @@ class FileTensor:
     @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+    def read(self, offset: int = 0, n: int | None = None) -> torch.Tensor:
+        """Elements ``[offset, offset + n)`` (default: to the end) into a new CPU tensor."""
+        n = self.numel_ - offset if n is None else n
+        out = torch.empty(n, dtype=self.dtype)
+        view = memoryview(out.view(torch.uint8).numpy())
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [view], offset * self.itemsize)
+        finally:
+            os.close(fd)
+        if got != len(view):
+            raise IntegrityError(f"{self.path}: shorter than the {self.numel_} elements expected")
+        return out
 
     def write(self, offset: int, t: torch.Tensor) -> None:
         data = memoryview(t.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy())
@@ -211,6 +226,25 @@ def _bucket_part(key: str, i: int, value: Any, buckets, rank: int, mirror: bool)
     b = buckets[i]
     lo, hi = _held_range(value.numel(), b, rank, f"optimizer state {key} of bucket {i}")
     return _Part(key, "params", i, lo, hi, value, mirror)
+
+
+def find_quantity(opt_state: Any, key: str) -> dict[int, Any]:
+    """Bucket index -> tensor (or :class:`FileTensor`) of a quantity an optimizer-state wrapper names
+    (``"master"``: amp's fp32 master weights), wherever the wrappers keep it."""
+    found: dict[int, Any] = {}
+
+    def walk(tree: Any) -> None:
+        for leaf in T.tree_leaves(tree, is_leaf=_is_node):
+            if isinstance(leaf, FileTensor) or not _is_node(leaf):
+                continue
+            for label, inner in leaf.checkpoint_parts().items():
+                if label == "@" + key:
+                    found.update((i, t) for t, i in _bucket_leaves(inner))
+                elif label == "":
+                    walk(inner)
+
+    walk(opt_state)
+    return found
 
 
 def _state_parts(state: TrainState, rank: int) -> tuple[list[_Part], dict[str, torch.Tensor]]:

@@ -241,13 +241,22 @@ class Step:
         collective calls; called on some ranks only, it fails after
         ``ZEROFN_TIMEOUT_S`` with ``zerofn.collectives.CollectiveTimeoutError``
         (to save on one rank, call it on every rank and write on rank 0 only).
+        Trainable parameters come with ``requires_grad=True`` (frozen ones
+        without), so ``init(step.full_params(state))`` builds a like state.
         ``master=True`` gives the
         full-precision weights the optimizer updates (amp's fp32 masters;
         frozen parameters, which have none, as held, in fp32).
         """
         self._check_state(state)
         masters = self.precision.masters(state.opt_state) if master else None
-        return self.storage.full_params(state, self._model, masters)
+        full = self.storage.full_params(state, self._model, masters)
+        # Trainable as they were, so that init(step.full_params(state)) freezes what was frozen only.
+        layout = state.spec.layout
+        trainable = {s.name for b in layout.buckets for s in b.slots}
+        for name, t in zip(layout.names, T.tree_leaves(full)):
+            if name in trainable and t.is_floating_point():
+                t.requires_grad_(True)
+        return full
 
     def state_dict(self, state: TrainState, *, master: bool = False) -> dict[str, torch.Tensor]:
         """The model's ``state_dict`` from the state: every parameter name (tied ones under each of

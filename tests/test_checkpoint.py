@@ -1,0 +1,433 @@
+"""Checkpoints: round trips for every composition, resharding across compositions and world sizes,
+background saves, crash safety, integrity errors, buffers, export to safetensors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import zerofn as zf
+from helpers import TinyTransformer, rank_slice
+from zerofn import collectives as C
+from zerofn.checkpoint import CheckpointError, IntegrityError
+
+TESTS = pathlib.Path(__file__).parent
+ROOT = TESTS.parent
+
+
+def _transform(name: str, nvme: str | None):
+    from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_params
+
+    def nv(s):
+        os.makedirs(nvme, exist_ok=True)
+        return offload(s, "nvme", path=nvme, sub_group_bytes=4096)
+
+    table = {
+        "plain": [], "shard_optimizer": [shard_optimizer], "shard_grads": [shard_grads], "shard_params": [shard_params],
+        "amp": [amp], "shard_params+amp": [shard_params, amp], "offload": [lambda s: offload(s, "cpu")],
+        "shard_params+offload_params": [shard_params, lambda s: offload(s, "cpu", params=True)],
+        "nvme": [nv], "shard_optimizer+amp+nvme": [shard_optimizer, amp, nv], "shard_params+nvme": [shard_params, nv],
+    }  # fmt: skip
+    return table[name.removesuffix("-lite")]
+
+
+def _plain_model(name: str) -> bool:
+    """amp (bf16 layer norms on the CPU) and NVMe offload (one dtype) take the model without its
+    float64 and frozen extras; so does any name ending in -lite."""
+    return "amp" in name or "nvme" in name or name.endswith("-lite")
+
+
+def _build(name: str, seed: int = 0, nvme: str | None = None, optimizer=None):
+    torch.manual_seed(seed)
+    model = TinyTransformer(extras=not _plain_model(name))
+    apply = zf.functional(model)
+
+    def loss_fn(params, batch):
+        logits = apply(params, batch[:, :-1])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    step = zf.train_step(loss_fn, optimizer or zf.optim.adamw(1e-2, weight_decay=0.1))
+    for t in _transform(name, nvme):
+        step = t(step)
+    return step, apply, model
+
+
+def _batch(i: int) -> torch.Tensor:
+    return torch.randint(0, 23, (12, 9), generator=torch.Generator().manual_seed(100 + i))  # 12: splits over 1..4
+
+
+def _train(step, state, lo: int, hi: int):
+    rank, world = C.rank(), C.world_size()
+    for i in range(lo, hi):
+        state, _ = step(state, rank_slice(_batch(i), rank, world))
+    return state
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- the same step, bit for bit
+
+
+def _rank_round_trip(root: str, names: list) -> dict:
+    out = {}
+    for name in names:
+        step, apply, _ = _build(name, nvme=f"{root}/nvme-{name}-a")
+        state = _train(step, step.init(apply.params), 0, 5)
+        at5 = step.state_dict(state, master="amp" in name)
+        handle = zf.checkpoint.save(state, f"{root}/{name}/step5", blocking=False)
+        state = _train(step, state, 5, 10)  # trains (and changes the state in place) while the save writes
+        handle.wait()
+        ref = step.state_dict(state)
+        step2, _, _ = _build(name, seed=1, nvme=f"{root}/nvme-{name}-b")
+        loaded = zf.checkpoint.load(f"{root}/{name}/step5", step2)
+        snap = step2.state_dict(loaded, master="amp" in name)
+        count = int(loaded.count)
+        got = step2.state_dict(_train(step2, loaded, 5, 10))
+        out[name] = (_equal(at5, snap), _equal(ref, got), count, handle.bytes_written, zf.memory.state_bytes(state))
+    return out
+
+
+def test_round_trip_every_composition_bit_for_bit(ranks, tmp_path):
+    names = ["plain", "shard_optimizer", "shard_grads", "shard_params", "amp", "shard_params+amp", "offload",
+             "shard_params+offload_params", "nvme", "shard_optimizer+amp+nvme"]  # fmt: skip
+    per_rank = ranks(2).run(_rank_round_trip, str(tmp_path), names)
+    for name in names:
+        snapshot_equal, resumed_equal, count, _, _ = per_rank[0][name]
+        assert snapshot_equal, f"{name}: the checkpoint differs from the state at the moment of the save"
+        assert resumed_equal, f"{name}: resuming differs from the uninterrupted run"
+        assert count == 5
+    # Every rank writes its part; together about the state's bytes held on one rank (sharded
+    # compositions) or less (replicated parameters are written once, split over the ranks).
+    for name in ["shard_params", "shard_optimizer"]:
+        written = [r[name][3] for r in per_rank]
+        held = per_rank[0][name][4]["total"]
+        assert all(w > 0 for w in written)
+        assert sum(written) <= 2 * held + 64 * 1024, (name, written, held)
+
+
+# ---------------------------------------------------------------- another composition, another world size
+
+
+def _rank_save(root: str, name: str) -> dict:
+    step, apply, _ = _build(name, nvme=f"{root}/nvme-save-{name}")
+    state = _train(step, step.init(apply.params), 0, 5)
+    zf.checkpoint.save(state, f"{root}/{name}@{C.world_size()}")
+    return {"masters": step.full_params(state, master=True), "params": step.full_params(state)}
+
+
+def _rank_resume(root: str, saved: str, name: str) -> dict:
+    step, _, _ = _build(name, seed=3, nvme=f"{root}/nvme-load-{name}-{C.world_size()}")
+    state = zf.checkpoint.load(f"{root}/{saved}", step)
+    loaded = {"params": step.full_params(state), "masters": step.full_params(state, master=True), "count": int(state.count)}
+    final = step.state_dict(_train(step, state, 5, 10))
+    return {"loaded": loaded, "final": final}
+
+
+def _close(a: dict, b: dict, tol: float) -> float:
+    assert a.keys() == b.keys()
+    worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    assert worst <= tol, worst
+    return worst
+
+
+def test_load_on_other_compositions_and_world_sizes(ranks, tmp_path):
+    root = str(tmp_path)
+    step, apply, _ = _build("plain")
+    reference = step.state_dict(_train(step, step.init(apply.params), 0, 10))  # uninterrupted, one process
+    ranks(4).run(_rank_save, root, "shard_params")
+    targets = [(2, "shard_optimizer"), (3, "shard_grads"), (3, "shard_params"), (2, "offload")]
+    for world, name in targets:
+        result = ranks(world).run(_rank_resume, root, "shard_params@4", name)[0]
+        assert result["loaded"]["count"] == 5
+        _close(result["final"], reference, 1e-6)
+    _close(_rank_resume(root, "shard_params@4", "plain")["final"], reference, 1e-6)
+
+
+def test_nvme_state_reshards_both_ways(ranks, tmp_path):
+    root = str(tmp_path)
+    step, apply, _ = _build("plain-lite")  # the model without extras
+    reference = step.state_dict(_train(step, step.init(apply.params), 0, 10))
+    ranks(2).run(_rank_save, root, "shard_params+nvme")
+    _close(ranks(3).run(_rank_resume, root, "shard_params+nvme@2", "shard_optimizer-lite")[0]["final"], reference, 1e-6)
+    ranks(3).run(_rank_save, root, "shard_grads-lite")
+    _close(ranks(2).run(_rank_resume, root, "shard_grads-lite@3", "shard_params+nvme")[0]["final"], reference, 1e-6)
+
+
+def test_amp_masters_come_back_as_masters_or_as_fp32_parameters(ranks, tmp_path):
+    root = str(tmp_path)
+    saved = ranks(2).run(_rank_save, root, "shard_params+amp")[0]
+    # Into a step without amp: the fp32 masters become the parameters, bit for bit.
+    plain = _rank_resume(root, "shard_params+amp@2", "plain-lite")["loaded"]
+    assert _equal(plain["params"], saved["masters"])
+    # Into amp on another world size: masters as masters, the bf16 parameters as saved.
+    other = ranks(3).run(_rank_resume, root, "shard_params+amp@2", "shard_optimizer+amp+nvme")[0]["loaded"]
+    assert _equal(other["masters"], saved["masters"]) and _equal(other["params"], saved["params"])
+    # And from fp32 into amp: the masters are the fp32 parameters, the parameters their bf16 rounding.
+    fp32 = ranks(3).run(_rank_save, root, "shard_grads-lite")[0]
+    into_amp = ranks(2).run(_rank_resume, root, "shard_grads-lite@3", "shard_params+amp")[0]["loaded"]
+    names = into_amp["masters"].keys()
+    assert all(torch.equal(into_amp["masters"][k], fp32["params"][k]) for k in names)
+    assert all(torch.equal(into_amp["params"][k], fp32["params"][k].bfloat16()) for k in names)
+
+
+# ---------------------------------------------------------------- buffers
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 2))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _normed_step(name: str):
+    from zerofn.transforms import shard_params
+
+    torch.manual_seed(0)
+    model = Normed()
+    apply = zf.functional(model)
+    step = zf.train_step(lambda p, x: apply(p, x).square().mean(), zf.optim.adamw(1e-2))
+    return (shard_params(step) if name == "shard_params" else step), apply, model
+
+
+def _rank_normed(root: str):
+    step, apply, model = _normed_step("shard_params")
+    state = step.init(apply.params)
+    rank, world = C.rank(), C.world_size()
+    for i in range(3):
+        state, _ = step(state, rank_slice(torch.randn(16, 6, generator=torch.Generator().manual_seed(i)), rank, world))
+    zf.checkpoint.save(state, f"{root}/normed")
+    model.eval()
+    return step.apply(state, torch.ones(5, 6)), state.buffers
+
+
+def test_buffers_saved_on_two_ranks_evaluate_the_same_on_one(ranks, tmp_path):
+    (out0, buf0), (out1, buf1) = ranks(2).run(_rank_normed, str(tmp_path))
+    assert _equal(buf0, buf1) and torch.equal(out0, out1)
+    step, _, model = _normed_step("plain")
+    state = zf.checkpoint.load(tmp_path / "normed", step)
+    assert _equal(state.buffers, buf0)
+    model.eval()
+    torch.testing.assert_close(step.apply(state, torch.ones(5, 6)), out0, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- export
+
+
+def _rank_export(root: str):
+    step, apply, _ = _build("shard_params")
+    state = _train(step, step.init(apply.params), 0, 3)
+    zf.checkpoint.save(state, f"{root}/export")
+    x = _batch(50)[:2, :-1]
+    return step.apply(state, x), x
+
+
+def test_consolidate_loads_into_the_module_strictly_and_equals_apply(ranks, tmp_path):
+    from safetensors.torch import load_file
+
+    out, x = ranks(2).run(_rank_export, str(tmp_path))[0]
+    files = zf.checkpoint.consolidate(tmp_path / "export", tmp_path / "model.safetensors")
+    assert files == [str(tmp_path / "model.safetensors")]
+    fresh = TinyTransformer()
+    fresh.load_state_dict(load_file(files[0]), strict=True)  # the tied head.weight is in the file
+    assert fresh.head.weight is fresh.tok.weight
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), out, rtol=0, atol=0)
+    # Shards of at most 2 KB with a Hugging Face index give the same tensors.
+    shards = zf.checkpoint.consolidate(tmp_path / "export", tmp_path / "sharded", max_shard_bytes=2048)
+    index = json.loads(pathlib.Path(shards[-1]).read_text())
+    assert len(shards) > 3 and set(index["weight_map"]) == set(fresh.state_dict())
+    whole = load_file(files[0])
+    for name, f in index["weight_map"].items():
+        assert torch.equal(load_file(str(tmp_path / "sharded" / f))[name], whole[name])
+    # The command line, cast to bf16.
+    cli = subprocess.run(
+        [sys.executable, "-m", "zerofn", "consolidate", str(tmp_path / "export"), str(tmp_path / "bf16.safetensors"),
+         "--dtype", "bf16"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    half = load_file(str(tmp_path / "bf16.safetensors"))
+    assert all(torch.equal(half[k], v.bfloat16()) for k, v in whole.items() if v.is_floating_point())
+
+
+# ---------------------------------------------------------------- integrity
+
+
+def _saved_plain(root: pathlib.Path, name="plain", optimizer=None) -> tuple:
+    step, apply, _ = _build(name, optimizer=optimizer)
+    state = _train(step, step.init(apply.params), 0, 2)
+    zf.checkpoint.save(state, root / "good")
+    return step, root / "good"
+
+
+def _fresh_step(name="plain", optimizer=None):
+    return _build(name, seed=5, optimizer=optimizer)[0]
+
+
+def test_corruption_and_other_models_are_errors_that_name_the_file(tmp_path):
+    _, good = _saved_plain(tmp_path)
+    data = good / "rank0.safetensors"
+    original = data.read_bytes()
+    zf.checkpoint.verify(good)
+
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0x10
+    data.write_bytes(bytes(flipped))
+    with pytest.raises(IntegrityError, match=r"rank0\.safetensors is corrupted: bytes \d+\.\.\d+ do not match"):
+        zf.checkpoint.load(good, _fresh_step())
+    with pytest.raises(IntegrityError, match="corrupted"):
+        zf.checkpoint.verify(good)
+
+    data.write_bytes(original[:-100])
+    with pytest.raises(IntegrityError, match=r"rank0\.safetensors has \d+ bytes, the manifest recorded \d+ \(a truncated"):
+        zf.checkpoint.load(good, _fresh_step())
+
+    data.unlink()
+    with pytest.raises(IntegrityError, match=r"rank0\.safetensors is missing"):
+        zf.checkpoint.load(good, _fresh_step())
+
+    data.write_bytes(original)
+    zf.checkpoint.load(good, _fresh_step())  # restored: loads again
+
+    # Another model.
+    other = nn.Sequential(nn.Linear(4, 3))
+    apply = zf.functional(other)
+    step = zf.train_step(lambda p, x: apply(p, x).sum(), zf.optim.adamw(1e-2))
+    with pytest.raises(CheckpointError, match=r"of another model .*\n  parameters this model has and the checkpoint lacks: \['0\.bias'"):
+        zf.checkpoint.load(good, step)
+    # The same model with a different shape.
+    torch.manual_seed(0)
+    wider = TinyTransformer(dim=12)
+    apply = zf.functional(wider)
+    step = zf.train_step(lambda p, x: apply(p, x).sum(), zf.optim.adamw(1e-2))
+    with pytest.raises(CheckpointError, match=r"blocks\.0\.fc\.bias: shape \[21\] saved, \[25\] here"):
+        zf.checkpoint.load(good, step)
+    # Another optimizer: its state does not map.
+    with pytest.raises(CheckpointError, match=r"optimizer state does not map .* entries saved that this optimizer lacks: \['opt:0/0', 'opt:0/1/\*'"):
+        zf.checkpoint.load(good, _fresh_step(optimizer=zf.optim.sgd(0.1, momentum=0.9)))
+    # No manifest: not a checkpoint (or an incomplete one); the error names the newest complete one.
+    with pytest.raises(CheckpointError, match=r"no manifest\.json there.*newest complete checkpoint in it is .*good"):
+        zf.checkpoint.load(tmp_path, _fresh_step())
+
+
+def test_save_refuses_mid_accumulation_and_load_refuses_adopted_params(tmp_path):
+    step, apply, _ = _build("shard_params")
+    step = step.replace(accumulate_steps=2)
+    state, _ = step(step.init(apply.params), _batch(0))
+    with pytest.raises(CheckpointError, match=r"1 micro-step\(s\) into an update .* state\.micro == 0"):
+        zf.checkpoint.save(state, tmp_path / "mid")
+    assert not (tmp_path / "mid").exists() and not (tmp_path / "mid.partial").exists()
+    state, _ = step(state, _batch(1))
+    zf.checkpoint.save(state, tmp_path / "ok")
+    with pytest.raises(CheckpointError, match=r"held by a state already .* load\(path, step, state=state\)"):
+        zf.checkpoint.load(tmp_path / "ok", step)  # apply.params are the state's placeholders now
+    again = zf.checkpoint.load(tmp_path / "ok", step, state=step.init(step.full_params(state)))
+    assert int(again.count) == 1 and _equal(step.full_params(again), step.full_params(state))
+
+
+def test_keep_and_latest(tmp_path):
+    step, apply, _ = _build("plain")
+    state = step.init(apply.params)
+    for i in range(4):
+        state = _train(step, state, i, i + 1)
+        zf.checkpoint.save(state, tmp_path / f"step_{i + 1}", keep=2, blocking=i % 2 == 0)
+    zf.checkpoint.save(state, tmp_path / "step_4", keep=2)  # the same path again: replaced when complete
+    assert sorted(os.listdir(tmp_path)) == ["step_3", "step_4"]
+    assert zf.checkpoint.latest(tmp_path) == str(tmp_path / "step_4")
+    assert zf.checkpoint.latest(tmp_path / "nothing-here") is None
+
+
+# ---------------------------------------------------------------- crash safety
+
+_CRASH = """
+import os, signal, shutil, sys, torch
+sys.path.insert(0, {tests!r})
+import zerofn as zf
+from zerofn import checkpoint as ck, _safetensors as st
+from test_checkpoint import _build, _train
+
+point, root = sys.argv[1], sys.argv[2]
+step, apply, _ = _build("nvme", nvme=os.path.join(root, "nvme"))
+state = _train(step, step.init(apply.params), 0, 2)
+ck.save(state, os.path.join(root, "step_2"), keep=1)
+state = _train(step, state, 2, 3)
+
+def die(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if point == "writing":  # halfway through this rank's data file
+    real = st._Sink.write
+    calls = []
+    def write(self, data):
+        calls.append(1)
+        if len(calls) == 3:
+            die()
+        return real(self, data)
+    st._Sink.write = write
+elif point == "before-manifest":
+    real_json = ck._write_json
+    ck._write_json = lambda p, o: die() if p.endswith("manifest.json") else real_json(p, o)
+elif point == "before-rename":
+    real_rename = os.rename
+    ck.os.rename = lambda a, b: die() if a.endswith(".partial") else real_rename(a, b)
+elif point == "pruning":
+    real_rmtree = shutil.rmtree
+    ck.shutil.rmtree = lambda p, **k: die() if p.endswith(".deleting") else real_rmtree(p, **k)
+ck.save(state, os.path.join(root, "step_3"), keep=1, blocking=False)
+state = _train(step, state, 3, 4)  # the background thread dies with the process
+ck._wait_pending()
+"""
+
+
+@pytest.mark.parametrize("point", ["writing", "before-manifest", "before-rename", "pruning"])
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, point):
+    script = tmp_path / "crash.py"
+    script.write_text(_CRASH.format(tests=str(TESTS)))
+    proc = subprocess.run([sys.executable, str(script), point, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    found = zf.checkpoint.latest(tmp_path)
+    expect = "step_3" if point == "pruning" else "step_2"  # pruning runs after the new one is complete
+    assert found == str(tmp_path / expect)
+    zf.checkpoint.verify(found)
+    step = _build("nvme", seed=9, nvme=str(tmp_path / "nvme-load"))[0]
+    assert int(zf.checkpoint.load(found, step).count) == int(expect[-1])
+    if point != "pruning":
+        assert not (tmp_path / "step_3").exists()
+
+
+# ---------------------------------------------------------------- a save some ranks never join
+
+
+def _rank_save_on_rank_0_only(root: str):
+    step, apply, _ = _build("shard_optimizer")
+    state = step.init(apply.params)
+    if C.rank() == 0:
+        zf.checkpoint.save(state, f"{root}/alone")
+    else:
+        time.sleep(60)
+
+
+def test_a_save_on_one_rank_fails_within_the_timeout(monkeypatch, tmp_path):
+    monkeypatch.setenv("ZEROFN_TIMEOUT_S", "2")
+    start = time.monotonic()
+    with pytest.raises(zf.RankError) as info:
+        zf.spawn(_rank_save_on_rank_0_only, 2, str(tmp_path))
+    assert time.monotonic() - start < 30
+    assert info.value.rank == 0
+    assert "CollectiveTimeoutError: broadcast_object" in str(info.value) and "ZEROFN_TIMEOUT_S=2" in str(info.value)
+    assert zf.checkpoint.latest(tmp_path) is None

@@ -1,0 +1,58 @@
+"""Command line: ``python -m zerofn consolidate PATH OUT [--dtype bf16] [--max-shard-size 5GB]``.
+
+``consolidate`` writes a checkpoint's full model as safetensors (see
+:func:`zerofn.checkpoint.consolidate`); ``verify`` checks every file of a
+checkpoint against its manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+           "fp16": "float16", "float16": "float16"}  # fmt: skip
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _size(text: str) -> int:
+    t = text.strip().upper()
+    num = t.rstrip("KMGIB")
+    unit = t[len(num) :]
+    if unit not in _UNITS or not num:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 5GB, 500MiB or 1000000")
+    return int(float(num) * _UNITS[unit])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m zerofn", description="zerofn's command line tools")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="write a checkpoint's full model as one safetensors file")
+    c.add_argument("path", help="a checkpoint directory (made by zf.checkpoint.save)")
+    c.add_argument("out", help="the .safetensors file to write (a directory when sharded)")
+    c.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating tensors (default: as saved, fp32 masters under amp)")
+    c.add_argument("--max-shard-size", type=_size, default=None, help="split into files of at most this size, with an index (e.g. 5GB)")
+    v = sub.add_parser("verify", help="check every file of a checkpoint against its manifest")
+    v.add_argument("path")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from zerofn import checkpoint
+
+    try:
+        if args.command == "consolidate":
+            dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+            for f in checkpoint.consolidate(args.path, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size):
+                print(f)
+        else:
+            m = checkpoint.verify(args.path)
+            print(f"{args.path}: complete, {len(m['files'])} files verified, update count {m['count']}, saved by {m['chain']} on {m['world_size']} rank(s)")
+    except (ValueError, OSError) as e:  # CheckpointError, IntegrityError, a missing file
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
