@@ -336,7 +336,7 @@ def test_save_refuses_mid_accumulation_and_load_refuses_adopted_params(tmp_path)
     zf.checkpoint.save(state, tmp_path / "ok")
     with pytest.raises(CheckpointError, match=r"held by a state already .* load\(path, step, state=state\)"):
         zf.checkpoint.load(tmp_path / "ok", step)  # apply.params are the state's placeholders now
-    again = zf.checkpoint.load(tmp_path / "ok", step, state=step.init(step.full_params(state)))
+    again = zf.checkpoint.load(tmp_path / "ok", step, state=step.init(step.full_params(state, requires_grad=True)))
     assert int(again.count) == 1 and _equal(step.full_params(again), step.full_params(state))
 
 

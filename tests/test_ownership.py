@@ -107,7 +107,8 @@ def test_a_second_init_from_taken_parameters_is_refused():
     for other in (step, shard_params(step)):  # shard_params would otherwise re-initialise the placeholders
         with pytest.raises(ValueError, match=r"(?s)init\(apply.params\): the module's parameters are held.*full_params"):
             other.init(apply.params)
-    again = shard_params(step).init(step.full_params(state))  # the way to build another state
+    again = shard_params(step).init(step.full_params(state, requires_grad=True))  # the way to build another state
+    assert again.spec.layout.trainable_numel == state.spec.layout.trainable_numel > 0  # trains the same ones
     zf.testing.assert_trees_all_close(shard_params(step).full_params(again), step.full_params(state))
 
 

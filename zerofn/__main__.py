@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("consolidate", help="write a checkpoint's full model as one safetensors file")
     c.add_argument("path", help="a checkpoint directory (made by zf.checkpoint.save)")
     c.add_argument("out", help="the .safetensors file to write (a directory when sharded)")
-    c.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating tensors (default: as saved, fp32 masters under amp)")
+    c.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating tensors (default: as saved; fp32 master weights where the checkpoint has them)")
     c.add_argument("--max-shard-size", type=_size, default=None, help="split into files of at most this size, with an index (e.g. 5GB)")
     v = sub.add_parser("verify", help="check every file of a checkpoint against its manifest")
     v.add_argument("path")

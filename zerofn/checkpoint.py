@@ -51,8 +51,10 @@ Example:
     >>> step = zf.train_step(lambda p, b: apply(p, b).square().mean(), zf.optim.adamw(1e-3))
     >>> state, _ = step(step.init(apply.params), torch.ones(2, 4))
     >>> d = tempfile.mkdtemp()
-    >>> zf.checkpoint.save(state, f"{d}/step_1").wait()
-    >>> again = zf.checkpoint.load(zf.checkpoint.latest(d), step, params={"weight": torch.zeros(1, 4, requires_grad=True), "bias": torch.zeros(1, requires_grad=True)})
+    >>> handle = zf.checkpoint.save(state, f"{d}/step_1", blocking=False)  # returns after the snapshot
+    >>> handle.wait().done()
+    True
+    >>> again = zf.checkpoint.load(zf.checkpoint.latest(d), step)
     >>> int(again.count), torch.equal(again.params[0], state.params[0])
     (1, True)
 """
@@ -475,13 +477,27 @@ def _snapshot(state: TrainState, partial: str, rank: int, world: int) -> dict:
     return job
 
 
+_PINNED: dict[tuple, list[torch.Tensor]] = {}  # pinned host buffers, reused from one save to the next
+
+
 def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A host copy the caller cannot change: pinned and non-blocking from a GPU, a memory copy on the CPU."""
-    if t.is_cuda:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t, non_blocking=True)
-        return out
-    return t.clone()
+    """A host copy the caller cannot change: pinned and non-blocking from a GPU, a memory copy on the CPU.
+
+    Pinned buffers are kept for the next save (pinning memory costs more than the copy): a run saves
+    the same shapes each time, and a save starts only when the previous one has finished writing.
+    """
+    if not t.is_cuda:
+        return t.clone()
+    free = _PINNED.get((t.dtype, t.numel()))
+    out = free.pop() if free else torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+    out = out.view(t.shape)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def _release(t: torch.Tensor) -> None:
+    if t.is_pinned():
+        _PINNED.setdefault((t.dtype, t.numel()), []).append(t.reshape(-1))
 
 
 def _link(src: str, dst: str) -> str:
@@ -511,6 +527,7 @@ def _write(job: dict, partial: str, rank: int) -> int:
     w = Writer(os.path.join(partial, name), [(n, t.dtype, tuple(t.shape)) for n, t in tensors], {"format": FORMAT})
     for i, (_, t) in enumerate(tensors):
         w.write(t)
+        _release(t)
         tensors[i] = (tensors[i][0], None)  # freed as written
     files = {name: w.close()}
     for rec in job["records"]:

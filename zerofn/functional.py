@@ -49,7 +49,7 @@ read the parameters from the state:
     params = step.full_params(state)         # a new dict name -> tensor
 
 To build another state, pass the parameters a state holds:
-other_step.init(step.full_params(state)). To keep the module's own
+other_step.init(step.full_params(state, requires_grad=True)). To keep the module's own
 parameters as well (a second copy beside the state), build the state with
 step.init(apply.params, keep_module=True).
 """

@@ -234,15 +234,16 @@ class Step:
     def _opt_params(self, flats: tuple, layout: Layout, rank: int) -> dict[str, torch.Tensor]:
         return {f"b{i}": self.storage.opt_view(f, b, rank) for i, (f, b) in enumerate(zip(flats, layout.buckets))}
 
-    def full_params(self, state: TrainState, *, master: bool = False) -> Any:
+    def full_params(self, state: TrainState, *, master: bool = False, requires_grad: bool = False) -> Any:
         """The full parameters (a new tree shaped like the ``init`` input) on every rank.
 
         Collective: every rank must call it, in the same order as its other
         collective calls; called on some ranks only, it fails after
         ``ZEROFN_TIMEOUT_S`` with ``zerofn.collectives.CollectiveTimeoutError``
         (to save on one rank, call it on every rank and write on rank 0 only).
-        Trainable parameters come with ``requires_grad=True`` (frozen ones
-        without), so ``init(step.full_params(state))`` builds a like state.
+        ``requires_grad=True`` marks the trainable parameters (not the
+        frozen ones), so that ``other_step.init(step.full_params(state,
+        requires_grad=True))`` builds a state that trains the same ones.
         ``master=True`` gives the
         full-precision weights the optimizer updates (amp's fp32 masters;
         frozen parameters, which have none, as held, in fp32).
@@ -250,12 +251,12 @@ class Step:
         self._check_state(state)
         masters = self.precision.masters(state.opt_state) if master else None
         full = self.storage.full_params(state, self._model, masters)
-        # Trainable as they were, so that init(step.full_params(state)) freezes what was frozen only.
-        layout = state.spec.layout
-        trainable = {s.name for b in layout.buckets for s in b.slots}
-        for name, t in zip(layout.names, T.tree_leaves(full)):
-            if name in trainable and t.is_floating_point():
-                t.requires_grad_(True)
+        if requires_grad:  # trainable as they were, for init, which reads trainability from requires_grad
+            layout = state.spec.layout
+            trainable = {s.name for b in layout.buckets for s in b.slots}
+            for name, t in zip(layout.names, T.tree_leaves(full)):
+                if name in trainable:
+                    t.requires_grad_(True)
         return full
 
     def state_dict(self, state: TrainState, *, master: bool = False) -> dict[str, torch.Tensor]:
@@ -296,7 +297,8 @@ class Step:
                 f"{self.name}(state, batch): state was made by {spec.chain} on world size {spec.world_size}, "
                 f"but this step is {self.name} on world size {world}. Build the state with this step's init: "
                 f"state = step.init(params), or carry the parameters over: "
-                f"state = step.init(other_step.full_params(old_state))."
+                f"state = step.init(other_step.full_params(old_state, requires_grad=True)), or save and load a "
+                f"checkpoint (zf.checkpoint), which carries the optimizer state too."
             )
 
     # ------------------------------------------------------------ the step

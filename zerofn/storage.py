@@ -116,7 +116,7 @@ class Storage:
             raise ValueError(
                 f"init: params {meta[0]!r}{' and others' if len(meta) > 1 else ''} are on the meta device (a model "
                 "built on meta, or a module whose parameters a state already holds). This step keeps full "
-                "parameters, so it needs real tensors: pass step.full_params(state) of the state that holds "
+                "parameters, so it needs real tensors: pass step.full_params(state, requires_grad=True) of the state that holds "
                 "them, build the model on a real device, or shard the parameters (ZeRO-3), which materialises "
                 "them shard by shard."
             )
