@@ -431,3 +431,46 @@ def test_a_save_on_one_rank_fails_within_the_timeout(monkeypatch, tmp_path):
     assert info.value.rank == 0
     assert "CollectiveTimeoutError: broadcast_object" in str(info.value) and "ZEROFN_TIMEOUT_S=2" in str(info.value)
     assert zf.checkpoint.latest(tmp_path) is None
+
+
+def test_a_hugging_face_model_round_trips_through_consolidate(tmp_path):
+    """GPT-2 with its tied lm_head, saved under shard_params and amp: the export loads strictly."""
+    import transformers
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zerofn.transforms import amp, shard_params
+
+    transformers.logging.set_verbosity_error()
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).eval()
+    fresh = copy.deepcopy(model)
+    apply = zf.functional(model)
+    step = amp(shard_params(zf.train_step(lambda p, b: apply(p, input_ids=b, labels=b).loss, zf.optim.adamw(1e-2))))
+    state = step.init(apply.params)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        state, _ = step(state, torch.randint(64, (2, 16), generator=g))
+    zf.checkpoint.save(state, tmp_path / "gpt2")
+    out = zf.checkpoint.consolidate(tmp_path / "gpt2", tmp_path / "gpt2.safetensors")[0]
+    sd = load_file(out)
+    assert sd.keys() == fresh.state_dict().keys()  # lm_head.weight too
+    fresh.load_state_dict(sd, strict=True)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    masters = step.state_dict(state, master=True)  # the export holds the fp32 masters
+    assert all(torch.equal(sd[k], masters[k]) for k in sd)
+
+
+def test_rng_states_come_back_on_the_same_world_size(tmp_path):
+    step, apply, _ = _build("plain")
+    state = _train(step, step.init(apply.params), 0, 1)
+    torch.manual_seed(1234)
+    zf.checkpoint.save(state, tmp_path / "rng")
+    expected = torch.rand(5)  # what the run draws next
+    torch.manual_seed(99)
+    zf.checkpoint.load(tmp_path / "rng", _fresh_step())
+    assert torch.equal(torch.rand(5), expected)
+    torch.manual_seed(99)
+    zf.checkpoint.load(tmp_path / "rng", _fresh_step(), rng=False)
+    assert not torch.equal(torch.rand(5), expected)

@@ -563,6 +563,10 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class _Late(CheckpointError):
+    """A wait on the file system ran past ZEROFN_TIMEOUT_S."""
+
+
 def _poll(what: str, done, failed) -> None:
     limit = C.timeout_s()
     start = time.monotonic()
@@ -572,7 +576,7 @@ def _poll(what: str, done, failed) -> None:
         if err:
             raise CheckpointError(f"{what}: {err}")
         if time.monotonic() - start > limit:
-            raise CheckpointError(f"{what}: not done after {limit:.0f} s (ZEROFN_TIMEOUT_S)")
+            raise _Late(f"{what}: not done after {limit:.0f} s (ZEROFN_TIMEOUT_S)")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
 
@@ -591,11 +595,18 @@ def _failure(partial: str) -> str | None:
 def _commit(partial: str, path: str, world: int, nonce: str, keep: int | None) -> None:
     """Rank 0: once every rank's record is there, write the manifest and rename the directory into place."""
     names = [os.path.join(partial, f"rank{r}.json") for r in range(world)]
-    _poll(
-        f"checkpoint.save({path!r}) waiting for every rank's files",
-        lambda: all(os.path.exists(n) for n in names),
-        lambda: _failure(partial),
-    )
+    try:
+        _poll(
+            f"checkpoint.save({path!r}) waiting for every rank's files",
+            lambda: all(os.path.exists(n) for n in names),
+            lambda: _failure(partial),
+        )
+    except _Late as e:
+        missing = [r for r, n in enumerate(names) if not os.path.exists(n)]
+        raise CheckpointError(
+            f"{e}: rank(s) {missing} did not record their files in {partial}. Every rank must call save, and "
+            "the directory must be on a file system every rank sees (a shared one across machines)."
+        ) from None
     ranks = []
     for n in names:
         with open(n) as f:
