@@ -387,7 +387,6 @@ def save(state: TrainState, path: str | os.PathLike, *, blocking: bool = True, k
     handle = SaveHandle(path, nonce, rank, world)
     job = _snapshot(state, partial, rank, world)
     job["nonce"] = nonce
-    handle.blocked_s = time.perf_counter() - start
 
     def run() -> None:
         try:
@@ -409,6 +408,7 @@ def save(state: TrainState, path: str | os.PathLike, *, blocking: bool = True, k
     handle._thread = threading.Thread(target=run, name=f"zerofn-save-{rank}", daemon=True)
     handle._thread.start()
     _PENDING.append(handle)
+    handle.blocked_s = time.perf_counter() - start
     if blocking:
         handle.wait()
         _PENDING.remove(handle)
