@@ -14,12 +14,30 @@ Every rank feeds its own slice of the global batch; the result equals one
 process fed the whole batch. The loss should fall far below the corpus's
 unigram entropy (what a model that ignores context can reach) towards the
 chain's conditional entropy (the floor); both are printed.
+
+With --ckpt-dir it saves a checkpoint every --save-every steps (in the
+background, keeping the newest --keep) and, started again (by hand, or by
+torchrun --max-restarts after a rank died), resumes from the newest one to
+the same parameters, bit for bit, as a run that never stopped:
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 examples/train_gpt.py --ckpt-dir c
+
+(without that variable torchrun's restarted workers find the dead ones'
+addresses in the store they share with the first attempt, and gloo often
+fails to connect: pytorch/pytorch#135712).
+
+To train in parts (stop at step 100, later go on to 150), give every part
+the whole run's learning-rate schedule:
+
+    python examples/train_gpt.py --ckpt-dir c --steps 100 --schedule-steps 150
+    python examples/train_gpt.py --ckpt-dir c --steps 150
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -33,6 +51,7 @@ from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for, unigram_entropy  # no
 from zerofn.transforms import amp, remat, shard_grads, shard_optimizer, shard_params  # noqa: E402
 
 STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
+DEFAULT_SAVE_EVERY = 50
 
 
 def parse_args(argv=None):
@@ -50,7 +69,37 @@ def parse_args(argv=None):
     p.add_argument("--amp", choices=["bf16", "fp16"], default=None, help="mixed precision (fp32 master weights)")
     p.add_argument("--remat", action="store_true", help="recompute each block's activations in backward")
     p.add_argument("--quiet", action="store_true", help="no progress bar or report (returns the held-out loss)")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--schedule-steps", type=int, default=None, metavar="N",
+        help="length of the learning-rate schedule (default: --steps); set it to the whole run's length when "
+        "training in parts with --ckpt-dir and a growing --steps",
+    )
+    p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="save checkpoints here and resume from the newest")
+    p.add_argument(
+        "--save-every", type=int, default=None, metavar="K",
+        help=f"steps between checkpoints (default {DEFAULT_SAVE_EVERY}; the last step is always saved)",
+    )
+    p.add_argument("--keep", type=int, default=2, metavar="N", help="checkpoints to keep (the newest N)")
+    p.add_argument("--out", default=None, metavar="FILE", help="write the final state_dict here (torch.save)")
+    p.add_argument(
+        "--die-at-step", type=int, default=None, metavar="S",
+        help="test hook: on torchrun's first attempt, rank 1 (rank 0 alone) kills itself (SIGKILL) after step S",
+    )
+    args = p.parse_args(argv)
+    if args.save_every is not None and args.ckpt_dir is None:
+        p.error("--save-every needs --ckpt-dir")
+    if args.save_every is None:
+        args.save_every = DEFAULT_SAVE_EVERY
+    if args.save_every < 1 or args.keep < 1:
+        p.error("--save-every and --keep must be at least 1")
+    if args.schedule_steps is None:
+        args.schedule_steps = args.steps
+    return args
+
+
+def first_attempt() -> bool:
+    """False when torchrun restarted the workers (--max-restarts) after a failure."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
 def main(argv=None) -> float:
@@ -62,14 +111,22 @@ def main(argv=None) -> float:
     cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, dim=args.dim, heads=4, layers=args.layers)
     model = GPT(cfg)
     apply = zf.functional(model)
-    schedule = zf.optim.warmup_cosine_decay_schedule(0.0, args.lr, args.steps // 10, args.steps, args.lr / 10)
+    total = args.schedule_steps
+    schedule = zf.optim.warmup_cosine_decay_schedule(0.0, args.lr, total // 10, total, args.lr / 10)
     optimizer = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(schedule, weight_decay=0.1))
     step = STAGES[args.zero](zf.train_step(loss_fn_for(apply), optimizer, args.accumulate))
     if args.amp:
         step = amp(step, {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp])
     if args.remat:
         step = remat(step)
-    state = step.init(apply.params)
+    latest = zf.checkpoint.latest(args.ckpt_dir) if args.ckpt_dir and os.path.isdir(args.ckpt_dir) else None
+    if latest is not None:
+        state = zf.checkpoint.load(latest, step)  # every rank; optimizer moments, count, loss scale, RNG
+    else:
+        state = step.init(apply.params)
+    first = int(state.count)  # the batch of step i depends on i and the seed only, so a resumed run goes on alike
+    if first > args.steps:
+        raise SystemExit(f"{latest} holds step {first}, past --steps {args.steps}")
 
     corpus = MarkovCorpus(vocab=args.vocab, seed=args.seed)
     local = args.batch // world
@@ -78,9 +135,16 @@ def main(argv=None) -> float:
     if loud:
         n = sum(p.numel() for p in apply.params.values())
         print(f"{step.name} on {world} rank(s): {n:,} parameters, global batch {args.batch} x {args.seq_len} tokens")
+        if latest is not None:
+            print(f"resumed from {latest} at step {first}")
         print(state)
-    bar = tqdm(range(args.steps), disable=not loud, desc="train", dynamic_ncols=True)
+    bar = tqdm(
+        range(first, args.steps), initial=first, total=args.steps, disable=not loud, desc="train", dynamic_ncols=True
+    )
     tokens = 0
+    metrics = None
+    saving = None  # the checkpoint being written in the background
+    die = args.die_at_step is not None and first_attempt() and rank == min(1, world - 1)
     start = time.perf_counter()
     sample = corpus.sample(args.batch * 4, args.seq_len + 1, seed=10_000)
     for i in bar:
@@ -92,7 +156,21 @@ def main(argv=None) -> float:
         if i % 10 == 0 or i == args.steps - 1:
             rate = tokens / (time.perf_counter() - start)
             bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", tok_s=f"{rate:,.0f}")
+        done = i + 1  # == int(state.count): updates applied
+        if args.ckpt_dir and (done % args.save_every == 0 or done == args.steps):
+            if saving is not None:
+                saving.wait()  # one write at a time
+            path = os.path.join(args.ckpt_dir, f"step_{done:06d}")
+            saving = zf.checkpoint.save(state, path, blocking=False, keep=args.keep)  # collective
+        if die and done == args.die_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)  # as a crashed host would: no cleanup, no message
+    if saving is not None:
+        saving.wait()
     elapsed = time.perf_counter() - start
+    if args.out:
+        full = step.state_dict(state)  # collective: every rank gathers, rank 0 writes
+        if rank == 0:
+            torch.save(full, args.out)
     logits = step.apply(state, sample[:, :-1])  # per unit under ZeRO-3: no rank holds the whole model
     eval_loss = float(
         torch.nn.functional.cross_entropy(logits.float().reshape(-1, args.vocab), sample[:, 1:].reshape(-1))
@@ -100,9 +178,12 @@ def main(argv=None) -> float:
     if loud:
         print(f"unigram entropy      {unigram_entropy(sample, args.vocab):.3f} nats (no context)")
         print(f"conditional entropy  {corpus.conditional_entropy():.3f} nats (the floor)")
-        print(f"final train loss     {float(metrics['loss']):.3f}")
+        if metrics is not None:
+            print(f"final train loss     {float(metrics['loss']):.3f}")
         print(f"held-out loss        {eval_loss:.3f}")
-        print(f"throughput           {tokens / elapsed:,.0f} tokens/s over {args.steps} steps ({elapsed:.1f} s)")
+        if args.steps > first:
+            ran = args.steps - first
+            print(f"throughput           {tokens / elapsed:,.0f} tokens/s over {ran} steps ({elapsed:.1f} s)")
         print(f"state on rank 0      {zf.memory.state_bytes(state)['total'] / 2**20:.2f} MiB")
     return eval_loss
 
