@@ -1,8 +1,11 @@
-"""Command line: ``python -m zerofn consolidate PATH OUT [--dtype bf16] [--max-shard-size 5GB]``.
+"""Command line: ``python -m zerofn {run, plan, consolidate, verify} ...``.
 
-``consolidate`` writes a checkpoint's full model as safetensors (see
-:func:`zerofn.checkpoint.consolidate`); ``verify`` checks every file of a
-checkpoint against its manifest.
+- ``run``: a thin front over torchrun (``zerofn.launch_cli``), with the
+  flags DeepSpeed's launcher users know.
+- ``plan``: what fits where (``zerofn.plan``).
+- ``consolidate PATH OUT [--dtype bf16] [--max-shard-size 5GB]``: a
+  checkpoint's full model as safetensors (:func:`zerofn.checkpoint.consolidate`).
+- ``verify PATH``: every file of a checkpoint against its manifest.
 """
 
 from __future__ import annotations
@@ -25,8 +28,17 @@ def _size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("run", "plan"):  # their own parsers, with torchrun's and the planner's flags
+        if argv[0] == "run":
+            from zerofn.launch_cli import main as run
+        else:
+            from zerofn.plan import main as run
+        return run(argv[1:])
     p = argparse.ArgumentParser(prog="python -m zerofn", description="zerofn's command line tools")
     sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="launch a training script on N ranks (torchrun's flags; --num_gpus, --num_nodes too)")
+    sub.add_parser("plan", help="bytes per GPU, CPU RAM and NVMe for each ZeRO stage, in GPU memory or moved to CPU or NVMe; what fits")
     c = sub.add_parser("consolidate", help="write a checkpoint's full model as one safetensors file")
     c.add_argument("path", help="a checkpoint directory (made by zf.checkpoint.save)")
     c.add_argument("out", help="the .safetensors file to write (a directory when sharded)")
