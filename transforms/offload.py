@@ -136,6 +136,8 @@ def _check_path(path: Any) -> str:
     if path is None:
         raise ValueError('offload(device="nvme") needs path=, a directory on the NVMe disk for the optimizer state')
     root = os.fspath(path)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ValueError(f"offload: path {root!r} is a file; pass a directory (on the NVMe disk) for the state files")
     if not os.path.isdir(root):
         raise ValueError(
             f"offload: path {root!r} does not exist or is not a directory; create it first "

@@ -88,8 +88,9 @@ class Blame:
                 err.args = (err.args[0] + note,)
                 return err
         when = f" {when}" if when else ""
+        stop = "" if (exc_line + when).rstrip().endswith((".", "!", "?")) else "."  # no ".." after a message's own
         return RankError(
-            f"{label}: rank {rank} raised {exc_line}{when}. All {self.procs.world_size} "
+            f"{label}: rank {rank} raised {exc_line}{when}{stop} All {self.procs.world_size} "
             f"ranks were stopped.\n\nTraceback from rank {rank}:\n{tb}",
             rank=rank,
             remote_traceback=tb,

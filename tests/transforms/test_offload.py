@@ -159,6 +159,9 @@ def test_bad_paths_are_refused_before_anything_runs(tmp_path):
     base = zf.train_step(loss_fn, zf.optim.adamw(1e-3))
     with pytest.raises(ValueError, match="does not exist or is not a directory"):
         offload(base, "nvme", path=str(tmp_path / "missing"))
+    (tmp_path / "a_file.py").write_text("")
+    with pytest.raises(ValueError, match=r"a_file\.py' is a file; pass a directory"):
+        offload(base, "nvme", path=str(tmp_path / "a_file.py"))
     with pytest.raises(ValueError, match="not writable"):
         offload(base, "nvme", path="/proc")
     with pytest.raises(ValueError, match="needs path="):
