@@ -31,6 +31,11 @@ the whole run's learning-rate schedule:
 
     python examples/train_gpt.py --ckpt-dir c --steps 100 --schedule-steps 150
     python examples/train_gpt.py --ckpt-dir c --steps 150
+
+From a DeepSpeed config instead (zf.from_deepspeed: its ZeRO stage,
+precision, optimizer, scheduler, clipping and batch sizes):
+
+    torchrun --nproc_per_node=2 examples/train_gpt.py --deepspeed examples/ds_config.json
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zerofn as zf  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for, unigram_entropy  # noqa: E402
 from zerofn.transforms import amp, remat, shard_grads, shard_optimizer, shard_params  # noqa: E402
+from zerofn.transforms.deepspeed import micro_batch_size  # noqa: E402
 
 STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
 DEFAULT_SAVE_EVERY = 50
@@ -69,6 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--amp", choices=["bf16", "fp16"], default=None, help="mixed precision (fp32 master weights)")
     p.add_argument("--remat", action="store_true", help="recompute each block's activations in backward")
     p.add_argument("--quiet", action="store_true", help="no progress bar or report (returns the held-out loss)")
+    p.add_argument("--constant-lr", action="store_true", help="--lr throughout, no warmup or decay")
     p.add_argument(
         "--schedule-steps", type=int, default=None, metavar="N",
         help="length of the learning-rate schedule (default: --steps); set it to the whole run's length when "
@@ -80,6 +87,12 @@ def parse_args(argv=None):
         help=f"steps between checkpoints (default {DEFAULT_SAVE_EVERY}; the last step is always saved)",
     )
     p.add_argument("--keep", type=int, default=2, metavar="N", help="checkpoints to keep (the newest N)")
+    p.add_argument(
+        "--deepspeed", default=None, metavar="JSON",
+        help="build the step from this DeepSpeed config (zf.from_deepspeed): its ZeRO stage, fp16/bf16, "
+        "activation checkpointing, optimizer, scheduler, clipping and batch sizes win over --zero, --amp, --remat, "
+        "--accumulate, --batch, --lr and --schedule-steps, which are then ignored (e.g. examples/ds_config.json)",
+    )
     p.add_argument("--out", default=None, metavar="FILE", help="write the final state_dict here (torch.save)")
     p.add_argument(
         "--die-at-step", type=int, default=None, metavar="S",
@@ -102,23 +115,37 @@ def first_attempt() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
-def main(argv=None) -> float:
-    args = parse_args(argv)
-    world, rank = zf.collectives.world_size(), zf.collectives.rank()
-    if args.batch % (world * args.accumulate):
-        raise SystemExit(f"--batch {args.batch} must split evenly over {world} ranks x {args.accumulate} micro-batches")
-    torch.manual_seed(args.seed)
-    cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, dim=args.dim, heads=4, layers=args.layers)
-    model = GPT(cfg)
-    apply = zf.functional(model)
+def build_step(args, apply):
+    """The step the command-line flags ask for."""
     total = args.schedule_steps
-    schedule = zf.optim.warmup_cosine_decay_schedule(0.0, args.lr, total // 10, total, args.lr / 10)
+    schedule = (
+        args.lr if args.constant_lr else zf.optim.warmup_cosine_decay_schedule(0.0, args.lr, total // 10, total, args.lr / 10)
+    )
     optimizer = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(schedule, weight_decay=0.1))
     step = STAGES[args.zero](zf.train_step(loss_fn_for(apply), optimizer, args.accumulate))
     if args.amp:
         step = amp(step, {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp])
     if args.remat:
         step = remat(step)
+    return step
+
+
+def main(argv=None) -> float:
+    args = parse_args(argv)
+    world, rank = zf.collectives.world_size(), zf.collectives.rank()
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, dim=args.dim, heads=4, layers=args.layers)
+    model = GPT(cfg)
+    apply = zf.functional(model)
+    if args.deepspeed:
+        step = zf.from_deepspeed(args.deepspeed, loss_fn_for(apply))
+        # The config's batch sizes win: each rank feeds its micro-batch, accumulate_steps of them per update.
+        args.accumulate = step.accumulate_steps
+        args.batch = micro_batch_size(step) * step.accumulate_steps * world
+    else:
+        step = build_step(args, apply)
+    if args.batch % (world * args.accumulate):
+        raise SystemExit(f"--batch {args.batch} must split evenly over {world} ranks x {args.accumulate} micro-batches")
     latest = zf.checkpoint.latest(args.ckpt_dir) if args.ckpt_dir and os.path.isdir(args.ckpt_dir) else None
     if latest is not None:
         state = zf.checkpoint.load(latest, step)  # every rank; optimizer moments, count, loss scale, RNG

@@ -3,6 +3,8 @@
 Public names only; see the modules for the details.
 """
 
+import importlib as _importlib
+
 from zerofn import checkpoint, collectives, memory, optim, testing, tree
 from zerofn.collectives import CollectiveError, CollectiveTimeoutError
 from zerofn.functional import Functional, functional
@@ -21,6 +23,7 @@ __all__ = [
     "TrainState",
     "checkpoint",
     "collectives",
+    "from_deepspeed",
     "functional",
     "memory",
     "optim",
@@ -31,3 +34,10 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``zf.from_deepspeed``, imported on first use: the core imports no transform (PEP 562)."""
+    if name == "from_deepspeed":
+        return _importlib.import_module("zerofn.transforms.deepspeed").from_deepspeed
+    raise AttributeError(f"module 'zerofn' has no attribute {name!r}")

@@ -55,6 +55,9 @@ from zerofn.optim.base import (
 from zerofn.optim.schedules import (
     constant_schedule,
     cosine_decay_schedule,
+    deepspeed_warmup_cosine_lr,
+    deepspeed_warmup_decay_lr,
+    deepspeed_warmup_lr,
     linear_schedule,
     warmup_cosine_decay_schedule,
 )
@@ -90,6 +93,9 @@ __all__ = [
     "constant_schedule",
     "cosine_decay_schedule",
     "decay_weights",
+    "deepspeed_warmup_cosine_lr",
+    "deepspeed_warmup_decay_lr",
+    "deepspeed_warmup_lr",
     "global_norm",
     "linear_schedule",
     "scale",

@@ -1,6 +1,10 @@
 """Schedules: plain functions ``count -> float``, with optax's meanings.
 
 Pass one wherever a learning rate is taken; count 0 is the first update.
+``deepspeed_warmup_lr``, ``deepspeed_warmup_decay_lr`` and
+``deepspeed_warmup_cosine_lr`` are DeepSpeed's ``WarmupLR``,
+``WarmupDecayLR`` and ``WarmupCosineLR``: the learning rate DeepSpeed's
+engine uses for each update, by the same count.
 """
 
 from __future__ import annotations
@@ -177,5 +181,195 @@ def warmup_cosine_decay_schedule(
     def schedule(count: int) -> float:
         c = _count(where, count)
         return warmup(c) if c < warmup_steps else decay(c - warmup_steps)
+
+    return schedule
+
+
+# ---------------------------------------------------------------- DeepSpeed's schedules
+#
+# DeepSpeed's engine steps its scheduler *after* each optimizer update, and the scheduler's
+# constructor has already set the lr the first update uses (its value at last_batch_iteration
+# -1). So the update zerofn counts as ``count`` runs at DeepSpeed's lr for iteration
+# ``count - 1``; these schedules take the update count and apply that shift, so that the
+# sequence of learning rates the updates use equals DeepSpeed's, the first one included.
+
+
+def _deepspeed_warmup(where: str, warmup_num_steps: Any, warmup_type: Any):
+    """DeepSpeed's warmup: ``(W, gamma)`` with W = max(2, warmup_num_steps) and gamma(it) for it < W."""
+    if not isinstance(warmup_num_steps, numbers.Integral) or isinstance(warmup_num_steps, bool) or warmup_num_steps < 0:
+        raise ValueError(f"{where}: warmup_num_steps must be an int >= 0, got {warmup_num_steps!r}.")
+    if warmup_type not in ("log", "linear"):
+        raise ValueError(f'{where}: warmup_type must be "log" or "linear" (DeepSpeed\'s two), got {warmup_type!r}.')
+    w = max(2, int(warmup_num_steps))  # as DeepSpeed: log(1) would divide by zero
+    inverse_log = 1.0 / math.log(w)
+
+    def gamma(it: int) -> float:
+        return inverse_log * math.log(it + 1) if warmup_type == "log" else it / w
+
+    return w, gamma
+
+
+def _check_total(where: str, total_num_steps: Any) -> int:
+    if not isinstance(total_num_steps, numbers.Integral) or isinstance(total_num_steps, bool) or total_num_steps < 0:
+        raise ValueError(
+            f"{where}: total_num_steps must be an int >= 0 (the number of optimizer updates of the run), "
+            f"got {total_num_steps!r}."
+        )
+    return int(total_num_steps)
+
+
+def deepspeed_warmup_lr(
+    warmup_max_lr: float, warmup_min_lr: float = 0.0, warmup_num_steps: int = 1000, warmup_type: str = "log"
+) -> Schedule:
+    """DeepSpeed's ``WarmupLR``: from ``warmup_min_lr`` up to ``warmup_max_lr``, then constant.
+
+    With ``W = max(2, warmup_num_steps)`` and DeepSpeed's iteration
+    ``it = count - 1`` (see below): ``lr = min + (max - min) * gamma``, where
+    ``gamma = log(it + 1) / log(W)`` (``"log"``, DeepSpeed's default) or
+    ``it / W`` (``"linear"``) while ``it < W``, and 1 after.
+
+    ``count`` is the update count (0 for the first update), and the value is
+    the learning rate DeepSpeed's engine uses for that update: it steps its
+    scheduler after each update, so update ``count`` runs at the scheduler's
+    value for iteration ``count - 1``; the first update (iteration -1) runs
+    at ``warmup_min_lr``, and so does the second (``gamma(0) = 0``).
+
+    Args:
+        warmup_max_lr: the learning rate after the warmup (DeepSpeed's
+            default: the optimizer's ``lr``).
+        warmup_min_lr: the learning rate at the start.
+        warmup_num_steps: the length of the warmup, >= 0 (DeepSpeed uses at least 2).
+        warmup_type: ``"log"`` or ``"linear"``.
+
+    Returns:
+        A function ``count -> float``.
+
+    Example:
+        >>> from zerofn import optim
+        >>> s = optim.deepspeed_warmup_lr(1e-3, warmup_num_steps=100)
+        >>> [round(s(c), 6) for c in (0, 1, 2, 51, 101, 500)]
+        [0.0, 0.0, 0.000151, 0.000854, 0.001, 0.001]
+    """
+    where = "deepspeed_warmup_lr"
+    max_lr = _check_number(where, "warmup_max_lr", warmup_max_lr, low=0.0)
+    min_lr = _check_number(where, "warmup_min_lr", warmup_min_lr, low=0.0)
+    w, gamma = _deepspeed_warmup(where, warmup_num_steps, warmup_type)
+    delta = max_lr - min_lr
+
+    def schedule(count: int) -> float:
+        it = _count(where, count) - 1
+        if it < 0:
+            return min_lr
+        return min_lr + delta * (gamma(it) if it < w else 1.0)
+
+    return schedule
+
+
+def deepspeed_warmup_decay_lr(
+    total_num_steps: int,
+    warmup_min_lr: float = 0.0,
+    warmup_max_lr: float = 0.001,
+    warmup_num_steps: int = 1000,
+    warmup_type: str = "log",
+) -> Schedule:
+    """DeepSpeed's ``WarmupDecayLR``: :func:`deepspeed_warmup_lr`'s warmup, then linear decay to 0.
+
+    After the warmup (``it >= W``, ``W = max(2, warmup_num_steps)``),
+    ``lr = min + (max - min) * max(0, (total_num_steps - it) / max(1, total_num_steps - W))``,
+    reaching ``warmup_min_lr`` at iteration ``total_num_steps``. ``count`` is
+    the update count and runs at DeepSpeed's iteration ``count - 1``, as in
+    :func:`deepspeed_warmup_lr`.
+
+    Args:
+        total_num_steps: the number of updates of the run, >= 0.
+        warmup_min_lr: the learning rate at the start and the end.
+        warmup_max_lr: the peak learning rate (DeepSpeed's default 0.001).
+        warmup_num_steps: the length of the warmup, >= 0 (DeepSpeed uses at least 2).
+        warmup_type: ``"log"`` or ``"linear"``.
+
+    Returns:
+        A function ``count -> float``.
+
+    Example:
+        >>> from zerofn import optim
+        >>> s = optim.deepspeed_warmup_decay_lr(100, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="linear")
+        >>> [round(s(c), 6) for c in (0, 1, 6, 11, 56, 101, 200)]
+        [0.0, 0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
+    """
+    where = "deepspeed_warmup_decay_lr"
+    total = _check_total(where, total_num_steps)
+    max_lr = _check_number(where, "warmup_max_lr", warmup_max_lr, low=0.0)
+    min_lr = _check_number(where, "warmup_min_lr", warmup_min_lr, low=0.0)
+    w, gamma = _deepspeed_warmup(where, warmup_num_steps, warmup_type)
+    delta = max_lr - min_lr
+
+    def schedule(count: int) -> float:
+        it = _count(where, count) - 1
+        if it < 0:
+            return min_lr
+        if it < w:
+            return min_lr + delta * gamma(it)
+        return min_lr + delta * max(0.0, float(total - it) / float(max(1.0, total - w)))
+
+    return schedule
+
+
+def deepspeed_warmup_cosine_lr(
+    lr: float,
+    total_num_steps: int,
+    warmup_min_ratio: float = 0.0,
+    warmup_num_steps: int = 1000,
+    cos_min_ratio: float = 0.0001,
+    warmup_type: str = "log",
+) -> Schedule:
+    """DeepSpeed's ``WarmupCosineLR``: ``lr`` times a ratio that warms up to 1, then decays as a cosine.
+
+    With ``W = max(2, warmup_num_steps)`` and DeepSpeed's iteration
+    ``it = count - 1``: while ``it < W`` the ratio is ``warmup_min_ratio +
+    gamma * (1 - warmup_min_ratio)`` (``gamma`` as in :func:`deepspeed_warmup_lr`);
+    after, ``max(0, cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * (it - W + 1)
+    / (total_num_steps - W))) / 2)``. As DeepSpeed's: the first update
+    (iteration -1) runs at lr 0, and past ``total_num_steps`` the cosine is
+    not clamped (it turns back up); stop at ``total_num_steps`` updates.
+
+    Args:
+        lr: the peak learning rate (the optimizer's ``lr`` in a DeepSpeed config).
+        total_num_steps: the number of updates of the run, > ``max(2, warmup_num_steps)``.
+        warmup_min_ratio: the ratio at the start of the warmup.
+        warmup_num_steps: the length of the warmup, >= 0 (DeepSpeed uses at least 2).
+        cos_min_ratio: the ratio at the end of the cosine.
+        warmup_type: ``"log"`` or ``"linear"``.
+
+    Returns:
+        A function ``count -> float``.
+
+    Example:
+        >>> from zerofn import optim
+        >>> s = optim.deepspeed_warmup_cosine_lr(1.0, 110, warmup_num_steps=10, cos_min_ratio=0.0, warmup_type="linear")
+        >>> [round(s(c), 6) for c in (0, 1, 6, 10, 60, 110)]
+        [0.0, 0.0, 0.5, 0.9, 0.5, 0.0]
+    """
+    where = "deepspeed_warmup_cosine_lr"
+    lr = _check_number(where, "lr", lr, low=0.0)
+    total = _check_total(where, total_num_steps)
+    min_ratio = _check_number(where, "warmup_min_ratio", warmup_min_ratio, low=0.0, high=1.0)
+    cos_min = _check_number(where, "cos_min_ratio", cos_min_ratio, low=0.0, high=1.0)
+    w, gamma = _deepspeed_warmup(where, warmup_num_steps, warmup_type)
+    if total <= w:
+        raise ValueError(
+            f"{where}: total_num_steps ({total}) must be greater than max(2, warmup_num_steps) ({w}): "
+            "the cosine divides by their difference."
+        )
+
+    def schedule(count: int) -> float:
+        it = _count(where, count) - 1
+        if it < 0:
+            return 0.0
+        if it < w:
+            ratio = min_ratio + gamma(it) * (1.0 - min_ratio)
+        else:
+            ratio = (1 + math.cos(math.pi * (it - w + 1) / (total - w))) / 2
+            ratio = max(0.0, cos_min + (1.0 - cos_min) * ratio)
+        return lr * ratio
 
     return schedule
