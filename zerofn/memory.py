@@ -1,5 +1,9 @@
 """Memory: estimates of what a state holds, and measurement of what a block allocates.
 
+``estimate(...)`` (from ``zerofn.plan``) predicts, from a parameter count or
+a model's shapes, the bytes per GPU, CPU RAM and NVMe of every ZeRO stage and
+offload; ``state_bytes(state)`` counts what a real state holds.
+
 ``track()`` measures, on any device (CPU included, so tests need no GPU), the
 live bytes of tensor storages allocated inside a ``with`` block, and their
 peak over time.
@@ -63,8 +67,9 @@ from torch.utils._python_dispatch import (
 )
 
 from zerofn import tree as _T
+from zerofn.plan import estimate
 
-__all__ = ["Tracker", "state_bytes", "track"]
+__all__ = ["Tracker", "estimate", "state_bytes", "track"]
 
 
 # --------------------------------------------------------------------------

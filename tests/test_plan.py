@@ -1,0 +1,366 @@
+"""The planner (zerofn.plan, zf.memory.estimate, python -m zerofn plan) against real runs and the ZeRO table.
+
+- State: ``estimate(...).state`` against ``zf.memory.state_bytes(state)["total"]`` of the GPT example on
+  1, 2 and 4 gloo ranks, for DDP and ZeRO-1, 2, 3, each in fp32 and bf16, with the optimizer state on the
+  rank, in CPU RAM or on NVMe (and ZeRO-3's parameters in CPU RAM); NVMe files against ``estimate(...).nvme``.
+- Activations: ``estimate(...).activations`` against ``zf.memory.track()``'s peak inside a step (the state
+  exists before the step, so the tracker leaves it out), with and without remat.
+- Verdicts: the ZeRO paper's arithmetic, computed here from the formulas.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zerofn as zf
+from zerofn import plan
+from zerofn.plan import Estimate, compositions, estimate, fmt_bytes, model_shape
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for  # noqa: E402
+
+# The example's GPT, wider and with longer sequences than train_gpt.py's default (dim 64, 2 layers, vocab 32)
+# so that activations, not the ~0.1 M parameters, dominate the in-step peak; 0.84 M parameters.
+CFG = GPTConfig(vocab=256, seq_len=128, dim=128, heads=4, layers=4)
+MICRO = 16  # sequences per rank
+SHAPES = dict(layers=CFG.layers, hidden=CFG.dim, heads=CFG.heads, vocab=CFG.vocab, seq=CFG.seq_len, micro_batch=MICRO)
+STATE_TOL = 0.05
+ACT_TOL = 0.25
+
+# (stage, mixed precision, optimizer state: None / "cpu" / "nvme", parameters on the host, remat)
+COMBOS = [(s, mp, where, False, False) for s in (0, 1, 2, 3) for mp in (False, True) for where in (None, "cpu")]
+COMBOS += [(s, mp, None, False, True) for s in (0, 1, 2, 3) for mp in (False, True)]
+# On 2 ranks also NVMe files and ZeRO-3's parameters in CPU RAM, and a step for every composition (elsewhere
+# offloaded compositions are only initialised: the optimizer state's placement changes no activation).
+MORE = [(s, mp, "nvme", False, False) for s in (0, 1, 2, 3) for mp in (False, True)]
+MORE += [(3, mp, "cpu", True, False) for mp in (False, True)]
+STEP_ALL = 2
+
+
+def _psi() -> int:
+    return sum(p.numel() for p in GPT(CFG).parameters())
+
+
+def _du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs if not f.endswith(".json"))
+
+
+def _rank_measure(root: str) -> list[dict]:
+    """Every composition on this world size: state bytes after init, the in-step peak, NVMe file bytes."""
+    from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params
+
+    stages = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
+    world, rank = zf.collectives.world_size(), zf.collectives.rank()
+    batch = MarkovCorpus(CFG.vocab).sample(MICRO * world, CFG.seq_len + 1, seed=0)[rank * MICRO : (rank + 1) * MICRO]
+    out = []
+    for stage, mp, where, host_params, rm in COMBOS + (MORE if world == STEP_ALL else []):
+        torch.manual_seed(0)
+        apply = zf.functional(GPT(CFG))
+        step = stages[stage](zf.train_step(loss_fn_for(apply), zf.optim.adamw(1e-3)))
+        if mp:
+            step = amp(step, torch.bfloat16)
+        path = None
+        if where == "nvme":
+            path = os.path.join(root, f"w{world}_s{stage}_mp{int(mp)}")
+            os.makedirs(path, exist_ok=True)
+            step = offload(step, "nvme", path=path)
+        elif where == "cpu":
+            step = offload(step, "cpu", params=host_params)
+        if rm:
+            step = remat(step)
+        state = step.init(apply.params)
+        held = zf.memory.state_bytes(state)
+        peak = None
+        if where is None or world == STEP_ALL:
+            with zf.memory.track() as t:
+                state, _ = step(state, batch)
+            peak = t.peak
+        out.append(
+            dict(
+                combo=(stage, mp, where, host_params, rm), state=held["total"], peak=peak,
+                after=zf.memory.state_bytes(state)["total"],
+                nvme=_du(os.path.join(path, f"rank{rank}")) if path else 0,
+            )
+        )  # fmt: skip
+        del state, step, apply
+    return out
+
+
+def _estimate_for(n: int, stage: int, mp: bool, where, host_params: bool, rm: bool) -> Estimate:
+    return estimate(
+        _psi(), gpus=n, stage=stage, mixed_precision=mp, optimizer_offload=where,
+        param_offload="cpu" if host_params else None, remat=rm, device="cpu", **SHAPES,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_estimate_matches_the_gpt_example(ranks, n, tmp_path):
+    """State within 5 % of state_bytes (exact up to padding: the formulas are the layout's), NVMe files too,
+    activations within 25 % of the tracked in-step peak, and the planner's in-step terms bound that peak."""
+    per_rank = ranks(n).run(_rank_measure, str(tmp_path))
+    worst_state, worst_act = 0.0, {False: 0.0, True: 0.0}
+    for rows in per_rank:
+        for r in rows:
+            e = _estimate_for(n, *r["combo"])
+            what = f"{e.label} {'bf16' if e.mixed_precision else 'fp32'} on {n} rank(s)"
+            assert r["after"] == r["state"], what  # a step changes no byte of what the state holds
+            err = abs(e.state - r["state"]) / r["state"]
+            assert err <= STATE_TOL, (what, e.state, r["state"])
+            if r["combo"][2] == "nvme":
+                assert 0 <= e.nvme - r["nvme"] <= 1e-3 * r["nvme"], (what, e.nvme, r["nvme"])  # up to padding
+            worst_state = max(worst_state, err)
+            if r["peak"] is None:
+                continue
+            act = abs(e.activations - r["peak"]) / r["peak"]
+            assert act <= ACT_TOL, (what, e.activations, r["peak"])
+            in_step = e.grads + max(e.activations + e.gathered, e.update)  # what total adds to the state
+            assert r["peak"] <= 1.05 * in_step, (what, r["peak"], in_step)
+            worst_act[e.remat] = max(worst_act[e.remat], act)
+    print(
+        f"\n{n} rank(s): state within {100 * worst_state:.3f} %, activations within {100 * worst_act[False]:.1f} % "
+        f"({100 * worst_act[True]:.1f} % with remat)"
+    )
+
+
+@pytest.mark.parametrize(
+    "cfg, micro",
+    [
+        (GPTConfig(vocab=32, seq_len=64, dim=64, heads=4, layers=2), 32),  # train_gpt.py's shape, more tokens
+        (GPTConfig(vocab=1024, seq_len=64, dim=64, heads=4, layers=3), 8),  # logits dominate
+        (GPTConfig(vocab=64, seq_len=32, dim=96, heads=2, layers=6), 32),  # deeper, two heads
+    ],
+)
+def test_activations_follow_the_shapes(cfg, micro):
+    """The activation formula is one of shapes: other widths, depths, vocabularies and head counts agree too."""
+    from zerofn.transforms import amp, remat
+
+    psi = sum(p.numel() for p in GPT(cfg).parameters())
+    batch = MarkovCorpus(cfg.vocab).sample(micro, cfg.seq_len + 1, seed=0)
+    for mp in (False, True):
+        for rm in (False, True):
+            torch.manual_seed(0)
+            apply = zf.functional(GPT(cfg))
+            step = zf.train_step(loss_fn_for(apply), zf.optim.adamw(1e-3))
+            step = remat(amp(step)) if (mp and rm) else amp(step) if mp else remat(step) if rm else step
+            state = step.init(apply.params)
+            with zf.memory.track() as t:
+                state, _ = step(state, batch)
+            e = estimate(
+                psi, mixed_precision=mp, remat=rm, layers=cfg.layers, hidden=cfg.dim, heads=cfg.heads,
+                vocab=cfg.vocab, seq=cfg.seq_len, micro_batch=micro, device="cpu",
+            )  # fmt: skip
+            assert abs(e.activations - t.peak) / t.peak <= ACT_TOL, (cfg, mp, rm, e.activations, t.peak)
+            assert t.peak <= 1.05 * (e.grads + max(e.activations, e.update)), (cfg, mp, rm)
+
+
+@pytest.mark.parametrize("mp", [False, True])
+def test_the_update_transient(mp):
+    """With activations negligible, the in-step peak is the gradients plus the update's transient: under mixed
+    precision the 2-byte gradient and its 4-byte fp32 copy (6 bytes per parameter), the same with the
+    optimizer state in CPU RAM."""
+    from zerofn.transforms import amp, offload
+
+    cfg = GPTConfig(vocab=64, seq_len=8, dim=256, heads=4, layers=4)
+    psi = sum(p.numel() for p in GPT(cfg).parameters())
+    batch = MarkovCorpus(cfg.vocab).sample(1, cfg.seq_len + 1, seed=0)
+    for where in (None, "cpu"):
+        torch.manual_seed(0)
+        apply = zf.functional(GPT(cfg))
+        step = zf.train_step(loss_fn_for(apply), zf.optim.adamw(1e-3))
+        step = amp(step) if mp else step
+        step = offload(step, "cpu") if where else step
+        state = step.init(apply.params)
+        with zf.memory.track() as t:
+            state, _ = step(state, batch)
+        e = estimate(psi, mixed_precision=mp, optimizer_offload=where)
+        assert e.update == (4 * psi if mp else min(plan.BUCKET_BYTES, 4 * psi))
+        assert abs(t.peak - (e.grads + e.update)) / t.peak < 0.02, (t.peak / psi, (e.grads + e.update) / psi)
+
+
+# ---------------------------------------------------------------- the formulas and the verdicts
+
+
+def test_constants_are_zerofns():
+    import importlib
+
+    from zerofn.step import DEFAULT_BUCKET_BYTES
+    from zerofn.transforms import shard_params
+
+    offload_module = importlib.import_module("zerofn.transforms.offload")  # the module, not the function
+
+    assert plan.BUCKET_BYTES == DEFAULT_BUCKET_BYTES
+    assert plan.NVME_SUB_GROUP_BYTES == offload_module.DEFAULT_SUB_GROUP_BYTES
+    assert plan.PREFETCH == inspect.signature(shard_params).parameters["prefetch"].default
+
+
+def test_the_zero_table():
+    """Per rank, mixed precision: DDP 16 Psi, ZeRO-1 4 Psi + 12 Psi / N, ZeRO-2 2 Psi + 14 Psi / N (+ 2 buckets),
+    ZeRO-3 16 Psi / N; fp32 Adam: 4 + 4 + 8. Padding: under N elements per bucket."""
+    psi, n = 7e9, 8
+    for mp, (p, g, k) in ((True, (2, 2, 12)), (False, (4, 4, 8))):
+        rows = {s: estimate(psi, gpus=n, stage=s, mixed_precision=mp) for s in range(4)}
+        expect = {0: (p + g + k) * psi, 1: (p + g) * psi + k * psi / n, 2: p * psi + (g + k) * psi / n}
+        expect[3] = (p + g + k) * psi / n
+        for s, e in rows.items():
+            slack = 8 + 2 * plan.BUCKET_BYTES * (s == 2) + (p + g + k) * n * (psi * p / plan.BUCKET_BYTES + 2)
+            assert expect[s] <= e.model_state <= expect[s] + slack, (s, mp, e.model_state, expect[s])
+        assert rows[1].traffic == rows[2].traffic == 2 * psi and rows[3].traffic == 3 * psi
+
+
+def test_verdict_70b_needs_1_12_tb_under_ddp():
+    psi = 70e9
+    e = estimate(psi, gpus=8)
+    assert e.model_state == (2 + 2 + 12) * psi + 8  # + the optimizer's step count
+    assert fmt_bytes(16 * psi) == fmt_bytes(e.model_state) == f"{16 * psi / 1e12:.2f} TB"
+
+
+def test_verdict_70b_inference_needs_140_gb():
+    psi = 70e9
+    e = estimate(psi, inference=True)
+    assert e.total == e.state == 2 * psi
+    assert fmt_bytes(e.total) == f"{2 * psi / 1e9:.1f} GB"
+    sharded = estimate(psi, inference=True, gpus=2, stage=3)
+    assert abs(sharded.total - 2 * psi / 2) <= 2  # half each, up to the padding
+
+
+def test_verdict_70b_zero3_over_8x80gb():
+    """ZeRO-3 does not hold 70e9's 16-byte states in 8 x 80 GB (140 GB each); with the optimizer state in CPU RAM
+    it does, given the host RAM zerofn needs: 18 bytes per parameter (12 optimizer + 4 fp32 gradient buffer + 2
+    parameter copy), more than the 12 ZeRO-Offload write-ups count."""
+    psi, n, gpu = 70e9, 8, 80e9
+    z3 = estimate(psi, gpus=n, stage=3)
+    assert abs(z3.model_state - 16 * psi / n) < 1e3 and z3.model_state > gpu and not z3.fits(gpu)
+    cpu = estimate(psi, gpus=n, stage=3, optimizer_offload="cpu")
+    host = (12 + 4 + 2) * psi  # one node holds all 8 ranks' shards
+    assert abs(cpu.cpu_per_node - host) < 1e3
+    assert abs(cpu.model_state - (2 + 2) * psi / n) < 1e3
+    assert cpu.total == cpu.model_state + 4 * psi / n  # + the fp32 gradient copy for the update: 70 GB in all
+    assert cpu.fits(gpu, cpu_memory=1.01 * host)
+    assert not cpu.fits(gpu, cpu_memory=1e12)  # 1 TB holds the paper's 12 bytes (840 GB), not zerofn's 18
+    assert 12 * psi < 1e12 < host
+
+
+def test_verdict_13b_over_2x24gb_needs_offload():
+    """No composition without offload holds 13e9's model state in 2 x 24 GB; the first whose does keeps the
+    optimizer state and the parameters in CPU RAM (2 bytes of gradient per parameter / 2 on the GPU). zerofn's
+    update then casts that partition to fp32 on the GPU (4 bytes more), so the step itself does not fit today."""
+    psi, n, gpu = 13e9, 2, 24e9
+    rows = compositions(psi, gpus=n)
+    assert not [e for e in rows if not e.optimizer_offload and e.model_state <= gpu]
+    first = next(e for e in rows if e.model_state <= gpu)
+    assert first.optimizer_offload == "cpu" and first.param_offload == "cpu" and first.stage == 3
+    assert abs(first.model_state - 2 * psi / n) < 1e3
+    assert abs(first.total - (2 + 4) * psi / n) < 1e3 and first.total > gpu
+    assert not [e for e in rows if e.fits(gpu)]
+
+
+def test_verdict_124m_gpt_fits_one_12gb_gpu_untransformed():
+    gpt2 = {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024}
+    gpt2 = model_shape(gpt2)
+    assert gpt2.params == 124_439_808
+    for kw in ({}, {"seq": 1024, "micro_batch": 4}):
+        rows = compositions(gpt2, gpus=1, **kw)
+        best = next(e for e in rows if e.fits(12e9))
+        assert (best.stage, best.optimizer_offload, best.remat) == (0, None, False)
+        assert best.total >= 16 * gpt2.params
+
+
+def test_impossible_compositions_are_refused():
+    with pytest.raises(ValueError, match="stage=3"):
+        estimate(1e9, stage=2, optimizer_offload="cpu", param_offload="cpu")
+    with pytest.raises(ValueError, match='optimizer_offload="cpu"'):
+        estimate(1e9, stage=3, optimizer_offload="nvme", param_offload="cpu")
+    with pytest.raises(ValueError, match="stage must be"):
+        estimate(1e9, stage=4)
+    with pytest.raises(ValueError, match="optimizer_offload must be"):
+        estimate(1e9, optimizer_offload="disk")
+
+
+# ---------------------------------------------------------------- Hugging Face configs
+
+
+def test_model_shape_counts_hugging_face_models_exactly():
+    transformers = pytest.importorskip("transformers")
+    configs = [
+        transformers.GPT2Config(vocab_size=101, n_embd=48, n_layer=3, n_head=4, n_positions=40, bos_token_id=0,
+                                eos_token_id=0),
+        transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+        transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    ]  # fmt: skip
+    for cfg in configs:
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        real = sum(p.numel() for p in model.parameters())  # parameters() counts a tied weight once
+        assert model_shape(cfg.to_dict()).params == real, type(cfg).__name__
+
+
+def test_model_shape_of_the_gpt_example(tmp_path):
+    """The example's GPT in GPT-2 names (it has no q, k, v biases: 3 x dim per block fewer)."""
+    c = dict(vocab_size=CFG.vocab, n_embd=CFG.dim, n_layer=CFG.layers, n_head=CFG.heads, n_positions=CFG.seq_len)
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    shape = model_shape(tmp_path)  # a directory holding config.json
+    assert shape.params - 3 * CFG.dim * CFG.layers == _psi()
+    assert shape == model_shape(tmp_path / "config.json")
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerofn", "plan", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_recommends_zero3_with_cpu_optimizer_for_70b():
+    psi = 70e9
+    host = estimate(psi, gpus=8, stage=3, optimizer_offload="cpu").cpu_per_node
+    r = _cli("--params", "70e9", "--gpus", "8", "--gpu-memory", "80GB", "--cpu-memory", f"{1.01 * host / 1e9:.0f}GB")
+    assert r.returncode == 0, r.stderr
+    want = estimate(psi, gpus=8, stage=3, optimizer_offload="cpu")
+    assert f"recommendation: {want.label} ({fmt_bytes(want.total)} per GPU" in r.stdout
+    assert fmt_bytes(16 * psi) in r.stdout  # the DDP model state
+    # 1 TB of CPU RAM is not enough for zerofn's 18 bytes per parameter; NVMe then is the next choice
+    r = _cli("--params", "70B", "--gpus", "8", "--gpu-memory", "80GB", "--cpu-memory", "1TB", "--nvme", "4TB")
+    nvme = estimate(psi, gpus=8, stage=3, optimizer_offload="nvme")
+    assert f"recommendation: {nvme.label}" in r.stdout, r.stdout
+
+
+def test_cli_reads_a_config_and_plots(tmp_path, monkeypatch, capsys):
+    c = {"model_type": "gpt2", "vocab_size": 1000, "n_embd": 256, "n_layer": 4, "n_head": 4, "n_positions": 512}
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    shape = model_shape(tmp_path / "config.json")
+    r = _cli("--model", str(tmp_path / "config.json"), "--gpu-memory", "200MB", "--seq", "512", "--micro-batch", "8")
+    assert r.returncode == 0, r.stderr
+    rows = compositions(shape, gpus=1, seq=512, micro_batch=8)
+    best = next(e for e in rows if e.fits(200e6))
+    assert best.remat  # 3.5 M parameters fit; their activations do only under remat
+    assert f"recommendation: {best.label} ({fmt_bytes(best.total)} per GPU)" in r.stdout
+    assert "remat" in r.stdout and "activations" in r.stdout
+    # --plot: without matplotlib a clear error before anything is printed, with it a PNG
+    args = ["--model", str(tmp_path), "--gpu-memory", "1GB", "--plot", str(tmp_path / "plan.png")]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert plan.main(args) == 2
+    assert "pip install zerofn[plot]" in capsys.readouterr().err
+    monkeypatch.delitem(sys.modules, "matplotlib")
+    if importlib.util.find_spec("matplotlib") is None:
+        return
+    assert plan.main(args) == 0 and (tmp_path / "plan.png").stat().st_size > 0
+
+
+def test_cli_inference_and_errors(capsys):
+    assert plan.main(["--params", "70e9", "--gpus", "2", "--gpu-memory", "80GB", "--inference"]) == 0
+    out = capsys.readouterr().out
+    assert fmt_bytes(2 * 70e9) in out and "recommendation: ZeRO-3" in out
+    bad = ((["--gpu-memory", "80GB"], "--params or --model"), (["--params", "7e9", "--gpu-memory", "lots"], "a size"))
+    for args, message in bad:
+        with pytest.raises(SystemExit) as e:
+            plan.main(args)
+        assert e.value.code == 2 and message in capsys.readouterr().err
