@@ -16,7 +16,8 @@ as it does there. Two settings differ from torchrun's defaults:
   attempt gets a fresh rendezvous store. With the shared one, workers
   restarted by ``--max-restarts`` find the dead workers' addresses there
   and gloo fails to connect about half the time (pytorch/pytorch#135712).
-- ``OMP_NUM_THREADS``: torchrun sets 1 when unset; so does this.
+- ``OMP_NUM_THREADS``: 1 when unset, as torchrun sets it, without
+  torchrun's warning banner.
 
 DeepSpeed's ``--hostfile``, ``--include`` and ``--exclude`` start ranks on
 other machines over ssh; torchrun does not, and neither does this: run the
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = torchrun_args(argv)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning banner
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
