@@ -66,3 +66,15 @@ def test_peak_is_at_most_torchs(precision):
     # remat cuts activations below both
     _, remat_peak = _zf_program(lambda s: remat(amp(s)) if use_amp else remat(s))
     assert remat_peak < zf_peak
+
+
+def test_at_world_size_one_the_shard_transforms_cost_nothing():
+    """One rank has nothing to shard: no gradient copy for a scatter, no unit buffers to gather into,
+    so every stage's program peaks where the plain step's does (shard_params keeps its unit order, a few
+    bytes, beside it)."""
+    from zerofn.transforms import shard_grads, shard_optimizer, shard_params
+
+    _, plain = _zf_program(lambda s: s)
+    for transform in (shard_optimizer, shard_grads, shard_params):
+        _, peak = _zf_program(transform)
+        assert plain <= peak <= plain + 1024, (transform.__name__, peak, plain)

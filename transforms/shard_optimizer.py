@@ -65,6 +65,9 @@ class ShardedReduction(Reduction):
         return self.stage >= 2
 
     def reduce(self, grad: torch.Tensor, bucket: Bucket, rank: int, out: torch.Tensor | None) -> C.Handle:
+        if out is None and bucket.shards == 1:
+            # One shard (world size 1): the bucket is its own partition; no copy, as a single process does.
+            return C.all_reduce(grad, "sum", async_op=True)
         if out is None:
             out = torch.empty(bucket.shard_numel, dtype=grad.dtype, device=grad.device)
         return C.reduce_scatter(out, grad, "sum", async_op=True)

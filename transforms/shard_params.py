@@ -273,11 +273,13 @@ class _Runner:
         self.expected: list[_LiveUnit] | None = None
         self.backward_queue: list[_LiveUnit] | None = None
         trainable = sink is not None and torch.is_grad_enabled()
+        # One rank holds whole buckets: the leaves view them where they lie, with nothing to gather or release.
+        whole = C.world_size() == 1 and not host_shards
         for unit in self.units:
             pairs = [(state.params[i], self.layout.buckets[i], True) for i in unit.spec.buckets]
             pairs += [(state.frozen[i], self.layout.frozen_buckets[i], False) for i in unit.spec.frozen]
             for shard, bucket, grads in pairs:
-                full = torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
+                full = shard if whole else torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
                 raw = full.data  # leaves view this alias: refilling `full` bumps no version they saved
                 for s in bucket.slots:
                     leaf = raw[s.offset : s.offset + s.numel].view(s.shape)
@@ -286,8 +288,9 @@ class _Runner:
                         self.hooks += hooks
                         unit.remaining += 1
                     self.leaves[s.name] = leaf
-                full.untyped_storage().resize_(0)
-                unit.fulls.append((full, shard))
+                if not whole:
+                    full.untyped_storage().resize_(0)
+                    unit.fulls.append((full, shard))
         # Every module call inside a unit (the unit's own module or any of its
         # submodules: a model may call a block's layers without calling the
         # block) opens the unit; modules in no unit belong to the root.
