@@ -9,6 +9,14 @@ policy, as jmp's ``Policy`` with its loss scale:
   run in ``dtype`` and reductions (softmax, norms, losses) in fp32.
   BatchNorm's parameters stay in fp32, beside its running statistics, as
   FSDP's ``MixedPrecision`` keeps them.
+- ``compute="param"`` (FSDP2's ``MixedPrecisionPolicy``): no autocast; the
+  forward runs in the parameters' dtype. The model's floating-point
+  positional inputs are cast to ``dtype`` where they enter and its floating
+  outputs come back in fp32 (so the loss is computed in fp32); modules of the
+  ``fp32_modules`` types (norms, losses) keep their parameters in fp32 and
+  run in fp32: their floating inputs are cast up, their outputs back down
+  (a loss's stay fp32). Global module hooks do it, installed while the step
+  runs its forward and backward (a recompute under ``remat`` sees them too).
 - ``grad_dtype``: gradients are bucketed and reduced in ``dtype`` (or
   ``reduce_dtype``, as FSDP2's ``reduce_dtype``): half of fp32's traffic.
 - ``wrap_optimizer`` (:func:`master_weights`): the optimizer state holds an
@@ -57,20 +65,32 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.modules.loss import _Loss
+from torch.utils._pytree import tree_map_only
 
 from zerofn import optim as O
 from zerofn import tree as T
 from zerofn.checkpoint import FileTensor, find_quantity
+from zerofn.functional import BINDING
 from zerofn.precision import Precision
 from zerofn.step import Step, reapply, transform
 
 __all__ = [
-    "DynamicLossScale", "MasterState", "MixedPrecision", "NoOpLossScale", "StaticLossScale", "amp", "master_weights",
+    "DynamicLossScale", "FP32_MODULES", "MasterState", "MixedPrecision", "NoOpLossScale", "StaticLossScale", "amp",
+    "master_weights",
 ]  # fmt: skip
 
 _DEFAULT = object()
 _DTYPES = (torch.bfloat16, torch.float16)
+_COMPUTE = ("autocast", "param")
+# Modules that run in fp32 under compute="param": norms (BatchNorm, InstanceNorm, LayerNorm, GroupNorm,
+# LocalResponseNorm, RMSNorm where torch has it) and losses.
+FP32_MODULES: tuple[type, ...] = (
+    _NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+    _Loss,
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------- loss scales
@@ -205,21 +225,30 @@ class MixedPrecision(Precision):
         reduce_dtype: the dtype gradients travel in (None: ``dtype``).
         scale_settings: ``(loss_scale, init_scale, growth_interval, backoff,
             hysteresis, min_scale)`` as given to :func:`amp`.
+        compute: ``"autocast"`` (the forward under ``torch.autocast``) or
+            ``"param"`` (in the parameters' dtype, ``fp32_modules`` in fp32).
+        fp32_modules: the module types that run in fp32 under ``"param"``
+            (empty under ``"autocast"``).
     """
 
     name: str | None = "amp"
     dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype | None = None
     scale_settings: tuple = (None,)
+    compute: str = "autocast"
+    fp32_modules: tuple = ()
 
     def cast(self, t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.Tensor:
-        if not t.is_floating_point() or t.dtype == self.dtype or isinstance(owner, _BatchNorm):
+        if not t.is_floating_point() or t.dtype == self.dtype or isinstance(owner, (_BatchNorm, *self.fp32_modules)):
             # BatchNorm keeps its parameters in its running statistics' dtype, as FSDP's
             # MixedPrecision does: batch_norm needs them alike, and takes bf16 inputs.
+            # Under compute="param" the fp32 modules keep theirs too: they run in fp32.
             return t
         return t.detach().to(self.dtype).requires_grad_(t.requires_grad)
 
     def autocast(self, device: str):
+        if self.compute == "param":
+            return _ParamCompute(self.dtype, self.fp32_modules)
         return torch.autocast(device_type=torch.device(device).type, dtype=self.dtype)
 
     def grad_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
@@ -269,6 +298,8 @@ def amp(
     hysteresis: int = 2,
     min_scale: float = 1.0,
     reduce_dtype: torch.dtype | None = None,
+    compute: str = "autocast",
+    fp32_modules: Any = None,
 ) -> Step:
     """Mixed precision: ``dtype`` parameters and compute, fp32 master weights, loss scaling.
 
@@ -283,6 +314,19 @@ def amp(
             dynamic scale (DeepSpeed's ``initial_scale_power`` 16,
             ``loss_scale_window`` 1000, ``hysteresis`` 2, ``min_loss_scale`` 1).
         reduce_dtype: dtype gradients travel in; default ``dtype``.
+        compute: ``"autocast"`` (default): the forward runs under
+            ``torch.autocast(dtype)``, which picks fp32 for reductions op by
+            op. ``"param"``: no autocast; the forward runs in the parameters'
+            dtype, as FSDP2's ``MixedPrecisionPolicy``: the model's floating
+            positional inputs are cast to ``dtype``, its floating outputs
+            come back in fp32, and the ``fp32_modules`` run in fp32.
+        fp32_modules: with ``compute="param"``, the module types (a type or
+            a tuple of types) whose own parameters stay in fp32 and whose
+            forward runs in fp32 (floating inputs cast up, outputs cast back
+            to ``dtype``; a loss's outputs stay fp32). Default
+            :data:`FP32_MODULES`: norms (BatchNorm, InstanceNorm, LayerNorm,
+            GroupNorm, LocalResponseNorm, RMSNorm) and losses. Give ``()``
+            to run every module in ``dtype``.
 
     Returns:
         The rewritten Step; its metrics add ``loss_scale`` and
@@ -291,8 +335,10 @@ def amp(
 
     Raises:
         TypeError: ``step`` is not a Step.
-        ValueError: a dtype that is not bf16/fp16, bad scale settings, or a
-            step that already runs in mixed precision with other settings.
+        ValueError: a dtype that is not bf16/fp16, bad scale settings, an
+            unknown ``compute``, ``fp32_modules`` that are not module types
+            (or given with ``compute="autocast"``), or a step that already
+            runs in mixed precision with other settings.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"amp: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
@@ -302,13 +348,97 @@ def amp(
         loss_scale = "dynamic" if dtype == torch.float16 else None
     settings = (loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale)
     _new_scale(*settings)  # check the settings now, not at init
-    policy = MixedPrecision(dtype=dtype, reduce_dtype=reduce_dtype, scale_settings=settings)
+    modules = _fp32_modules(compute, fp32_modules)
+    policy = MixedPrecision(
+        dtype=dtype, reduce_dtype=reduce_dtype, scale_settings=settings, compute=compute, fp32_modules=modules
+    )
     have = step.precision if isinstance(step.precision, MixedPrecision) else None
     if reapply(step, "amp", have, policy, "runs in mixed precision"):
         return step
     if type(step.precision) is not Precision:
         raise ValueError(f"amp: {step.name} already sets its precision ({step.precision!r}); apply one precision")
     return step.replace(precision=policy)
+
+
+def _fp32_modules(compute: str, fp32_modules: Any) -> tuple:
+    """The checked ``fp32_modules`` as a tuple of module types (empty under autocast)."""
+    if compute not in _COMPUTE:
+        raise ValueError(f'amp: compute must be "autocast" or "param", got {compute!r}')
+    if compute == "autocast":
+        if fp32_modules is not None:
+            raise ValueError(
+                'amp: fp32_modules applies with compute="param"; under compute="autocast" torch.autocast '
+                "picks the fp32 ops itself"
+            )
+        return ()
+    if fp32_modules is None:
+        return FP32_MODULES
+    types = tuple(fp32_modules) if isinstance(fp32_modules, (tuple, list)) else (fp32_modules,)
+    bad = [t for t in types if not (isinstance(t, type) and issubclass(t, nn.Module))]
+    if bad:
+        raise ValueError(f"amp: fp32_modules must be nn.Module subclasses (types), got {bad!r}")
+    return tuple(dict.fromkeys(types))
+
+
+class _ParamCompute:
+    """compute="param"'s casts, as global module hooks: the model's inputs to ``dtype`` and its outputs to
+    fp32; ``fp32`` modules' inputs to fp32 and their outputs back to ``dtype`` (a loss's stay fp32).
+
+    A call made while no other module runs, during the forward, is the model's (a top-level call). The hooks
+    stay installed until the step's backward is over (the step's binding stack), so a recompute in backward
+    (``remat``'s checkpointing) runs with the same casts; outside a step they go at the context's exit.
+    """
+
+    def __init__(self, dtype: torch.dtype, fp32: tuple):
+        self.dtype, self.fp32 = dtype, fp32
+        self.depth = 0  # module calls now running
+        self.tops: set[int] = set()  # ids of the modules called at the top level during the forward
+        self.forward = True  # the forward is running (not a recompute in backward)
+        self.handles: list = []
+
+    def __enter__(self) -> "_ParamCompute":
+        hooks = torch.nn.modules.module
+        self.handles = [
+            hooks.register_module_forward_pre_hook(self._pre),
+            hooks.register_module_forward_hook(self._post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.forward = False
+        binding = BINDING.get()
+        if binding is not None and exc[0] is None:
+            binding.callback(self._remove)  # after the step's backward
+        else:
+            self._remove()
+
+    def _remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _pre(self, module: nn.Module, args: tuple) -> tuple:
+        if self.depth == 0 and self.forward:
+            self.tops.add(id(module))
+        self.depth += 1
+        if isinstance(module, self.fp32):
+            return _to(args, torch.float32)
+        if id(module) in self.tops:
+            return _to(args, self.dtype)
+        return args
+
+    def _post(self, module: nn.Module, args: tuple, out: Any) -> Any:
+        self.depth -= 1
+        if id(module) in self.tops:
+            return _to(out, torch.float32)
+        if isinstance(module, self.fp32) and not isinstance(module, _Loss):
+            return _to(out, self.dtype)
+        return out
+
+
+def _to(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with its floating-point tensors cast to ``dtype``."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def _new_scale(loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale):
