@@ -353,3 +353,20 @@ def test_aux_values_are_averaged_over_ranks(ranks):
         assert m["tag"] == "local" and m["skipped"] is False
         assert m["loss"] == pytest.approx(whole_loss, rel=1e-6)
         assert m["out_mean"] == pytest.approx(whole_out_mean, rel=1e-6, abs=1e-7)
+
+
+def _rank_init_from_unseeded_models():
+    torch.manual_seed(zf.collectives.rank())  # each rank a different model, as an unseeded script gets
+    apply = zf.functional(torch.nn.Linear(3, 2))
+    step = zf.train_step(lambda p, x: apply(p, x).sum(), zf.optim.sgd(0.1))
+    try:
+        step.init(apply.params)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_init_refuses_ranks_that_start_from_different_parameters(ranks):
+    for msg in ranks(2).run(_rank_init_from_unseeded_models):
+        assert msg is not None and "the ranks passed different values for 2 parameter(s) (['bias', 'weight'])" in msg
+        assert "torch.manual_seed(0)" in msg

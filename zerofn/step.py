@@ -198,6 +198,8 @@ class Step:
         named = {k: self.precision.cast(v, owner(k)) for k, v in split.named.items()}  # held (and run) so
         split = split._replace(named=named, trainable={k: named[k] for k in split.trainable})
         world, rank = C.world_size(), C.rank()
+        if world > 1:
+            _check_same_params(split.named, self.name)
         held = self.storage.init(
             split,
             shards=self.reduction.shards(world),
@@ -432,6 +434,28 @@ def _average_buffers(after: list[torch.Tensor], before: list[torch.Tensor]) -> N
         C.all_reduce(delta, "mean")
         pieces = delta.split([b.numel() for b in group])
         torch._foreach_copy_(group, [o + d.view_as(o) for o, d in zip(old, pieces)])
+
+
+def _check_same_params(named: dict, where: str) -> None:
+    """Every rank must start from the same parameters: one small max-reduce of each tensor's sum and sum of
+    squares (and their negatives) tells, before a state is built from numbers that differ between ranks."""
+    names = [k for k, t in named.items() if t.device.type != "meta" and t.is_floating_point()]
+    if not names:
+        return
+    sums = torch.stack(
+        [torch.stack([named[k].detach().double().sum(), named[k].detach().double().square().sum()]).cpu() for k in names]
+    ).nan_to_num(0.0)
+    probe = torch.cat([sums.reshape(-1), -sums.reshape(-1)])
+    C.all_reduce(probe, "max")
+    hi, lo = probe[: sums.numel()].view_as(sums), -probe[sums.numel() :].view_as(sums)
+    differ = [k for k, a, b in zip(names, hi, lo) if not torch.equal(a, b)]
+    if differ:
+        raise ValueError(
+            f"{where}.init: the ranks passed different values for {len(differ)} parameter(s) ({differ[:3]}"
+            f"{' ...' if len(differ) > 3 else ''}). Every rank must start from the same parameters: seed the "
+            "random generator the same way on every rank before building the model (torch.manual_seed(0)), "
+            "load the same weights on every rank, or load a checkpoint (zf.checkpoint.load)."
+        )
 
 
 def _device(layout: Layout) -> str:
