@@ -1,0 +1,242 @@
+"""Fine-tune a Hugging Face causal LM with zerofn's transforms, on one process or a few ranks.
+
+Nothing is downloaded: by default the model is a tiny Llama built from a config in code, and the data a
+synthetic Markov corpus (examples/gpt.py's), so the loss has something to learn. Give a local model with
+--model: a directory with config.json and weights (from_pretrained), a directory with only config.json,
+or a config JSON file (from_config: fresh weights).
+
+    python examples/finetune_hf.py --steps 20
+    torchrun --nproc_per_node=2 examples/finetune_hf.py --zero 3 --amp bf16 --lora 8 --export out
+    torchrun --nproc_per_node=2 examples/finetune_hf.py --zero 2 --offload cpu --remat
+    python examples/finetune_hf.py --hf-checkpointing --ckpt-dir c --save-every 10 --steps 20   # run again
+                                                                                       # with --steps 40
+
+Every rank feeds its own slice of the global batch. --lora R trains rank-R LoRA adapters on q_proj and
+v_proj (peft), the base weights frozen (zerofn holds them without gradients or optimizer state); without it
+every weight is trained. --remat is zerofn's per-block recomputation; --hf-checkpointing is the model's own
+(gradient_checkpointing_enable, non-reentrant). With --ckpt-dir it saves every --save-every steps in the
+background and resumes from the newest checkpoint. With --export DIR it writes the fine-tuned model
+(LoRA merged into the base weights) with save_pretrained, reloads it with from_pretrained, generates a few
+tokens, and checks that the reloaded model's logits equal step.apply's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+import warnings
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import zerofn as zf  # noqa: E402
+from gpt import MarkovCorpus  # noqa: E402
+from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params  # noqa: E402
+
+STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, metavar="DIR_OR_CONFIG_JSON",
+                   help="a local model directory (config.json, with or without weights) or a config JSON file; "
+                   "default: a tiny Llama config built in code")  # fmt: skip
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank on q_proj, v_proj (0: full fine-tuning)")
+    p.add_argument("--zero", type=int, default=0, choices=sorted(STAGES), help="ZeRO stage (0 = plain data parallel)")
+    p.add_argument("--amp", choices=["bf16", "fp16"], default=None, help="mixed precision (fp32 master weights)")
+    p.add_argument("--offload", choices=["cpu"], default=None, help="optimizer state (and amp's masters) in CPU RAM")
+    ckpt = p.add_mutually_exclusive_group()
+    ckpt.add_argument("--remat", action="store_true", help="zerofn's remat: recompute each block in backward")
+    ckpt.add_argument("--hf-checkpointing", action="store_true", help="the model's gradient_checkpointing_enable")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--lr", type=float, default=None, help="default: 3e-3 full fine-tuning, 1e-2 LoRA")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences), split over ranks")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="save checkpoints here and resume from the newest")
+    p.add_argument("--save-every", type=int, default=None, metavar="K", help="steps between checkpoints (default 20)")
+    p.add_argument("--keep", type=int, default=2, metavar="N", help="checkpoints to keep (the newest N)")
+    p.add_argument("--export", default=None, metavar="DIR", help="save_pretrained the fine-tuned model here")
+    p.add_argument("--prompt-len", type=int, default=6, help="tokens of the generation prompt (with --export)")
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens to generate (with --export)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (the summary lines are still printed)")
+    args = p.parse_args(argv)
+    if args.save_every is not None and args.ckpt_dir is None:
+        p.error("--save-every needs --ckpt-dir")
+    args.save_every = 20 if args.save_every is None else args.save_every
+    if args.save_every < 1 or args.keep < 1:
+        p.error("--save-every and --keep must be at least 1")
+    if args.lr is None:
+        args.lr = 1e-2 if args.lora else 3e-3
+    return args
+
+
+def load_config(spec: str | None):
+    """(config, weights directory or None)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if spec is None:
+        cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          tie_word_embeddings=True)  # fmt: skip
+        return cfg, None
+    cfg = AutoConfig.from_pretrained(spec)
+    weights = os.path.isdir(spec) and any(os.path.exists(os.path.join(spec, f)) for f in WEIGHT_FILES)
+    return cfg, (spec if weights else None)
+
+
+def build_model(cfg, weights: str | None, seed: int):
+    """The same model on every rank: loaded weights, or fresh ones from the seed."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    if weights is not None:
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=torch.float32)
+    return model
+
+
+def lora_config(r: int):
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def build_step(args, apply):
+    def loss_fn(params, batch):
+        return apply(params, input_ids=batch, labels=batch, use_cache=False).loss
+
+    warmup = max(args.steps // 10, 1)
+    total = max(args.steps, warmup + 1)
+    schedule = zf.optim.warmup_cosine_decay_schedule(0.0, args.lr, warmup, total, args.lr / 10)
+    optimizer = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(schedule, weight_decay=0.0))
+    step = STAGES[args.zero](zf.train_step(loss_fn, optimizer))
+    if args.amp:
+        step = amp(step, {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp])
+    if args.offload:
+        step = offload(step, args.offload)
+    if args.remat:
+        step = remat(step)
+    return step
+
+
+def export(args, step, state, cfg, weights, rank: int, vocab: int) -> None:
+    """save_pretrained the fine-tuned model (rank 0), reload it, generate, and compare with step.apply."""
+    from transformers import AutoModelForCausalLM
+
+    master = {"master": True} if args.amp else {}
+    full = step.state_dict(state, **master)  # collective: every rank gathers
+    prompt = MarkovCorpus(vocab=vocab, seed=args.seed).sample(2, args.prompt_len, seed=123)
+    logits = step.apply(state, input_ids=prompt, use_cache=False).logits  # collective under ZeRO-3
+    if rank != 0:
+        return
+    fresh = build_model(cfg, weights, args.seed)
+    if args.lora:
+        from peft import get_peft_model
+
+        fresh = get_peft_model(fresh, lora_config(args.lora))
+    fresh.load_state_dict(full, strict=True)
+    if args.lora:
+        fresh = fresh.merge_and_unload()
+    fresh.save_pretrained(args.export)
+    reloaded = AutoModelForCausalLM.from_pretrained(args.export).eval()
+    with torch.no_grad():
+        out = reloaded.generate(prompt[:1], max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+        if args.amp:  # the same autocast step.apply runs under
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+            with torch.autocast("cpu", dtype=dtype):
+                again = reloaded(input_ids=prompt, use_cache=False).logits
+        else:
+            again = reloaded(input_ids=prompt, use_cache=False).logits
+    diff = float((again.float() - logits.float()).abs().max())
+    scale = float(logits.float().abs().max())
+    # fp32 full fine-tuning: the same weights, the same computation, bit for bit. LoRA merged into the base
+    # weights sums in another order; under amp both sides run in bf16 (the masters round to the step's weights).
+    tol = 0.0 if not (args.lora or args.amp) else (1e-4 if not args.amp else 5e-2) * max(1.0, scale)
+    print(f"exported to {args.export}")
+    print(f"generated: prompt {prompt[0].tolist()} -> {out[0, args.prompt_len:].tolist()}")
+    print(f"logits max |reloaded - step.apply| {diff:.3g} (tolerance {tol:.3g}, logits up to {scale:.3g})")
+    if not diff <= tol:
+        raise SystemExit(f"the exported model's logits differ from step.apply's by {diff} > {tol}")
+
+
+def main(argv=None) -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    args = parse_args(argv)
+    # transformers 5 renamed gradient_checkpointing_* (the old names still work, with a FutureWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    if args.quiet:
+        transformers.utils.logging.disable_progress_bar()
+    world, rank = zf.collectives.world_size(), zf.collectives.rank()
+    if args.batch % world:
+        raise SystemExit(f"--batch {args.batch} must split evenly over {world} ranks")
+    cfg, weights = load_config(args.model)
+    model = build_model(cfg, weights, args.seed)
+    if args.hf_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config(args.lora))  # base weights: requires_grad=False
+    model.train()  # dropout (if any) and the model's own gradient checkpointing are on in training mode
+    apply = zf.functional(model)
+    step = build_step(args, apply)
+
+    latest = zf.checkpoint.latest(args.ckpt_dir) if args.ckpt_dir and os.path.isdir(args.ckpt_dir) else None
+    state = zf.checkpoint.load(latest, step) if latest is not None else step.init(apply.params)
+    del model  # the state holds the parameters now
+    first = int(state.count)  # the batch of step i depends on i and the seed only: a resumed run goes on alike
+    if first > args.steps:
+        raise SystemExit(f"{latest} holds step {first}, past --steps {args.steps}")
+
+    vocab = min(cfg.vocab_size, 128)
+    corpus = MarkovCorpus(vocab=vocab, seed=args.seed)
+    local = args.batch // world
+    loud = rank == 0 and not args.quiet
+    if rank == 0:
+        trainable = sum(p.numel() for p in apply.params.values() if p.requires_grad)
+        total = sum(p.numel() for p in apply.params.values())
+        print(f"{step.name} on {world} rank(s): {cfg.model_type}, {trainable:,} of {total:,} parameters trained"
+              f"{f' (LoRA r={args.lora})' if args.lora else ''}, global batch {args.batch} x {args.seq_len} tokens")  # fmt: skip
+        if latest is not None:
+            print(f"resumed from {latest} at step {first}")
+        if loud:
+            print(state)
+    bar = tqdm(range(first, args.steps), initial=first, total=args.steps, disable=not loud, desc="train",
+               dynamic_ncols=True)  # fmt: skip
+    tokens, losses, saving = 0, [], None
+    start = time.perf_counter()
+    for i in bar:
+        batch = corpus.sample(args.batch, args.seq_len, seed=args.seed * 1_000_003 + i)
+        state, metrics = step(state, batch[rank * local : (rank + 1) * local])
+        losses.append(float(metrics["loss"]))
+        tokens += args.batch * args.seq_len
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / (time.perf_counter() - start):,.0f}")
+        done = i + 1
+        if args.ckpt_dir and (done % args.save_every == 0 or done == args.steps):
+            if saving is not None:
+                saving.wait()  # one write at a time
+            saving = zf.checkpoint.save(state, os.path.join(args.ckpt_dir, f"step_{done:06d}"), blocking=False,
+                                        keep=args.keep)  # fmt: skip  # collective
+    if saving is not None:
+        saving.wait()
+    elapsed = time.perf_counter() - start
+    if rank == 0 and losses:
+        print(f"first loss {losses[0]:.4f}")
+        print(f"last loss {losses[-1]:.4f}")
+        print(f"throughput {tokens / elapsed:,.0f} tokens/s over {len(losses)} steps ({elapsed:.1f} s)")
+    if args.export:
+        export(args, step, state, cfg, weights, rank, vocab)
+
+
+if __name__ == "__main__":
+    main()
