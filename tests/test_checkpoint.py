@@ -128,7 +128,8 @@ def _rank_save(root: str, name: str) -> dict:
 
 
 def _rank_resume(root: str, saved: str, name: str) -> dict:
-    step, _, _ = _build(name, seed=3, nvme=f"{root}/nvme-load-{name}-{C.world_size()}")
+    # Each rank a different fresh model (as unseeded ranks build): load overwrites every value.
+    step, _, _ = _build(name, seed=3 + C.rank(), nvme=f"{root}/nvme-load-{name}-{C.world_size()}")
     state = zf.checkpoint.load(f"{root}/{saved}", step)
     loaded = {"params": step.full_params(state), "masters": step.full_params(state, master=True), "count": int(state.count)}
     final = step.state_dict(_train(step, state, 5, 10))

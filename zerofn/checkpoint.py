@@ -80,6 +80,7 @@ from zerofn import tree as T
 from zerofn._safetensors import BLOCK, IntegrityError, Reader, Writer, checksum_file, dtype_from_name, DTYPES
 from zerofn.functional import owner_of
 from zerofn.state import Bucket, Slot, TrainState
+from zerofn.step import STRUCTURE_ONLY
 
 __all__ = [
     "CheckpointError", "FileTensor", "IntegrityError", "SaveHandle", "consolidate", "find_quantity", "latest", "load",
@@ -937,7 +938,11 @@ def load(
                     "over), so they cannot seed another. Pass that state to fill in place: "
                     "load(path, step, state=state), or build a fresh model for the step."
                 )
-            state = step.init(params)
+            token = STRUCTURE_ONLY.set(True)  # the values are overwritten below: unseeded ranks may differ
+            try:
+                state = step.init(params)
+            finally:
+                STRUCTURE_ONLY.reset(token)
         else:
             step._check_state(state)
         layouts = _layouts(state)

@@ -58,6 +58,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -81,6 +82,10 @@ from zerofn.storage import Storage, split_params
 __all__ = ["DEFAULT_BUCKET_BYTES", "Step", "StepTransform", "reapply", "train_step", "transform"]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # torch DDP's default bucket_cap_mb
+
+# Set while init builds a state whose values are overwritten next (a checkpoint's load): the ranks'
+# parameters then only give the structure, and need not agree.
+STRUCTURE_ONLY: contextvars.ContextVar = contextvars.ContextVar("zerofn_structure_only", default=False)
 
 IGNORED_PARAMS_HELP = """\
 {name}(state, batch): no gradient reached the parameters the step passed to
@@ -198,7 +203,7 @@ class Step:
         named = {k: self.precision.cast(v, owner(k)) for k, v in split.named.items()}  # held (and run) so
         split = split._replace(named=named, trainable={k: named[k] for k in split.trainable})
         world, rank = C.world_size(), C.rank()
-        if world > 1:
+        if world > 1 and not STRUCTURE_ONLY.get():
             _check_same_params(split.named, self.name)
         held = self.storage.init(
             split,
