@@ -30,7 +30,6 @@ import time
 import warnings
 
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=6, help="tokens of the generation prompt (with --export)")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens to generate (with --export)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary lines are still printed)")
+    p.add_argument("--jsonl", default=None, metavar="FILE", help="append rank 0's metrics here, one JSON line per step")
+    p.add_argument("--tensorboard", default=None, metavar="DIR", help="write rank 0's metrics to TensorBoard here "
+                   "(needs pip install tensorboard)")  # fmt: skip
     args = p.parse_args(argv)
     if args.save_every is not None and args.ckpt_dir is None:
         p.error("--save-every needs --ckpt-dir")
@@ -211,22 +213,23 @@ def main(argv=None) -> None:
             print(f"resumed from {latest} at step {first}")
         if loud:
             print(state)
-    bar = tqdm(range(first, args.steps), initial=first, total=args.steps, disable=not loud, desc="train",
-               dynamic_ncols=True)  # fmt: skip
+    log = zf.metrics.Logger(args.steps, start=first, tokens_per_step=args.batch * args.seq_len, every=1,
+                            jsonl=args.jsonl, tensorboard=args.tensorboard, desc="train", bar=loud)  # fmt: skip
     tokens, losses, saving = 0, [], None
     start = time.perf_counter()
-    for i in bar:
+    for i in range(first, args.steps):
         batch = corpus.sample(args.batch, args.seq_len, seed=args.seed * 1_000_003 + i)
         state, metrics = step(state, batch[rank * local : (rank + 1) * local])
         losses.append(float(metrics["loss"]))
         tokens += args.batch * args.seq_len
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / (time.perf_counter() - start):,.0f}")
+        log.log(i, metrics)
         done = i + 1
         if args.ckpt_dir and (done % args.save_every == 0 or done == args.steps):
             if saving is not None:
                 saving.wait()  # one write at a time
             saving = zf.checkpoint.save(state, os.path.join(args.ckpt_dir, f"step_{done:06d}"), blocking=False,
                                         keep=args.keep)  # fmt: skip  # collective
+    log.close()
     if saving is not None:
         saving.wait()
     elapsed = time.perf_counter() - start

@@ -47,7 +47,6 @@ import sys
 import time
 
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,6 +93,10 @@ def parse_args(argv=None):
         "--accumulate, --batch, --lr and --schedule-steps, which are then ignored (e.g. examples/ds_config.json)",
     )
     p.add_argument("--out", default=None, metavar="FILE", help="write the final state_dict here (torch.save)")
+    p.add_argument("--jsonl", default=None, metavar="FILE",
+                   help="append rank 0's metrics here, one JSON line every 10 steps and on the last")  # fmt: skip
+    p.add_argument("--tensorboard", default=None, metavar="DIR", help="write rank 0's metrics to TensorBoard here "
+                   "(needs pip install tensorboard)")  # fmt: skip
     p.add_argument(
         "--die-at-step", type=int, default=None, metavar="S",
         help="test hook: on torchrun's first attempt, rank 1 (rank 0 alone) kills itself (SIGKILL) after step S",
@@ -165,24 +168,23 @@ def main(argv=None) -> float:
         if latest is not None:
             print(f"resumed from {latest} at step {first}")
         print(state)
-    bar = tqdm(
-        range(first, args.steps), initial=first, total=args.steps, disable=not loud, desc="train", dynamic_ncols=True
-    )
+    log = zf.metrics.Logger(
+        args.steps, start=first, tokens_per_step=args.batch * args.seq_len, every=10,
+        jsonl=args.jsonl, tensorboard=args.tensorboard, desc="train", bar=loud,
+    )  # fmt: skip
     tokens = 0
     metrics = None
     saving = None  # the checkpoint being written in the background
     die = args.die_at_step is not None and first_attempt() and rank == min(1, world - 1)
     start = time.perf_counter()
     sample = corpus.sample(args.batch * 4, args.seq_len + 1, seed=10_000)
-    for i in bar:
+    for i in range(first, args.steps):
         batch = corpus.sample(args.batch, args.seq_len + 1, seed=args.seed * 1_000_003 + i)
         mine = batch[rank * local : (rank + 1) * local]
         for m in range(args.accumulate):
             state, metrics = step(state, mine[m * micro : (m + 1) * micro])
         tokens += args.batch * args.seq_len
-        if i % 10 == 0 or i == args.steps - 1:
-            rate = tokens / (time.perf_counter() - start)
-            bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", tok_s=f"{rate:,.0f}")
+        log.log(i, metrics)  # reads the loss every 10 steps and on the last, on rank 0
         done = i + 1  # == int(state.count): updates applied
         if args.ckpt_dir and (done % args.save_every == 0 or done == args.steps):
             if saving is not None:
@@ -191,6 +193,7 @@ def main(argv=None) -> float:
             saving = zf.checkpoint.save(state, path, blocking=False, keep=args.keep)  # collective
         if die and done == args.die_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # as a crashed host would: no cleanup, no message
+    log.close()
     if saving is not None:
         saving.wait()
     elapsed = time.perf_counter() - start

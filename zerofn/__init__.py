@@ -5,7 +5,7 @@ Public names only; see the modules for the details.
 
 import importlib as _importlib
 
-from zerofn import checkpoint, collectives, memory, optim, testing, tree
+from zerofn import checkpoint, collectives, memory, metrics, optim, testing, tree
 from zerofn.collectives import CollectiveError, CollectiveTimeoutError
 from zerofn.functional import Functional, functional
 from zerofn.launch import RankError, RankPool, spawn
@@ -26,6 +26,7 @@ __all__ = [
     "from_deepspeed",
     "functional",
     "memory",
+    "metrics",
     "optim",
     "spawn",
     "testing",
