@@ -57,6 +57,7 @@ __all__ = [
     "counting",
     "ensure_initialized",
     "gather_objects",
+    "max_min",
     "rank",
     "reduce_scatter",
     "reduce_scatter_tree",
@@ -428,6 +429,18 @@ def all_reduce(t: torch.Tensor, op: str = "sum", *, async_op: bool = False):
     after = (lambda r: r.div_(n)) if op == "mean" else None
     h = Handle(work, t, after, "all_reduce", _nbytes(t), started)
     return h if async_op else h.wait()
+
+
+def max_min(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elementwise max and min of ``t`` over the ranks, in one all-reduce (of ``t`` and ``-t``).
+
+    Equal max and min say that every rank holds the same values, which is how
+    ranks check they agree before trusting each other.
+    """
+    probe = torch.cat([t.reshape(-1), -t.reshape(-1)])
+    all_reduce(probe, "max")
+    n = t.numel()
+    return probe[:n].view_as(t), -probe[n:].view_as(t)
 
 
 def _check_split(kind: str, full: torch.Tensor, part: torch.Tensor) -> int:

@@ -442,17 +442,15 @@ def _average_buffers(after: list[torch.Tensor], before: list[torch.Tensor]) -> N
 
 
 def _check_same_params(named: dict, where: str) -> None:
-    """Every rank must start from the same parameters: one small max-reduce of each tensor's sum and sum of
-    squares (and their negatives) tells, before a state is built from numbers that differ between ranks."""
+    """Every rank must start from the same parameters: the max and min over ranks of each tensor's sum and
+    sum of squares (one small all-reduce) tell, before a state is built from numbers that differ between ranks."""
     names = [k for k, t in named.items() if t.device.type != "meta" and t.is_floating_point()]
     if not names:
         return
     sums = torch.stack(
         [torch.stack([named[k].detach().double().sum(), named[k].detach().double().square().sum()]).cpu() for k in names]
     ).nan_to_num(0.0)
-    probe = torch.cat([sums.reshape(-1), -sums.reshape(-1)])
-    C.all_reduce(probe, "max")
-    hi, lo = probe[: sums.numel()].view_as(sums), -probe[sums.numel() :].view_as(sums)
+    hi, lo = C.max_min(sums)
     differ = [k for k, a, b in zip(names, hi, lo) if not torch.equal(a, b)]
     if differ:
         raise ValueError(
@@ -472,9 +470,8 @@ def _check_batch(where: str, batch: Any) -> None:
     if C.world_size() == 1:
         return
     digest = T.treespec_digest(batch) & ((1 << 52) - 1)
-    probe = torch.tensor([digest, -digest], dtype=torch.int64)
-    C.all_reduce(probe, "max")
-    if int(probe[0]) == -int(probe[1]):
+    hi, lo = C.max_min(torch.tensor([digest], dtype=torch.int64))
+    if torch.equal(hi, lo):
         return
     shapes = T.tree_map(T.describe_leaf, batch)
     everyone = C.gather_objects(shapes)
