@@ -61,7 +61,7 @@ import torch
 from zerofn import collectives as C
 from zerofn import optim as O
 from zerofn import tree as T
-from zerofn.checkpoint import FileTensor
+from zerofn.checkpoint import FileTensor, read_at, write_at
 from zerofn.extension import Extension
 from zerofn.step import Step, reapply, transform
 from zerofn.storage import to_host
@@ -274,7 +274,7 @@ def _nvme_optimizer(inner: O.GradientTransformation, *, root: str, sub_group_byt
             for a, b in _chunks(flat.numel(), _chunk_elems(shape, sub_group_bytes)):
                 leaves = T.tree_leaves(inner.init({"x": flat[a:b].to("cpu", copy=True)}))
                 for j, pos in enumerate(shape.big):
-                    _pwrite(files.file(f"{k}_{j}", 0), leaves[pos], a)
+                    write_at(files.file(f"{k}_{j}", 0), leaves[pos], a)
         _write_manifest(rank_dir, signature, 0)
         return NvmeState(small, files)
 
@@ -384,30 +384,13 @@ def _read_group(files: NvmeFiles, stems: list, generation: int, span: tuple, sha
 
 def _write_group(files: NvmeFiles, stems: list, generation: int, a: int, big: list, params: torch.Tensor, stage: str):
     for stem, t in zip(stems, big):
-        _pwrite(files.file(stem, generation), t, a)
-    _pwrite(files.file(stage, 0), params, a)
+        write_at(files.file(stem, generation), t, a)
+    write_at(files.file(stage, 0), params, a)
     return True
 
 
-def _pwrite(path: str, t: torch.Tensor, offset_elems: int) -> None:
-    data = memoryview(t.contiguous().view(torch.uint8).numpy())
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        done = 0
-        while done < len(data):
-            done += os.pwrite(fd, data[done:], offset_elems * t.element_size() + done)
-    finally:
-        os.close(fd)
-
-
 def _pread(path: str, t: torch.Tensor, offset_elems: int) -> None:
-    view = memoryview(t.view(torch.uint8).numpy())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = os.preadv(fd, [view], offset_elems * t.element_size())
-    finally:
-        os.close(fd)
-    if got != len(view):
+    if read_at(path, t, offset_elems) != t.numel() * t.element_size():
         raise OSError(5, f"offload(nvme): {path} is shorter than expected (a partial or foreign file)")
 
 

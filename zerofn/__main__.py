@@ -13,19 +13,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from zerofn.plan import _size as plan_size
+
 _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
            "fp16": "float16", "float16": "float16"}  # fmt: skip
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
 
 def _size(text: str) -> int:
-    t = text.strip().upper()
-    num = t.rstrip("KMGTIB")
-    unit = t[len(num) :]
-    if unit not in _UNITS or not num:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 5GB, 500MiB or 1000000")
-    return int(float(num) * _UNITS[unit])
+    return int(plan_size(text))  # the planner's parser of sizes (5GB, 500MiB, 1TB)
 
 
 def main(argv: list[str] | None = None) -> int:

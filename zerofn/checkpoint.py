@@ -84,7 +84,7 @@ from zerofn.step import STRUCTURE_ONLY
 
 __all__ = [
     "CheckpointError", "FileTensor", "IntegrityError", "SaveHandle", "consolidate", "find_quantity", "latest", "load",
-    "save", "verify",
+    "read_at", "save", "verify", "write_at",
 ]  # fmt: skip
 
 FORMAT = "zerofn-checkpoint-1"
@@ -118,27 +118,35 @@ class FileTensor:
 
     def read(self, offset: int = 0, n: int | None = None) -> torch.Tensor:
         """Elements ``[offset, offset + n)`` (default: to the end) into a new CPU tensor."""
-        n = self.numel_ - offset if n is None else n
-        out = torch.empty(n, dtype=self.dtype)
-        view = memoryview(out.view(torch.uint8).numpy())
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            got = os.preadv(fd, [view], offset * self.itemsize)
-        finally:
-            os.close(fd)
-        if got != len(view):
+        out = torch.empty(self.numel_ - offset if n is None else n, dtype=self.dtype)
+        if read_at(self.path, out, offset) != out.numel() * self.itemsize:
             raise IntegrityError(f"{self.path}: shorter than the {self.numel_} elements expected")
         return out
 
     def write(self, offset: int, t: torch.Tensor) -> None:
-        data = memoryview(t.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy())
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, data[done:], offset * self.itemsize + done)
-        finally:
-            os.close(fd)
+        write_at(self.path, t.detach().to("cpu", self.dtype), offset)
+
+
+def write_at(path: str, t: torch.Tensor, offset_elems: int) -> None:
+    """Write a CPU tensor's bytes into ``path`` at element ``offset_elems`` (created if missing)."""
+    data = memoryview(t.contiguous().view(torch.uint8).numpy())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset_elems * t.element_size() + done)
+    finally:
+        os.close(fd)
+
+
+def read_at(path: str, t: torch.Tensor, offset_elems: int) -> int:
+    """Fill the CPU tensor ``t`` from ``path`` at element ``offset_elems``; returns the bytes read."""
+    view = memoryview(t.view(torch.uint8).numpy())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.preadv(fd, [view], offset_elems * t.element_size())
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- what a state holds, as pieces
@@ -155,7 +163,6 @@ class _Part:
     hi: int
     value: Any  # a 1-D tensor (or a tensor shaped like a pseudo-bucket's one slot), or a FileTensor
     mirror: bool = False  # a copy of another quantity (offload's host parameters): loaded, never saved
-    padded: int = 0  # the bucket's padded length (set when saving)
 
 
 def _pseudo(named: dict) -> tuple[Bucket, ...]:
@@ -250,9 +257,9 @@ def find_quantity(opt_state: Any, key: str) -> dict[int, Any]:
     return found
 
 
-def _state_parts(state: TrainState, rank: int) -> tuple[list[_Part], dict[str, torch.Tensor]]:
-    """Every bucket range this rank holds, and the small tensors (counts, loss scale, optimizer scalars)."""
-    layouts = _layouts(state)
+def _state_parts(state: TrainState, rank: int, layouts: dict) -> tuple[list[_Part], dict[str, torch.Tensor]]:
+    """Every bucket range this rank holds (``layouts``: the state's :func:`_layouts`), and the small tensors
+    (counts, loss scale, optimizer scalars)."""
     parts: list[_Part] = []
     for i, (t, b) in enumerate(zip(state.params, layouts["params"])):
         parts.append(_Part("params", "params", i, *_held_range(t.numel(), b, rank, f"params bucket {i}"), t))
@@ -417,11 +424,12 @@ def save(state: TrainState, path: str | os.PathLike, *, blocking: bool = True, k
     return handle
 
 
-def _pieces(part: _Part, rank: int, world: int) -> list[tuple[int, int]]:
-    """The ranges of ``part`` this rank writes: all of it, or (replicated) its 1/N piece."""
+def _pieces(part: _Part, padded: int, rank: int, world: int) -> list[tuple[int, int]]:
+    """The ranges of ``part`` (of a bucket ``padded`` long) this rank writes: all of it, or (replicated) its
+    1/N piece."""
     if part.hi - part.lo == 0:
         return []
-    if (part.lo, part.hi) != (0, part.padded) or world == 1:  # a shard, or one rank: all of it
+    if (part.lo, part.hi) != (0, padded) or world == 1:  # a shard, or one rank: all of it
         return [(part.lo, part.hi)]
     n = part.hi - part.lo  # replicated on every rank
     if n < SPLIT_MIN:
@@ -433,8 +441,8 @@ def _pieces(part: _Part, rank: int, world: int) -> list[tuple[int, int]]:
 
 def _snapshot(state: TrainState, partial: str, rank: int, world: int) -> dict:
     """Copy (or link) what this rank writes, so that the caller may go on changing the state."""
-    parts, small = _state_parts(state, rank)
     layouts = _layouts(state)
+    parts, small = _state_parts(state, rank, layouts)
     cuda = any(isinstance(p.value, torch.Tensor) and p.value.is_cuda for p in parts)
     tensors: list[tuple[str, torch.Tensor]] = []
     records: list[dict] = []
@@ -442,8 +450,7 @@ def _snapshot(state: TrainState, partial: str, rank: int, world: int) -> dict:
     for part in parts:
         if part.mirror:
             continue
-        part.padded = layouts[part.kind][part.bucket].padded
-        for lo, hi in _pieces(part, rank, world):
+        for lo, hi in _pieces(part, layouts[part.kind][part.bucket].padded, rank, world):
             rec = {"key": part.key, "kind": part.kind, "bucket": part.bucket, "lo": lo, "hi": hi}
             if isinstance(part.value, FileTensor):
                 name = f"rank{rank}.nvme{len(files)}.bin"
@@ -947,7 +954,7 @@ def load(
             step._check_state(state)
         layouts = _layouts(state)
         _check_model(saved, layouts, state)
-        parts, small = _state_parts(state, C.rank())
+        parts, small = _state_parts(state, C.rank(), layouts)
         wanted = {p.key for p in parts if p.key.startswith("opt:")} | {k for k in small if k.startswith("opt:")}
         lacking = sorted(k for k in wanted if k not in saved.keys)
         surplus = sorted(k for k in saved.keys if k.startswith("opt:") and k not in wanted)
