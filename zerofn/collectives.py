@@ -136,8 +136,9 @@ def ensure_initialized() -> bool:
     if _env_world_size() <= 1:
         return False
     seconds = timeout_s()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    # On GPUs, CPU tensors (the small agreement checks and statistics) travel over gloo.
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     start = time.monotonic()
     try:
@@ -162,6 +163,7 @@ def _leave() -> None:
     the process ("terminate called without an active exception", exit code
     -6) now and then, after a run that succeeded.
     """
+    _CONTROL.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -431,14 +433,38 @@ def all_reduce(t: torch.Tensor, op: str = "sum", *, async_op: bool = False):
     return h if async_op else h.wait()
 
 
+_CONTROL: dict = {}  # the default group -> its control group
+
+
+def _control_group():
+    """A second gloo group over every rank, for small checks that must not queue behind the data.
+
+    Collectives on one group run in the order they were issued: a check at
+    the start of a step would otherwise wait for the previous step's
+    parameter all-gathers, which are meant to overlap the forward. Made on
+    first use, which every rank reaches together (a collective call).
+    """
+    world = dist.group.WORLD
+    if world not in _CONTROL:  # first use, or the default group was made anew
+        _CONTROL.clear()
+        seconds = _group_timeout_s or timeout_s()
+        _CONTROL[world] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+    return _CONTROL[world]
+
+
 def max_min(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The elementwise max and min of ``t`` over the ranks, in one all-reduce (of ``t`` and ``-t``).
 
     Equal max and min say that every rank holds the same values, which is how
-    ranks check they agree before trusting each other.
+    ranks check they agree before trusting each other. It travels on a group
+    of its own (:func:`_control_group`), beside whatever data is in flight;
+    ``t`` is moved to the CPU for it.
     """
-    probe = torch.cat([t.reshape(-1), -t.reshape(-1)])
-    all_reduce(probe, "max")
+    probe = torch.cat([t.reshape(-1), -t.reshape(-1)]).cpu()
+    if world_size() > 1:
+        _count("all_reduce", 2 * _nbytes(probe))
+        with _named("all_reduce", _nbytes(probe)):
+            dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=_control_group())
     n = t.numel()
     return probe[:n].view_as(t), -probe[n:].view_as(t)
 

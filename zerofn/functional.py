@@ -13,6 +13,9 @@ twice in the model (see ``Functional.call_with``), and aware of a step:
   checkpointing inside the model (``torch.utils.checkpoint``, reentrant or
   not, Hugging Face's ``gradient_checkpointing_enable()``) recomputes with
   the step's parameters and sends their gradients to the step.
+- Parameters may still be arriving when a forward starts (a step's publish
+  in flight, :class:`PendingParams`): each module's parameter dict then
+  waits for a parameter's bucket when the module's code first reads it.
 
 Example:
     >>> import torch, zerofn as zf
@@ -27,12 +30,17 @@ Example:
 from __future__ import annotations
 
 import contextvars
+import functools
 import weakref
 from typing import Any, Callable, Mapping
 
+import optree
 import torch
+import torch.utils._pytree
 
-__all__ = ["ADOPTED_HELP", "BINDING", "Functional", "functional"]
+from zerofn.tree import NAMESPACE
+
+__all__ = ["ADOPTED_HELP", "BINDING", "Functional", "PendingParams", "functional"]
 
 # A step sets this to an ExitStack for the span of its forward and backward:
 # parameters swapped in during that span are restored only when it closes.
@@ -59,6 +67,88 @@ step.init(apply.params, keep_module=True).
 ACTIVE_RUN: contextvars.ContextVar = contextvars.ContextVar("zerofn_active_run", default=None)
 
 _OWNERS: dict[int, weakref.ref] = {}
+
+
+class PendingParams(dict):
+    """A params dict (name -> tensor) some of whose values are still arriving.
+
+    ``ready(name)`` waits until parameter ``name``'s values are whole
+    (``ready(None)``: every parameter's). Reading a value through the dict
+    (``[]``, ``get``, ``values``, ``items``, ``dict(...)``) waits for it; a
+    :class:`Functional` called with one swaps the tensors in without
+    waiting and lets each module wait when its code reads a parameter, so
+    whatever is still arriving overlaps the forward of what came first.
+    """
+
+    def __init__(self, values: Mapping[str, torch.Tensor], ready: Callable[[str | None], None]):
+        super().__init__(values)
+        self.ready = ready
+
+    def peek(self, name: str) -> torch.Tensor:
+        """The tensor, without waiting for its values."""
+        return dict.__getitem__(self, name)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.ready(name)
+        return dict.__getitem__(self, name)
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def values(self):
+        self.ready(None)
+        return dict.values(self)
+
+    def items(self):
+        self.ready(None)
+        return dict.items(self)
+
+    def __iter__(self):  # defined so that dict(p) and {**p} read values through __getitem__
+        return dict.__iter__(self)
+
+    def __reduce__(self):
+        return (dict, (dict(self.items()),))
+
+
+def _flatten_pending(p: PendingParams):
+    keys = list(dict.keys(p))
+    return [p[k] for k in keys], keys, keys
+
+
+# Seen through like the dict it stands for (the values read wait); rebuilt as a plain dict.
+optree.register_pytree_node(PendingParams, _flatten_pending, lambda keys, values: dict(zip(keys, values)), namespace=NAMESPACE)
+torch.utils._pytree.register_pytree_node(
+    PendingParams, lambda p: _flatten_pending(p)[:2], lambda values, keys: dict(zip(keys, values))
+)
+
+
+class _Watched(dict):
+    """A module's ``_parameters`` that calls ``on_read(attr)`` before a value is read (``None``: every value)."""
+
+    def __init__(self, values: dict, on_read: Callable[[str | None], None]):
+        super().__init__(values)
+        self.on_read = on_read
+
+    def __getitem__(self, attr: str):
+        self.on_read(attr)
+        return dict.__getitem__(self, attr)
+
+    def get(self, attr, default=None):
+        return self[attr] if attr in self else default
+
+    def values(self):
+        self.on_read(None)
+        return dict.values(self)
+
+    def items(self):
+        self.on_read(None)
+        return dict.items(self)
+
+    def __iter__(self):
+        return dict.__iter__(self)
+
+    def __reduce__(self):  # copies and pickles of the module hold a plain dict
+        return (dict, (dict(self.items()),))
 
 
 def owner_of(params: Any) -> "Functional | None":
@@ -99,6 +189,8 @@ class Functional:
         self._current: Any = None  # the params now swapped in, if any
         self._adopted = False  # the module holds meta placeholders (see adopt)
         self._guards: list = []
+        self._before_read: Callable[[], None] | None = None  # outside a step, before the module's values are read
+        self._watching = False
         _OWNERS[id(self.params)] = weakref.ref(self)
 
     def __call__(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -140,6 +232,8 @@ class Functional:
                 "dict apply.params (or a tree with the same names)"
             )
         previous = self._current
+        if isinstance(params, PendingParams):
+            self._watch()
         put_back = _put(self._slots, "_parameters", params)
         self._current = params
 
@@ -148,6 +242,27 @@ class Functional:
             self._current = previous
 
         return restore
+
+    def _watch(self) -> None:
+        """Make each module that holds parameters call :meth:`_on_read` before its code reads one."""
+        if self._watching:
+            return
+        names: dict[int, dict[str, str]] = {}
+        owners: dict[int, torch.nn.Module] = {}
+        for owner, attr, name in self._slots.values():
+            names.setdefault(id(owner), {})[attr] = name
+            owners[id(owner)] = owner
+        for key, owner in owners.items():
+            if not isinstance(owner._parameters, _Watched):
+                owner._parameters = _Watched(owner._parameters, functools.partial(self._on_read, names[key]))
+        self._watching = True
+
+    def _on_read(self, names: dict[str, str], attr: str | None) -> None:
+        current = self._current
+        if isinstance(current, PendingParams):
+            current.ready(None if attr is None else names.get(attr))
+        elif current is None and self._before_read is not None:
+            self._before_read()
 
     def owner(self, name: str) -> torch.nn.Module | None:
         """The module that holds parameter ``name`` (None for a name the module does not have)."""
@@ -204,15 +319,20 @@ class Functional:
         """True once a state holds the parameters and the module has placeholders (see :meth:`adopt`)."""
         return self._adopted
 
-    def adopt(self, views: Mapping[str, torch.Tensor]) -> None:
+    def adopt(self, views: Mapping[str, torch.Tensor], before_read: Callable[[], None] | None = None) -> None:
         """Let a state own the parameters: the module keeps no storage of its own.
 
         A parameter named in ``views`` shares that tensor's storage (the
         state's buffer, so the module reads the state's current values);
         every other one becomes a placeholder on the meta device, and calling
         the module or its ``state_dict()`` outside a step raises
-        :data:`ADOPTED_HELP`.
+        :data:`ADOPTED_HELP`. ``before_read`` runs before the module's
+        parameters are read outside a step (the state's values may still be
+        arriving).
         """
+        self._before_read = before_read
+        if before_read is not None:
+            self._watch()
         placeholders: dict[str, torch.nn.Parameter] = {}
         for owner, attr, name in self._slots.values():
             p = owner._parameters[attr]
@@ -264,10 +384,12 @@ def _places(module: torch.nn.Module, named) -> tuple[dict, dict[str, str]]:
 def _put(places: dict, store: str, values: Mapping[str, torch.Tensor]) -> Callable[[], None]:
     """Put ``values`` (by name) in ``places`` of each owner's ``store`` dict; returns what puts the old ones back."""
     saved = []
+    read = values.peek if isinstance(values, PendingParams) else values.__getitem__  # swapping in is no read
     for owner, attr, name in places.values():
         if name in values:
-            saved.append((owner, attr, getattr(owner, store)[attr]))
-            getattr(owner, store)[attr] = values[name]
+            held = getattr(owner, store)
+            saved.append((owner, attr, dict.__getitem__(held, attr)))
+            held[attr] = read(name)
 
     def restore() -> None:
         for owner, attr, original in saved:

@@ -458,7 +458,7 @@ def state_bytes(state: Any) -> dict[str, int]:
     if not isinstance(state, TrainState):
         raise TypeError(f"state_bytes expects a zerofn TrainState, got {type(state).__name__}")
     groups = {
-        "params": _held_bytes((state.params, state.frozen)),
+        "params": _held_bytes((state.arriving_params(), state.frozen)),
         "buffers": _held_bytes(state.buffers),
         "optimizer": _held_bytes(state.opt_state),
         "grad_accum": _held_bytes(state.grad_accum),

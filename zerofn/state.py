@@ -23,14 +23,16 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
+from zerofn import collectives as C
 from zerofn import tree as T
 
-__all__ = ["Bucket", "Layout", "Slot", "StateSpec", "TrainState", "DonatedStateError"]
+__all__ = ["Bucket", "DonatedStateError", "Layout", "Slot", "StateSpec", "TrainState", "in_flight", "settle"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,34 @@ of one copy of the state per step):
 """
 
 
+# Parameter buckets whose publish is in flight: id(flat) -> (a weak reference to it, the all-gather's handle).
+_IN_FLIGHT: dict[int, tuple[weakref.ref, C.Handle]] = {}
+
+
+def in_flight(flats) -> list[int]:
+    """Indices of the buckets among ``flats`` whose publish (all-gather) is still in flight."""
+    out = []
+    for i, f in enumerate(flats):
+        entry = _IN_FLIGHT.get(id(f))
+        if entry is not None and entry[0]() is f:
+            out.append(i)
+    return out
+
+
+def settle(flats, only: int | None = None) -> None:
+    """Wait for the in-flight publishes of ``flats`` (or of ``flats[only]``): afterwards their values are whole.
+
+    Reading ``state.params`` calls it; the step's own forward reads
+    :meth:`TrainState.arriving_params` instead and waits bucket by bucket.
+    It costs nothing when nothing is in flight.
+    """
+    for f in flats if only is None else (flats[only],):
+        entry = _IN_FLIGHT.pop(id(f), None)
+        if entry is not None and entry[0]() is f:
+            entry[1].wait()
+
+
+
 @T.state_class
 class TrainState:
     """Everything a training run holds between steps, as a pytree.
@@ -210,13 +240,22 @@ class TrainState:
     def __getattribute__(self, name: str) -> Any:
         if name != "__dict__" and not name.startswith("__") and self.__dict__.get("_donated", False):
             raise DonatedStateError(DONATED_HELP)
-        return object.__getattribute__(self, name)
+        value = object.__getattribute__(self, name)
+        if name == "params" and _IN_FLIGHT:
+            settle(value)  # a publish in flight: the values become whole first
+        return value
+
+    def arriving_params(self) -> tuple:
+        """``params`` without waiting for a publish in flight (see :func:`settle`): for the step's
+        forward, which waits bucket by bucket, and for what reads only shapes."""
+        return self.__dict__["params"]
 
     def _donate(self) -> None:
         object.__setattr__(self, "_donated", True)
 
     def replace(self, **changes: Any) -> "TrainState":
-        return dataclasses.replace(self, **changes)
+        fields = {f.name: self.__dict__[f.name] for f in dataclasses.fields(self)}  # no wait for params
+        return type(self)(**{**fields, **changes})
 
     def __repr__(self) -> str:
         if self.__dict__.get("_donated", False):
@@ -245,7 +284,7 @@ def _fmt_bytes(n: int) -> str:
 
 def _params_note(state: TrainState, lay: Layout) -> str:
     note = f"{len(lay.buckets)} buckets, {lay.trainable_numel:,} trainable"
-    held = sum(t.numel() for t in state.params)
+    held = sum(t.numel() for t in state.arriving_params())
     if lay.buckets and held < sum(b.padded for b in lay.buckets):
         note += f", sharded 1/{state.spec.world_size}"
     return note
@@ -265,7 +304,7 @@ def describe(state: TrainState) -> str:
     lay = spec.layout
     sharded = any(b.shards > 1 for b in lay.buckets)
     rows = [
-        ("params", T.tree_leaves(state.params), _params_note(state, lay)),
+        ("params", T.tree_leaves(state.arriving_params()), _params_note(state, lay)),
         ("frozen", T.tree_leaves(state.frozen), f"{len(lay.frozen)} tensors"),
         ("buffers", T.tree_leaves(state.buffers), "kept equal across ranks"),
         ("opt_state", T.tree_leaves(state.opt_state), _opt_note(state.opt_state, sharded, spec.world_size)),

@@ -35,7 +35,8 @@ names no transform. One call runs these phases, in this order:
    storage's ``opt_view`` gives (the input state is donated).
 6. ``publish``: the storage makes the updated parameters whole on every
    rank (nothing for the plain step, an all-gather per bucket when the
-   update was sharded).
+   update was sharded); the default storage leaves the gathers in flight
+   and the next forward waits for each bucket as it first reads it.
 
 Collectives per step of the plain ``train_step`` on N > 1 ranks: one
 all-reduce per bucket (2 x parameter bytes), plus two tiny ones (batch-shape
@@ -77,7 +78,7 @@ from zerofn.optim.base import _groups  # the device/dtype grouping foreach kerne
 from zerofn.precision import Precision
 from zerofn.reduction import GradSink, Reduction
 from zerofn.state import Layout, StateSpec, TrainState
-from zerofn.storage import Storage, split_params
+from zerofn.storage import Storage, settle, split_params
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Step", "StepTransform", "reapply", "train_step", "transform"]
 
@@ -323,6 +324,7 @@ class Step:
         with C.counting() as counter:
             _check_batch(self.name, batch)
             if not self.donate:
+                settle(state.params)  # a publish in flight writes into these buffers
                 state = T.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
             new_state, metrics = self._run(state, batch)
         metrics["comm_bytes"] = counter.bytes

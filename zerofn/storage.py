@@ -13,6 +13,14 @@ optimizer updates this rank's slice of it and ``publish`` all-gathers the
 updated slices in place. ``shard_params`` replaces this part with one that
 keeps only shards and gathers them per unit.
 
+Publish off the critical path: by default (``defer_publish``) ``publish``
+launches the all-gathers, in the order the forward uses the buckets, and
+returns; the step returns with them in flight. Whatever reads the
+parameters waits first (:func:`settle`): the next step's forward waits for
+each bucket when a module first reads one of its parameters, so the
+gathers overlap that forward; ``full_params``, ``step.apply``, a
+checkpoint, a copy of the state and the adopted module wait for all of them.
+
 Example:
     >>> import torch
     >>> from zerofn.storage import Storage, split_params
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -33,11 +42,11 @@ import torch
 
 from zerofn import collectives as C
 from zerofn import tree as T
-from zerofn.functional import Functional
+from zerofn.functional import Functional, PendingParams
 from zerofn.reduction import GradSink
-from zerofn.state import Bucket, Layout, TrainState
+from zerofn.state import _IN_FLIGHT, Bucket, Layout, TrainState, in_flight, settle
 
-__all__ = ["FIRST_BUCKET_BYTES", "Held", "ParamSplit", "Storage", "gathered", "split_params", "to_host"]
+__all__ = ["FIRST_BUCKET_BYTES", "Held", "ParamSplit", "Storage", "gathered", "in_flight", "settle", "split_params", "to_host"]
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 
@@ -103,10 +112,15 @@ class Storage:
         host: keep parameters at rest in host memory and bring them in when
             used; honoured by storages that gather parameters when used
             (this one keeps them where they are).
+        defer_publish: let the all-gathers of updated shards run on after the
+            step returns, each waited for when the parameters are first read
+            (the next forward, per bucket); False waits for them before the
+            step returns.
     """
 
     name: str | None = None
     host: bool = False
+    defer_publish: bool = True
 
     def init(self, split: ParamSplit, *, shards: int, bucket_bytes: int, model: Callable | None) -> Held:
         """The parameter part of a fresh state; ``model()`` returns the ``zf.functional`` apply, if needed."""
@@ -140,17 +154,28 @@ class Storage:
 
         Each trainable parameter is a fresh leaf viewing its bucket; its
         gradient goes to ``sink``. A storage may record entries for the next
-        state in ``extra``.
+        state in ``extra``. Buckets whose publish is still in flight are
+        waited for when first read (see :class:`~zerofn.functional.PendingParams`),
+        and all of them before backward's gradients are used.
         """
         layout = state.spec.layout
+        flats = state.arriving_params()
         leaves: dict[str, torch.Tensor] = {}
         hooks: list = []
-        for name, view in layout.views(state.params).items():
+        for name, view in layout.views(flats).items():
             leaves[name], h = sink.leaf(name, view)
             hooks += h
         try:
-            yield _tree(state, leaves)
+            tree = _tree(state, leaves)
+            pending = in_flight(flats)
+            if pending:
+                if isinstance(tree, dict) and len(tree) == len(layout.names):
+                    tree = PendingParams(tree, _waiter(flats, layout, pending))
+                else:  # a tree the reads cannot be followed through: whole before the forward
+                    settle(flats)
+            yield tree
         finally:
+            settle(flats)
             for h in hooks:
                 h.remove()
 
@@ -162,15 +187,20 @@ class Storage:
         return flat[lo:hi]
 
     def publish(self, flats: tuple, layout: Layout, rank: int) -> None:
-        """Make updated parameters whole on every rank: all-gather each sharded bucket in place."""
-        handles = []
-        for flat, bucket in zip(flats, layout.buckets):
+        """Make updated parameters whole on every rank: all-gather each sharded bucket in place.
+
+        The gathers go out last bucket first, the order the next forward
+        reads them (buckets are in backward order). With ``defer_publish``
+        they are left in flight (see :func:`settle`).
+        """
+        for i in reversed(range(len(flats))):
+            flat, bucket = flats[i], layout.buckets[i]
             if bucket.shards > 1:
                 lo, hi = bucket.shard_range(rank)
                 # In place: the input is this rank's slice of the output, so no temporary.
-                handles.append(C.all_gather(flat, flat[lo:hi], async_op=True))
-        for h in handles:
-            h.wait()
+                _IN_FLIGHT[id(flat)] = (weakref.ref(flat), C.all_gather(flat, flat[lo:hi], async_op=True))
+        if not self.defer_publish:
+            settle(flats)
 
     def full_params(self, state: TrainState, model: Callable, masters: tuple | None = None) -> Any:
         """The full parameters, a new tree shaped like the ``init`` input.
@@ -210,10 +240,32 @@ class Storage:
                 v = held.get(name)
                 if v is not None and v.dtype == p.dtype and v.device == p.device and v.shape == p.shape:
                     views[name] = v
-        functional.adopt(views)
+        flats = tuple(state.arriving_params())
+        # The module reads the state's buffers, whose publish may be in flight.
+        functional.adopt(views, before_read=(lambda: settle(flats)) if views else None)
 
     def replace(self, **changes) -> "Storage":
         return dataclasses.replace(self, **changes)
+
+
+def _waiter(flats: tuple, layout: Layout, pending: list[int]) -> Callable[[str | None], None]:
+    """``ready(name)``: wait for the bucket holding parameter ``name`` (None: every bucket), once."""
+    where = {s.name: i for i, b in enumerate(layout.buckets) for s in b.slots}
+    left = set(pending)
+
+    def ready(name: str | None) -> None:
+        if not left:
+            return
+        if name is None:
+            settle(flats)
+            left.clear()
+            return
+        i = where.get(name)
+        if i in left:
+            settle(flats, i)
+            left.discard(i)
+
+    return ready
 
 
 def gathered(part: torch.Tensor, bucket: Bucket) -> torch.Tensor:
