@@ -1,0 +1,372 @@
+"""The systems the benchmark trains, and how their collective traffic is counted.
+
+A system is one way to train the GPT of :mod:`zerofn.bench.gpt` with AdamW
+(the same learning rate and weight decay everywhere, no clipping): a zerofn
+composition such as ``amp(shard_params(train_step), bf16)``, a torch peer
+(DDP, ZeroRedundancyOptimizer, FSDP2) or, when ``import deepspeed`` works,
+DeepSpeed's ZeRO stages. :func:`build` makes one by name, inside the ranks,
+from the same seed; every system built from the same name trains the same
+model on the same data.
+
+Traffic is counted in the ZeRO paper's units, the ones ``zerofn.collectives``
+uses: an all-reduce of n bytes counts 2n, a reduce-scatter or all-gather whose
+full tensor has n bytes counts n, a broadcast or reduce of n bytes counts n.
+zerofn steps count their own (``metrics["comm_bytes"]``). For the other
+systems, :func:`counting` wraps torch.distributed's collective functions for
+the duration of a block. DDP's gradient all-reduces, which its C++ reducer
+issues without passing through Python, are seen by giving DDP torch's own
+``allreduce_hook`` (the same all-reduce, issued from Python). The torch
+systems are counted on a second instance, built only to be counted, so that
+the timed instance runs as shipped.
+
+Example:
+    >>> "torch DDP" in SYSTEMS and "amp(shard_params(train_step), bf16)" in SYSTEMS
+    True
+    >>> composition_name("shard_optimizer", offload=True)
+    'offload(shard_optimizer(train_step), "cpu")'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import inspect
+import itertools
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+import zerofn as zf
+from zerofn import collectives as C
+from zerofn.bench.gpt import GPT, GPTConfig, loss_fn_for
+
+__all__ = ["ALL", "SYSTEMS", "System", "build", "composition_name", "counting", "deepspeed_installed"]
+
+LR, WD = 1e-3, 0.1
+
+DDP = "torch DDP"
+ZERO = "torch ZeroRedundancyOptimizer"
+FSDP2 = "torch FSDP2"
+DDP_CHECKPOINT = "torch DDP + checkpoint"
+DEEPSPEED = ("DeepSpeed ZeRO-1", "DeepSpeed ZeRO-2", "DeepSpeed ZeRO-3")
+STAGES = ("train_step", "shard_optimizer", "shard_grads", "shard_params")
+
+
+@dataclass
+class System:
+    """One system, built inside a rank.
+
+    Attributes:
+        step: trains one step on a batch and returns the loss (mean over ranks).
+        state: bytes this rank holds between steps, ``{"params", "optimizer"}``.
+        count: trains one step like ``step`` and returns the collective bytes
+            this rank moved in a step, in the ZeRO paper's units.
+    """
+
+    step: Callable[[torch.Tensor], torch.Tensor]
+    state: Callable[[], dict[str, int]]
+    count: Callable[[torch.Tensor], int]
+
+
+# ---------------------------------------------------------------- counting torch.distributed traffic
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
+_active: list[_Counter] = []
+
+# torch.distributed function: (the argument whose tensor bytes count, times how many)
+_UNITS = {
+    "all_reduce": ("tensor", 2),
+    "all_gather_single": ("output_tensor", 1),
+    "all_gather_into_tensor": ("output_tensor", 1),
+    "reduce_scatter_single": ("input", 1),
+    "reduce_scatter_tensor": ("input", 1),
+    "all_gather": ("tensor_list", 1),
+    "reduce_scatter": ("input_list", 1),
+    "broadcast": ("tensor", 1),
+    "reduce": ("tensor", 1),
+}
+
+
+def _add(nbytes: int) -> None:
+    for c in _active:
+        c.bytes += nbytes
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(x) for x in obj)
+    return 0
+
+
+def _counted(fn: Callable, arg: str, times: int) -> Callable:
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        _add(times * _tensor_bytes(bound.arguments.get(arg)))
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[_Counter]:
+    """Count the bytes of torch.distributed collectives called inside the block.
+
+    Wraps the functions named in the module's table on ``torch.distributed``
+    while the block runs. Calls that go through the C++ API directly, as
+    DDP's reducer does, are not seen; DDP is counted with torch's
+    ``allreduce_hook``, which issues the same all-reduce through Python.
+
+    Example:
+        >>> with counting() as c:
+        ...     pass
+        >>> c.bytes
+        0
+    """
+    import torch.distributed as dist
+
+    counter = _Counter()
+    outermost = not _active
+    saved = []
+    if outermost:
+        for name, (arg, times) in _UNITS.items():
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                saved.append((dist, name, fn))
+                setattr(dist, name, _counted(fn, arg, times))
+        # DeepSpeed's communication backend keeps its own references to two of them, taken at start-up.
+        backend = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
+        for attr, arg in (("all_gather_function", "output_tensor"), ("reduce_scatter_function", "input")):
+            fn = getattr(backend, attr, None)
+            if fn is not None:
+                saved.append((backend, attr, fn))
+                setattr(backend, attr, _counted(fn, arg, 1))
+    _active.append(counter)
+    try:
+        yield counter
+    finally:
+        _active.remove(counter)
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+# ---------------------------------------------------------------- bytes held
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shard)."""
+    seen, total = set(), 0
+    for t in tensors:
+        partition = getattr(t, "ds_tensor", None)  # DeepSpeed ZeRO-3 keeps this rank's partition there
+        t = t if partition is None else partition
+        t = getattr(t, "_local_tensor", t)  # DTensor
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() in seen and st.data_ptr() != 0:
+            continue
+        seen.add(st.data_ptr())
+        total += st.nbytes()
+    return total
+
+
+def _optimizer_state_bytes(opt) -> int:
+    """Bytes of the state tensors of ``opt``, or of the torch optimizer it wraps."""
+    for attr in ("optim", "optimizer"):  # ZeroRedundancyOptimizer's local optimizer, DeepSpeed's torch one
+        inner = getattr(opt, attr, None)
+        if isinstance(inner, torch.optim.Optimizer):
+            opt = inner
+    return _storage_bytes(t for s in opt.state.values() for t in s.values())
+
+
+# ---------------------------------------------------------------- the systems
+
+
+def _torch_step(forward, backward, update):
+    def step(batch):
+        logits = forward(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+        backward(loss)
+        update()
+        return C.all_reduce(loss.detach(), "mean")  # zerofn reports the mean over ranks too
+
+    return step
+
+
+def _count_on_twin(make: Callable[[], System], step: Callable, batch: torch.Tensor) -> int:
+    """One step's traffic, counted on a second instance ``make()``; then one step of the timed ``step``."""
+    twin = make()
+    twin.step(batch)  # the first step may set things up (FSDP2's lazy initialisation)
+    with counting() as c:
+        twin.step(batch)
+    step(batch)  # the timed instance trains as many steps as the others
+    return c.bytes
+
+
+def _torch(kind: str, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int = 0, *, counted: bool = False) -> System:
+    """torch DDP (``"ddp"``), ZeroRedundancyOptimizer (``"zero"``), FSDP2 (``"fsdp2"``), or DDP with checkpoint."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.checkpoint import checkpoint
+
+    C.ensure_initialized()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if kind == "checkpoint":  # every block's activations recomputed in backward, as zerofn's remat does
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+    else:
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_bytes / 2**20)
+        if counted:  # torch's own all-reduce hook: the same reduction, issued through dist.all_reduce
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            wrapped.register_comm_hook(None, allreduce_hook)
+    if kind == "zero":
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WD)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+
+    def update():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step = _torch_step(wrapped, lambda loss: loss.backward(), update)
+    twin = functools.partial(_torch, kind, cfg, bucket_bytes, counted=True)
+    return System(
+        step=step,
+        state=lambda: {"params": _storage_bytes(model.parameters()), "optimizer": _optimizer_state_bytes(opt)},
+        count=functools.partial(_count_on_twin, twin, step),
+    )
+
+
+def _deepspeed(stage: int, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int) -> System:
+    """DeepSpeed ZeRO ``stage`` in fp32 with its AdamW, on the process group the ranks already have."""
+    import deepspeed
+
+    C.ensure_initialized()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    config = {
+        "train_micro_batch_size_per_gpu": batch_per_rank,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket_bytes // 4},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "steps_per_print": 10**9,
+    }
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    step = _torch_step(engine, engine.backward, engine.step)
+    twin = functools.partial(_deepspeed, stage, cfg, bucket_bytes, batch_per_rank)
+    return System(
+        step=step,
+        state=lambda: {"params": _storage_bytes(model.parameters()), "optimizer": _optimizer_state_bytes(opt)},
+        count=functools.partial(_count_on_twin, twin, step),
+    )
+
+
+def composition_name(stage: str, *, amp: bool = False, offload: bool = False, remat: bool = False) -> str:
+    """The name of a zerofn composition, written as the expression that builds it."""
+    name = stage if stage == "train_step" else f"{stage}(train_step)"
+    if amp:
+        name = f"amp({name}, bf16)"
+    if offload:
+        name = f'offload({name}, "cpu")'
+    if remat:
+        name = f"remat({name})"
+    return name
+
+
+def _compose(stage: str, amp: bool, offload: bool, remat: bool) -> Callable:
+    from zerofn import transforms as T
+
+    def compose(step):
+        if stage != "train_step":
+            step = getattr(T, stage)(step)
+        if amp:
+            step = T.amp(step, torch.bfloat16)
+        if offload:
+            step = T.offload(step, "cpu")
+        return T.remat(step) if remat else step
+
+    return compose
+
+
+def _zerofn(compose: Callable, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int = 0) -> System:
+    torch.manual_seed(0)
+    apply = zf.functional(GPT(cfg))
+    step = compose(zf.train_step(loss_fn_for(apply), zf.optim.adamw(LR, weight_decay=WD), bucket_bytes=bucket_bytes))
+    box = [step.init(apply.params)]
+
+    def run(batch):
+        box[0], metrics = step(box[0], batch)
+        return metrics["loss"]
+
+    def count(batch):
+        box[0], metrics = step(box[0], batch)
+        return metrics["comm_bytes"]
+
+    def state():
+        held = zf.memory.state_bytes(box[0])
+        return {"params": held["params"], "optimizer": held["optimizer"]}
+
+    return System(step=run, state=state, count=count)
+
+
+# name -> builder(cfg, bucket_bytes, batch_per_rank) -> System
+SYSTEMS: dict[str, Callable[[GPTConfig, int, int], System]] = {
+    DDP: functools.partial(_torch, "ddp"),
+    ZERO: functools.partial(_torch, "zero"),
+    FSDP2: functools.partial(_torch, "fsdp2"),
+    DDP_CHECKPOINT: functools.partial(_torch, "checkpoint"),
+    **{name: functools.partial(_deepspeed, stage) for stage, name in enumerate(DEEPSPEED, start=1)},
+    **{
+        composition_name(stage, amp=a, offload=o, remat=r): functools.partial(_zerofn, _compose(stage, a, o, r))
+        for stage, a, o, r in itertools.product(STAGES, (False, True), (False, True), (False, True))
+    },
+}
+
+
+def deepspeed_installed() -> bool:
+    """Whether ``deepspeed`` can be found (importing it may still fail; the ranks find out)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+# What ``--all`` runs: the torch peers, every zerofn stage in fp32 and under amp(bf16), the
+# optimizer state offloaded to CPU RAM, and ZeRO-3 with activation checkpointing.
+ALL = (
+    DDP, ZERO, FSDP2,
+    *(composition_name(s) for s in STAGES),
+    *(composition_name(s, amp=True) for s in STAGES),
+    composition_name("shard_optimizer", offload=True),
+    composition_name("shard_params", remat=True),
+)  # fmt: skip
+
+
+def build(name: str, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int) -> System:
+    """Build the system ``name`` (a key of ``SYSTEMS``) in this rank."""
+    try:
+        make = SYSTEMS[name]
+    except KeyError:
+        raise ValueError(f"unknown system {name!r}; the systems are: {', '.join(SYSTEMS)}") from None
+    return make(cfg, bucket_bytes, batch_per_rank)
