@@ -17,7 +17,7 @@ config resolved (:class:`DeepSpeedConfig`; no effect on the step, it adds
 ``step.accumulate_steps``-th call updates: ``train_batch_size`` samples
 over all ranks, as under DeepSpeed.
 
-The rules (the key-by-key table is in docs/index.md, "From DeepSpeed"):
+The rules (the key-by-key table is in docs/migrating/deepspeed.md):
 
 - Numbers keep DeepSpeed's meaning and defaults (its code's, where its
   docs differ: ``initial_scale_power`` 16, ``gradient_clipping`` 0), and
