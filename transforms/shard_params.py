@@ -25,7 +25,9 @@ their gradients land, as in ``shard_grads``), and the ``storage``, with a
   the previous step ran them, which the state carries under
   ``state.extra["shard_params.order"]``) so they overlap compute; a forward
   hook releases it (``storage.resize_(0)``: autograd keeps its saved views,
-  whose memory is gone) and hooks the unit's outputs, whose gradient marks
+  whose memory is gone; the root and the forward's last block, which
+  backward needs first, stay gathered into backward, as FSDP2 keeps its
+  root) and hooks the unit's outputs, whose gradient marks
   the start of the unit's backward: there the buffer is gathered again
   (with the next units in backward order prefetched). As backward hands
   over a unit's gradients they go into its bucket, which is reduce-scattered
@@ -54,10 +56,11 @@ gather travels with a 16-byte max-reduce of the unit's id, so ranks that
 diverge raise together at the first differing unit instead of hanging).
 
 Collectives per step: all-gather of every unit in forward and again in
-backward, and a reduce-scatter of every unit's gradient: 3 x parameter
-bytes (frozen parameters: 2 x, they have no gradient), plus tiny ones: the
-unit-order check with each gather (32 bytes), batch-shape agreement, and
-loss, gradient norm and finiteness.
+backward (but the root and the last block, kept from the forward), and a
+reduce-scatter of every unit's gradient: at most 3 x parameter bytes
+(frozen parameters: 2 x, they have no gradient), plus tiny ones: the
+unit-order check with each gather (32 bytes, on a group of its own),
+batch-shape agreement, and loss, gradient norm and finiteness.
 
 Example:
     >>> import torch, zerofn as zf
@@ -252,6 +255,11 @@ class _LiveUnit:
         self.probe: torch.Tensor | None = None  # the order check riding along with a gather
 
 
+def _last_block(order: list) -> Any:
+    """The last unit other than the root in a forward order (None if there is none)."""
+    return next((u for u in reversed(order) if u.spec.name != ROOT), None)
+
+
 class _Runner:
     """Gathers and releases units around the module's forward and backward."""
 
@@ -358,7 +366,7 @@ class _Runner:
             # Every rank must gather the same unit here; a tiny max-reduce of (id, -id)
             # tells, so ranks that took different code paths fail together, not hang.
             unit.probe = torch.tensor([unit.index, -unit.index], dtype=torch.int64)
-            unit.handles.append(C.all_reduce(unit.probe, "max", async_op=True))
+            unit.handles.append(C.all_reduce(unit.probe, "max", async_op=True, control=True))
 
     def _ensure(self, unit: _LiveUnit) -> None:
         self._gather(unit)
@@ -434,11 +442,18 @@ class _Runner:
             return
         unit.depth -= 1
         if top and unit.depth == 0:
-            self._release(unit)
+            # The root and the forward's last block are the first backward needs: they stay gathered
+            # (as FSDP2 keeps its root), saving their gathers at backward's start and the wait for them.
+            backward = torch.is_grad_enabled() and self.sink is not None
+            expected = self._expected_forward()
+            backward_next = backward and (unit.spec.name == ROOT or unit is _last_block(expected))
+            if not backward_next:
+                self._release(unit)
             if unit is self.open_block:
                 self.open_block = None
             if unit.spec.name == ROOT and self.open_block is not None:
-                self._release(self.open_block)  # the model's forward is over
+                if not backward_next:
+                    self._release(self.open_block)  # the model's forward is over
                 self.open_block = None
 
     def _before_backward(self, unit: _LiveUnit, grad: torch.Tensor) -> None:

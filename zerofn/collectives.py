@@ -416,18 +416,20 @@ def _reduce_op(op: str):
 # ---------------------------------------------------------------- tensor collectives
 
 
-def all_reduce(t: torch.Tensor, op: str = "sum", *, async_op: bool = False):
+def all_reduce(t: torch.Tensor, op: str = "sum", *, async_op: bool = False, control: bool = False):
     """Reduce ``t`` in place across ranks (``op``: sum, mean, max, min).
 
     Returns ``t`` (or a Handle whose ``wait()`` returns it with ``async_op``).
-    Counts 2 x bytes(t).
+    Counts 2 x bytes(t). ``control``: a small check on a CPU tensor, sent on
+    a group of its own (:func:`_control_group`) so that it does not wait
+    behind the data collectives issued before it.
     """
     n = world_size()
     if n == 1:
         return _done(t) if async_op else t
     _count("all_reduce", 2 * _nbytes(t))
     with _named("all_reduce", _nbytes(t)) as started:
-        work = dist.all_reduce(t, op=_reduce_op(op), async_op=True)
+        work = dist.all_reduce(t, op=_reduce_op(op), async_op=True, group=_control_group() if control else None)
     after = (lambda r: r.div_(n)) if op == "mean" else None
     h = Handle(work, t, after, "all_reduce", _nbytes(t), started)
     return h if async_op else h.wait()
@@ -461,10 +463,7 @@ def max_min(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``t`` is moved to the CPU for it.
     """
     probe = torch.cat([t.reshape(-1), -t.reshape(-1)]).cpu()
-    if world_size() > 1:
-        _count("all_reduce", 2 * _nbytes(probe))
-        with _named("all_reduce", _nbytes(probe)):
-            dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=_control_group())
+    all_reduce(probe, "max", control=True)
     n = t.numel()
     return probe[:n].view_as(t), -probe[n:].view_as(t)
 
