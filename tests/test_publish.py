@@ -4,6 +4,9 @@ parameters waits for all of them first, so no reader ever sees a bucket half gat
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -58,6 +61,8 @@ READERS = {  # each the first read after the step, so that it is the one that mu
     "full_params": lambda model, step, state: step.full_params(state),
     "apply": lambda model, step, state: step.apply(state, _batch(5)),
     "tree_map": lambda model, step, state: zf.tree.tree_map(torch.clone, state).arriving_params(),
+    "pickle": lambda model, step, state: pickle.loads(pickle.dumps(state)).arriving_params(),
+    "deepcopy": lambda model, step, state: copy.deepcopy(state).arriving_params(),
 }
 
 
@@ -150,3 +155,16 @@ def test_reads_of_the_params_tree_in_loss_fn_wait(results, stage):
 
 def test_a_copying_step_waits_before_it_copies(results):
     assert all(r["not_donated"] == 0.0 for r in results)
+
+
+def test_nothing_is_watched_where_nothing_is_published():
+    """World size 1 (and the unsharded step on any world size) publishes nothing: the module's parameter
+    reads stay plain dict reads, as in a single process."""
+    from zerofn.functional import _Watched
+
+    model, apply, loss_fn = make_transformer()
+    step = _step(1, loss_fn)
+    state = step.init(apply.params)
+    state, _ = step(state, transformer_batch(0, BATCH))
+    assert S.in_flight(state.arriving_params()) == []
+    assert not any(isinstance(m._parameters, _Watched) for m in model.modules())

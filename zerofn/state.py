@@ -253,6 +253,11 @@ class TrainState:
     def _donate(self) -> None:
         object.__setattr__(self, "_donated", True)
 
+    def __getstate__(self) -> dict:  # pickle and deepcopy read the fields directly: the values whole first
+        if not self.__dict__.get("_donated", False):
+            settle(self.__dict__["params"])
+        return self.__dict__
+
     def replace(self, **changes: Any) -> "TrainState":
         fields = {f.name: self.__dict__[f.name] for f in dataclasses.fields(self)}  # no wait for params
         return type(self)(**{**fields, **changes})

@@ -241,8 +241,10 @@ class Storage:
                 if v is not None and v.dtype == p.dtype and v.device == p.device and v.shape == p.shape:
                     views[name] = v
         flats = tuple(state.arriving_params())
-        # The module reads the state's buffers, whose publish may be in flight.
-        functional.adopt(views, before_read=(lambda: settle(flats)) if views else None)
+        # The module reads the state's buffers, whose publish may be in flight (only sharded buckets
+        # are published: with none, as at world size 1, the module's reads go unwatched).
+        publishes = self.defer_publish and any(b.shards > 1 for b in state.spec.layout.buckets)
+        functional.adopt(views, before_read=(lambda: settle(flats)) if views and publishes else None)
 
     def replace(self, **changes) -> "Storage":
         return dataclasses.replace(self, **changes)
