@@ -160,11 +160,11 @@ def test_a_copying_step_waits_before_it_copies(results):
 def test_nothing_is_watched_where_nothing_is_published():
     """World size 1 (and the unsharded step on any world size) publishes nothing: the module's parameter
     reads stay plain dict reads, as in a single process."""
-    from zerofn.functional import _Watched
+    from zerofn.functional import _ReadWaits
 
     model, apply, loss_fn = make_transformer()
     step = _step(1, loss_fn)
     state = step.init(apply.params)
     state, _ = step(state, transformer_batch(0, BATCH))
     assert S.in_flight(state.arriving_params()) == []
-    assert not any(isinstance(m._parameters, _Watched) for m in model.modules())
+    assert not any(isinstance(m._parameters, _ReadWaits) for m in model.modules())

@@ -81,7 +81,6 @@ from zerofn._safetensors import BLOCK, IntegrityError, Reader, Writer, checksum_
 from zerofn.functional import owner_of
 from zerofn.state import Bucket, Slot, TrainState
 from zerofn.step import STRUCTURE_ONLY
-from zerofn.storage import settle
 
 __all__ = [
     "CheckpointError", "FileTensor", "IntegrityError", "SaveHandle", "consolidate", "find_quantity", "latest", "load",
@@ -383,7 +382,6 @@ def save(state: TrainState, path: str | os.PathLike, *, blocking: bool = True, k
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"checkpoint.save: keep must be an int >= 1 or None, got {keep!r}")
     _wait_pending()
-    settle(state.params)  # a publish in flight: the values become whole first
     path = os.path.abspath(os.fspath(path))
     partial = path + PARTIAL
     rank, world = C.rank(), C.world_size()
@@ -954,7 +952,6 @@ def load(
                 STRUCTURE_ONLY.reset(token)
         else:
             step._check_state(state)
-            settle(state.params)  # no publish may write into the buffers being filled
         layouts = _layouts(state)
         _check_model(saved, layouts, state)
         parts, small = _state_parts(state, C.rank(), layouts)

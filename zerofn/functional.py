@@ -69,45 +69,50 @@ ACTIVE_RUN: contextvars.ContextVar = contextvars.ContextVar("zerofn_active_run",
 _OWNERS: dict[int, weakref.ref] = {}
 
 
-class PendingParams(dict):
+class _ReadWaits(dict):
+    """A dict that calls ``on_read(key)`` before it hands out a value (``None``: before every value):
+    ``[]``, ``get``, ``values``, ``items``, and ``dict(...)`` or ``{**d}`` (which go through ``[]``)."""
+
+    def __init__(self, values: Mapping, on_read: Callable[[str | None], None]):
+        super().__init__(values)
+        self.on_read = on_read
+
+    def __getitem__(self, key: str):
+        self.on_read(key)
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def values(self):
+        self.on_read(None)
+        return dict.values(self)
+
+    def items(self):
+        self.on_read(None)
+        return dict.items(self)
+
+    def __iter__(self):  # defined so that dict(d) and {**d} read values through __getitem__
+        return dict.__iter__(self)
+
+    def __reduce__(self):  # copies and pickles hold a plain dict
+        return (dict, (dict(self.items()),))
+
+
+class PendingParams(_ReadWaits):
     """A params dict (name -> tensor) some of whose values are still arriving.
 
-    ``ready(name)`` waits until parameter ``name``'s values are whole
-    (``ready(None)``: every parameter's). Reading a value through the dict
-    (``[]``, ``get``, ``values``, ``items``, ``dict(...)``) waits for it; a
-    :class:`Functional` called with one swaps the tensors in without
-    waiting and lets each module wait when its code reads a parameter, so
-    whatever is still arriving overlaps the forward of what came first.
+    ``on_read(name)`` waits until parameter ``name``'s values are whole
+    (``on_read(None)``: every parameter's); reading a value through the dict
+    calls it. A :class:`Functional` called with one swaps the tensors in
+    without waiting (:meth:`peek`) and lets each module wait when its code
+    reads a parameter, so whatever is still arriving overlaps the forward of
+    what came first.
     """
-
-    def __init__(self, values: Mapping[str, torch.Tensor], ready: Callable[[str | None], None]):
-        super().__init__(values)
-        self.ready = ready
 
     def peek(self, name: str) -> torch.Tensor:
         """The tensor, without waiting for its values."""
         return dict.__getitem__(self, name)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        self.ready(name)
-        return dict.__getitem__(self, name)
-
-    def get(self, name, default=None):
-        return self[name] if name in self else default
-
-    def values(self):
-        self.ready(None)
-        return dict.values(self)
-
-    def items(self):
-        self.ready(None)
-        return dict.items(self)
-
-    def __iter__(self):  # defined so that dict(p) and {**p} read values through __getitem__
-        return dict.__iter__(self)
-
-    def __reduce__(self):
-        return (dict, (dict(self.items()),))
 
 
 def _flatten_pending(p: PendingParams):
@@ -121,34 +126,6 @@ torch.utils._pytree.register_pytree_node(
     PendingParams, lambda p: _flatten_pending(p)[:2], lambda values, keys: dict(zip(keys, values))
 )
 
-
-class _Watched(dict):
-    """A module's ``_parameters`` that calls ``on_read(attr)`` before a value is read (``None``: every value)."""
-
-    def __init__(self, values: dict, on_read: Callable[[str | None], None]):
-        super().__init__(values)
-        self.on_read = on_read
-
-    def __getitem__(self, attr: str):
-        self.on_read(attr)
-        return dict.__getitem__(self, attr)
-
-    def get(self, attr, default=None):
-        return self[attr] if attr in self else default
-
-    def values(self):
-        self.on_read(None)
-        return dict.values(self)
-
-    def items(self):
-        self.on_read(None)
-        return dict.items(self)
-
-    def __iter__(self):
-        return dict.__iter__(self)
-
-    def __reduce__(self):  # copies and pickles of the module hold a plain dict
-        return (dict, (dict(self.items()),))
 
 
 def owner_of(params: Any) -> "Functional | None":
@@ -253,14 +230,14 @@ class Functional:
             names.setdefault(id(owner), {})[attr] = name
             owners[id(owner)] = owner
         for key, owner in owners.items():
-            if not isinstance(owner._parameters, _Watched):
-                owner._parameters = _Watched(owner._parameters, functools.partial(self._on_read, names[key]))
+            if not isinstance(owner._parameters, _ReadWaits):  # the module's parameters: reads call _on_read
+                owner._parameters = _ReadWaits(owner._parameters, functools.partial(self._on_read, names[key]))
         self._watching = True
 
     def _on_read(self, names: dict[str, str], attr: str | None) -> None:
         current = self._current
         if isinstance(current, PendingParams):
-            current.ready(None if attr is None else names.get(attr))
+            current.on_read(None if attr is None else names.get(attr))
         elif current is None and self._before_read is not None:
             self._before_read()
 

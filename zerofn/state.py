@@ -201,7 +201,6 @@ def settle(flats, only: int | None = None) -> None:
             entry[1].wait()
 
 
-
 @T.state_class
 class TrainState:
     """Everything a training run holds between steps, as a pytree.

@@ -78,7 +78,7 @@ from zerofn.optim.base import _groups  # the device/dtype grouping foreach kerne
 from zerofn.precision import Precision
 from zerofn.reduction import GradSink, Reduction
 from zerofn.state import Layout, StateSpec, TrainState
-from zerofn.storage import Storage, settle, split_params
+from zerofn.storage import Storage, split_params
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Step", "StepTransform", "reapply", "train_step", "transform"]
 
@@ -323,8 +323,7 @@ class Step:
         self._check_state(state)
         with C.counting() as counter:
             _check_batch(self.name, batch)
-            if not self.donate:
-                settle(state.params)  # a publish in flight writes into these buffers
+            if not self.donate:  # the copy reads state.params, which waits for a publish in flight
                 state = T.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
             new_state, metrics = self._run(state, batch)
         metrics["comm_bytes"] = counter.bytes

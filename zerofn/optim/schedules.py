@@ -209,6 +209,23 @@ def _deepspeed_warmup(where: str, warmup_num_steps: Any, warmup_type: Any):
     return w, gamma
 
 
+def _warmup_then(where: str, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, *, after) -> Schedule:
+    """DeepSpeed's warmup from ``warmup_min_lr`` to ``warmup_max_lr``, then ``min + (max - min) * after(it, W)``;
+    ``count`` runs at DeepSpeed's iteration ``count - 1``, and iteration -1 at ``warmup_min_lr``."""
+    max_lr = _check_number(where, "warmup_max_lr", warmup_max_lr, low=0.0)
+    min_lr = _check_number(where, "warmup_min_lr", warmup_min_lr, low=0.0)
+    w, gamma = _deepspeed_warmup(where, warmup_num_steps, warmup_type)
+    delta = max_lr - min_lr
+
+    def schedule(count: int) -> float:
+        it = _count(where, count) - 1
+        if it < 0:
+            return min_lr
+        return min_lr + delta * (gamma(it) if it < w else after(it, w))
+
+    return schedule
+
+
 def _check_total(where: str, total_num_steps: Any) -> int:
     if not isinstance(total_num_steps, numbers.Integral) or isinstance(total_num_steps, bool) or total_num_steps < 0:
         raise ValueError(
@@ -250,19 +267,8 @@ def deepspeed_warmup_lr(
         >>> [round(s(c), 6) for c in (0, 1, 2, 51, 101, 500)]
         [0.0, 0.0, 0.000151, 0.000854, 0.001, 0.001]
     """
-    where = "deepspeed_warmup_lr"
-    max_lr = _check_number(where, "warmup_max_lr", warmup_max_lr, low=0.0)
-    min_lr = _check_number(where, "warmup_min_lr", warmup_min_lr, low=0.0)
-    w, gamma = _deepspeed_warmup(where, warmup_num_steps, warmup_type)
-    delta = max_lr - min_lr
-
-    def schedule(count: int) -> float:
-        it = _count(where, count) - 1
-        if it < 0:
-            return min_lr
-        return min_lr + delta * (gamma(it) if it < w else 1.0)
-
-    return schedule
+    return _warmup_then("deepspeed_warmup_lr", warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
+                        after=lambda it, w: 1.0)  # fmt: skip
 
 
 def deepspeed_warmup_decay_lr(
@@ -298,20 +304,8 @@ def deepspeed_warmup_decay_lr(
     """
     where = "deepspeed_warmup_decay_lr"
     total = _check_total(where, total_num_steps)
-    max_lr = _check_number(where, "warmup_max_lr", warmup_max_lr, low=0.0)
-    min_lr = _check_number(where, "warmup_min_lr", warmup_min_lr, low=0.0)
-    w, gamma = _deepspeed_warmup(where, warmup_num_steps, warmup_type)
-    delta = max_lr - min_lr
-
-    def schedule(count: int) -> float:
-        it = _count(where, count) - 1
-        if it < 0:
-            return min_lr
-        if it < w:
-            return min_lr + delta * gamma(it)
-        return min_lr + delta * max(0.0, float(total - it) / float(max(1.0, total - w)))
-
-    return schedule
+    return _warmup_then(where, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
+                        after=lambda it, w: max(0.0, float(total - it) / float(max(1.0, total - w))))  # fmt: skip
 
 
 def deepspeed_warmup_cosine_lr(
