@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 import zerofn as zf
 from zerofn import collectives as C
+from zerofn.memory import _held_bytes
 from zerofn.bench.gpt import GPT, GPTConfig, loss_fn_for
 
 __all__ = ["ALL", "SYSTEMS", "System", "build", "composition_name", "counting", "deepspeed_installed"]
@@ -167,20 +168,14 @@ def counting() -> Iterator[_Counter]:
 
 
 def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shard)."""
-    seen, total = set(), 0
+    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shard), counted as
+    ``zf.memory.state_bytes`` counts a state's."""
+    local = []
     for t in tensors:
         partition = getattr(t, "ds_tensor", None)  # DeepSpeed ZeRO-3 keeps this rank's partition there
         t = t if partition is None else partition
-        t = getattr(t, "_local_tensor", t)  # DTensor
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            continue
-        st = t.untyped_storage()
-        if st.data_ptr() in seen and st.data_ptr() != 0:
-            continue
-        seen.add(st.data_ptr())
-        total += st.nbytes()
-    return total
+        local.append(getattr(t, "_local_tensor", t))  # DTensor
+    return sum(_held_bytes(local).values())
 
 
 def _optimizer_state_bytes(opt) -> int:
