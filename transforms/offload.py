@@ -64,9 +64,10 @@ from zerofn import tree as T
 from zerofn.checkpoint import FileTensor, read_at, write_at
 from zerofn.extension import Extension
 from zerofn.step import Step, reapply, transform
+from zerofn.state import arriving
 from zerofn.storage import to_host
 
-__all__ = ["HostState", "NvmeFiles", "NvmeState", "offload"]
+__all__ = ["DelayedHostState", "HostState", "NvmeFiles", "NvmeState", "offload"]
 
 DEFAULT_SUB_GROUP_BYTES = 64 * 2**20
 
@@ -81,6 +82,8 @@ def offload(
     params: bool = False,
     sub_group_bytes: int = DEFAULT_SUB_GROUP_BYTES,
     pin_memory: bool = True,
+    overlap: bool = True,
+    delay: int = 0,
 ) -> Step:
     """Keep optimizer state (and fp32 master weights) in CPU RAM or NVMe files.
 
@@ -91,6 +94,17 @@ def offload(
         params: also keep parameter shards on the host (needs ``shard_params``; ``"cpu"`` only).
         sub_group_bytes: ``"nvme"``: bytes of optimizer state streamed per sub-group.
         pin_memory: pin host buffers when CUDA is present.
+        overlap: ``"cpu"``: run the host update on a worker thread, bucket by
+            bucket in the order the forward reads them, and return before it
+            ends; the next forward waits for each bucket as it first reads it,
+            and reading the state waits for all of it. The same numbers as
+            ``overlap=False``, which updates before the step returns.
+        delay: ``"cpu"``: ``1`` delays each update by one step, as
+            ZeRO-Offload's delayed parameter update: the host update of step
+            t runs through the forward and backward of step t + 1, which use
+            the parameters from before it, so each gradient is taken one
+            update behind. It changes the numbers (off by default; see the
+            offload page of the docs). ``0``: no delay.
 
     Returns:
         The rewritten Step. Applied to a step that already offloads with the
@@ -107,6 +121,16 @@ def offload(
         raise ValueError(f"offload: sub_group_bytes must be an int >= 4096, got {sub_group_bytes!r}")
     if params and device != "cpu":
         raise ValueError('offload: params=True keeps parameter shards in CPU RAM; use device="cpu"')
+    if delay not in (0, 1) or isinstance(delay, bool):
+        raise ValueError(f"offload: delay must be 0 (update before the next forward) or 1 (one step late), got {delay!r}")
+    if delay and device != "cpu":
+        raise ValueError('offload: delay=1 runs the host update alongside the next step in CPU RAM; use device="cpu"')
+    if delay and params:
+        raise ValueError(
+            "offload: delay=1 keeps a second host copy of the parameters for the next forward to run on while "
+            "the update writes the first, which params=True (the parameter shards themselves on the host) has "
+            "no room for; use params=False with delay=1, or delay=0"
+        )
     pin = bool(pin_memory) and torch.cuda.is_available()
     if device == "nvme":
         root = _check_path(path)
@@ -115,12 +139,15 @@ def offload(
     else:
         if path is not None:
             raise ValueError('offload: path is for device="nvme"; device="cpu" keeps state in RAM')
-        wrap = functools.partial(_host_optimizer, pin=pin, params_on_host=bool(params))
-        options = ("cpu", bool(params), pin)
+        wrap = functools.partial(_host_optimizer, pin=pin, params_on_host=bool(params), overlap=bool(overlap), delay=delay)
+        options = ("cpu", bool(params), pin, bool(overlap), delay)
     have = step.extension("offload")
     if reapply(step, "offload", have and have.options, options, "offloads (device and settings)"):
         return step
-    step = step.extend(Extension("offload", options, wrap_optimizer=wrap, check=_needs_units if params else None))
+    late = device == "cpu" and (bool(overlap) or bool(delay))
+    step = step.extend(
+        Extension("offload", options, wrap_optimizer=wrap, check=_needs_units if params else None, updates_late=late)
+    )
     return step.replace(storage=step.storage.replace(host=True)) if params else step
 
 
@@ -171,25 +198,188 @@ class HostState(NamedTuple):
         return {"": self.inner} if self.params is None else {"": self.inner, "=params": self.params}
 
 
-def _host_optimizer(inner: O.GradientTransformation, *, pin: bool, params_on_host: bool) -> O.GradientTransformation:
+class DelayedHostState(HostState):
+    """:class:`HostState` of a delayed update (``delay=1``): the host parameters are one update ahead
+    of the parameters the forward uses, so a checkpoint saves them as a quantity of their own."""
+
+    __slots__ = ()
+
+    def checkpoint_parts(self) -> dict:
+        return {"": self.inner, "@pending": self.params}
+
+
+def _host_optimizer(
+    inner: O.GradientTransformation, *, pin: bool, params_on_host: bool, overlap: bool = False, delay: int = 0
+) -> O.GradientTransformation:
+    kind = DelayedHostState if delay else HostState
+    split = _PerBucket(inner)
+
     def init(params):
         host = None if params_on_host else T.tree_map(lambda p: to_host(p.detach(), pin), params)
         # fp32 (amp's gradients reach the optimizer in fp32), or wider for a wider parameter
         grads = T.tree_map(lambda p: torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pin), params)
-        return HostState(host, grads, inner.init(params if params_on_host else host))
+        return kind(host, grads, inner.init(params if params_on_host else host))
 
-    @torch.no_grad()
-    def update_in_place(grads, state, params, **extra):
+    def to_host_grads(grads, state) -> None:
         torch._foreach_copy_(T.tree_leaves(state.grads), T.tree_leaves(grads), non_blocking=pin)
         if pin:
             torch.cuda.current_stream().synchronize()
+
+    @torch.no_grad()
+    def update_now(grads, state, params, **extra):
+        to_host_grads(grads, state)
         target = params if params_on_host else state.params
         new_inner = O.update_params(inner, state.grads, state.inner, target, **extra)
         if not params_on_host:
             torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.params), non_blocking=pin)
-        return HostState(state.params, state.grads, new_inner)
+        return kind(state.params, state.grads, new_inner)
 
-    return O.in_place(init, update_in_place, "offload")
+    @torch.no_grad()
+    def update_later(grads, state, params, **extra):
+        # Reading state.opt_state waited for the update before this one: its buffers are free.
+        to_host_grads(grads, state)
+        if delay:  # the parameters the last update made, for the next forward; then this update
+            torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.params), non_blocking=pin)
+            if pin:
+                torch.cuda.current_stream().synchronize()
+        target = params if params_on_host else state.params
+        device = None if (delay or params_on_host) else params
+        done = _launch(split, state, target, device, extra, pin)
+        if done is None:  # an optimizer state the update cannot be split over buckets for
+            return update_now(grads, state, params, **extra) if not delay else _delayed_now(state, target, extra)
+        if device is not None:  # each bucket is written by the worker; the forward waits bucket by bucket
+            for k, handle in done.buckets.items():
+                arriving(params[k], handle)
+        elif params_on_host:
+            for k in params:
+                arriving(params[k], done)
+        for t in T.tree_leaves(state):
+            if isinstance(t, torch.Tensor):
+                arriving(t, done)
+        return state
+
+    def _delayed_now(state, target, extra):
+        new_inner = O.update_params(inner, state.grads, state.inner, target, **extra)
+        return kind(state.params, state.grads, new_inner)
+
+    pure = O.in_place(init, update_now, "offload")  # the pure update() waits for its result
+    if not (overlap or delay):
+        return pure
+    return O.GradientTransformation(init, pure.update, update_later)
+
+
+class _Done:
+    """A handle (``wait()``) on work a worker thread finishes: returns once it has, raises what it raised."""
+
+    def __init__(self) -> None:
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def wait(self) -> None:
+        try:
+            self.future.result()
+        except Exception as e:
+            raise RuntimeError(
+                f"offload: the host update running alongside the next step failed ({type(e).__name__}: {e}). "
+                "The parameters and optimizer state of this step are incomplete: load the last checkpoint, "
+                "and to find the cause run the same step with offload(..., overlap=False), which raises where "
+                "it fails."
+            ) from e
+
+
+class _Launched(NamedTuple):
+    buckets: dict  # bucket key -> _Done, set once its parameters are written
+    all: _Done
+
+    def wait(self) -> None:
+        self.all.wait()
+
+
+_WORKER: list = []  # one thread for every host update, so that they run in the order launched
+
+
+def _worker() -> concurrent.futures.ThreadPoolExecutor:
+    if not _WORKER:
+        _WORKER.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerofn-offload"))
+    return _WORKER[0]
+
+
+class _PerBucket:
+    """The inner optimizer's state taken apart by bucket, to update one bucket at a time.
+
+    The optimizer then runs once per bucket (as the NVMe path runs it once
+    per sub-group); each run starts from the counters as they were before
+    the step (cloned), and the last run's counters become the state's. Every
+    ``zf.optim`` transform treats its parameters independently (clipping
+    reads the step's global norm), so the result is the same to the bit.
+    """
+
+    def __init__(self, inner: O.GradientTransformation):
+        self.inner = inner
+        self.treedefs: dict = {}
+
+    def plan(self, state: Any, params: dict) -> tuple | None:
+        """``(leaves, owner, treedef per key)``: owner[i] is the bucket key of leaf i (None: shared)."""
+        paths, leaves, _ = T.tree_flatten_with_path(state)
+        owner = [next((c for c in reversed(p) if isinstance(c, str) and c in params), None) for p in paths]
+        if not all(isinstance(t, torch.Tensor) for t in leaves):
+            return None
+        defs = {}
+        for k, p in params.items():
+            sig = (k, p.numel(), p.dtype)
+            if sig not in self.treedefs:
+                meta = {k: torch.empty(p.shape, dtype=p.dtype, device="meta")}
+                self.treedefs[sig] = T.tree_structure(self.inner.init(meta))
+            defs[k] = self.treedefs[sig]
+            if defs[k].num_leaves != sum(o == k or o is None for o in owner):
+                return None
+        return leaves, owner, defs
+
+
+def _launch(split: _PerBucket, state: HostState, target: dict, device: dict | None, extra: dict, pin: bool):
+    """Start the host update of every bucket, the one the forward reads first first; None if it cannot be split."""
+    plan = split.plan(state.inner, target)
+    if plan is None:
+        return None
+    leaves, owner, defs = plan
+    shared = [i for i, k in enumerate(owner) if k is None]
+    before = {i: leaves[i].clone() for i in shared}  # the counters as they were before this step
+    order = list(reversed(list(target)))  # buckets are in backward order: the forward reads the last first
+    done = _Launched({k: _Done() for k in order}, _Done())
+    side = torch.cuda.Stream() if (pin and device is not None) else None
+
+    @torch.no_grad()  # grad mode is per thread
+    def run() -> None:
+        try:
+            for k in order:
+                mine = [i for i, o in enumerate(owner) if o == k or o is None]
+                sub_leaves = [before[i].clone() if owner[i] is None else leaves[i] for i in mine]
+                sub = T.tree_unflatten(defs[k], sub_leaves)
+                new = T.tree_leaves(O.update_params(split.inner, {k: state.grads[k]}, sub, {k: target[k]}, **extra))
+                for i, t in zip(mine, new):
+                    if owner[i] is None:
+                        last_shared[i] = t
+                    elif t is not leaves[i]:
+                        leaves[i].copy_(t)
+                if device is not None:
+                    if side is None:
+                        device[k].copy_(target[k])
+                    else:
+                        with torch.cuda.stream(side):
+                            device[k].copy_(target[k], non_blocking=True)
+                        side.synchronize()
+                done.buckets[k].future.set_result(None)
+            for i, t in last_shared.items():
+                if t is not leaves[i]:
+                    leaves[i].copy_(t)
+            done.all.future.set_result(None)
+        except BaseException as e:  # every waiter hears of it
+            for d in (*done.buckets.values(), done.all):
+                if not d.future.done():
+                    d.future.set_exception(e)
+
+    last_shared: dict = {}
+    _worker().submit(run)
+    return done
 
 
 # ---------------------------------------------------------------- NVMe

@@ -208,7 +208,7 @@ class UnitStorage(Storage):
             if runner.forward_order:
                 extra[ORDER] = torch.tensor([u.index for u in dict.fromkeys(runner.forward_order)], dtype=torch.int64)
 
-    def adopt(self, functional: Functional, state: TrainState, share: bool) -> None:
+    def adopt(self, functional: Functional, state: TrainState, share: bool, updates_late: bool = False) -> None:
         functional.adopt({})  # the state holds shards: every parameter becomes a placeholder
 
     def opt_view(self, flat: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:

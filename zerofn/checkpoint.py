@@ -696,6 +696,7 @@ class _Saved:
     def __init__(self, path: str):
         self.path = os.path.abspath(os.fspath(path))
         self.what = f"checkpoint {self.path}"
+        self.newest_params = False  # read the parameters from "pending" (set by load)
         name = os.path.join(self.path, MANIFEST)
         if not os.path.exists(name):
             hint = latest(self.path)
@@ -827,6 +828,8 @@ def _source(saved: _Saved, key: str, kind: str, name: str, dtype: torch.dtype) -
     skind = saved.index[name][0]
     if kind == "buffers":
         return "buffers", "buffers"
+    if key == "params" and skind == "params" and saved.newest_params:
+        return "pending", "params"  # a delayed update's newest parameters, for a step that does not delay
     if key in ("params", "frozen"):
         full = dtype in (torch.float32, torch.float64)
         if skind == "params" and full and saved.has("master") and saved.index[name][5] != dtype:
@@ -836,6 +839,8 @@ def _source(saved: _Saved, key: str, kind: str, name: str, dtype: torch.dtype) -
         raise CheckpointError(f"{saved.what}: parameter {name} was frozen when saved; it has no {key}")
     if key == "master":
         return ("master", "params") if saved.has("master") else ("params", "params")
+    if key == "pending" and not saved.has("pending"):
+        return "params", "params"  # saved without a delayed update: nothing pending beyond the parameters
     return key, "params"
 
 
@@ -964,6 +969,9 @@ def load(
                 f"and the checkpoint lacks: {lacking[:5]}; entries saved that this optimizer lacks: {surplus[:5]}. "
                 "Load with the optimizer the checkpoint was saved with."
             )
+        # A delayed update (offload's delay=1) saves its newest parameters as "pending"; a step that
+        # does not delay takes those as its parameters.
+        saved.newest_params = saved.has("pending") and not any(p.key == "pending" for p in parts)
         with torch.no_grad():
             for part in parts:
                 _fill(saved, part, layouts)

@@ -32,7 +32,7 @@ import torch
 from zerofn import collectives as C
 from zerofn import tree as T
 
-__all__ = ["Bucket", "DonatedStateError", "Layout", "Slot", "StateSpec", "TrainState", "in_flight", "settle"]
+__all__ = ["Bucket", "DonatedStateError", "Layout", "Slot", "StateSpec", "TrainState", "arriving", "in_flight", "settle", "take"]
 
 
 @dataclass(frozen=True)
@@ -174,31 +174,60 @@ of one copy of the state per step):
 """
 
 
-# Parameter buckets whose publish is in flight: id(flat) -> (a weak reference to it, the all-gather's handle).
-_IN_FLIGHT: dict[int, tuple[weakref.ref, C.Handle]] = {}
+# Tensors whose values are still arriving: id(root tensor) -> (a weak reference to it, a handle whose
+# wait() returns once they are whole). A publish's all-gathers, an update running on another thread.
+_IN_FLIGHT: dict[int, tuple[weakref.ref, Any]] = {}
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``t`` views (``t`` itself when it is no view): the registry's key."""
+    return t if t._base is None else t._base
+
+
+def arriving(t: torch.Tensor, handle: Any) -> None:
+    """Mark ``t``'s values (all of the tensor it views) as arriving until ``handle.wait()`` returns.
+
+    Whatever reads them waits first (:func:`settle`): ``state.params`` and
+    ``state.opt_state``, the next forward bucket by bucket, a checkpoint. A
+    second mark on the same tensor waits for the first one before it replaces it.
+    """
+    base = _root(t)
+    entry = _IN_FLIGHT.get(id(base))
+    if entry is not None and entry[0]() is base:
+        entry[1].wait()
+    _IN_FLIGHT[id(base)] = (weakref.ref(base), handle)
+
+
+def take(t: torch.Tensor) -> Any:
+    """The handle of ``t``'s values in flight, now no longer marked (None when none is)."""
+    base = _root(t)
+    entry = _IN_FLIGHT.pop(id(base), None)
+    return entry[1] if entry is not None and entry[0]() is base else None
 
 
 def in_flight(flats) -> list[int]:
-    """Indices of the buckets among ``flats`` whose publish (all-gather) is still in flight."""
+    """Indices of the tensors among ``flats`` whose values are still arriving (a publish, an update)."""
     out = []
     for i, f in enumerate(flats):
-        entry = _IN_FLIGHT.get(id(f))
-        if entry is not None and entry[0]() is f:
+        base = _root(f)
+        entry = _IN_FLIGHT.get(id(base))
+        if entry is not None and entry[0]() is base:
             out.append(i)
     return out
 
 
 def settle(flats, only: int | None = None) -> None:
-    """Wait for the in-flight publishes of ``flats`` (or of ``flats[only]``): afterwards their values are whole.
+    """Wait for the values in flight of ``flats`` (or of ``flats[only]``): afterwards they are whole.
 
-    Reading ``state.params`` calls it; the step's own forward reads
-    :meth:`TrainState.arriving_params` instead and waits bucket by bucket.
-    It costs nothing when nothing is in flight.
+    Reading ``state.params`` or ``state.opt_state`` calls it; the step's
+    own forward reads :meth:`TrainState.arriving_params` instead and waits
+    bucket by bucket. It costs nothing when nothing is in flight.
     """
     for f in flats if only is None else (flats[only],):
-        entry = _IN_FLIGHT.pop(id(f), None)
-        if entry is not None and entry[0]() is f:
-            entry[1].wait()
+        if isinstance(f, torch.Tensor):
+            handle = take(f)
+            if handle is not None:
+                handle.wait()
 
 
 @T.state_class
@@ -240,8 +269,8 @@ class TrainState:
         if name != "__dict__" and not name.startswith("__") and self.__dict__.get("_donated", False):
             raise DonatedStateError(DONATED_HELP)
         value = object.__getattribute__(self, name)
-        if name == "params" and _IN_FLIGHT:
-            settle(value)  # a publish in flight: the values become whole first
+        if _IN_FLIGHT and name in ("params", "opt_state"):
+            settle(T.tree_leaves(value))  # values in flight (a publish, an update): whole first
         return value
 
     def arriving_params(self) -> tuple:
@@ -253,8 +282,9 @@ class TrainState:
         object.__setattr__(self, "_donated", True)
 
     def __getstate__(self) -> dict:  # pickle and deepcopy read the fields directly: the values whole first
-        if not self.__dict__.get("_donated", False):
+        if not self.__dict__.get("_donated", False) and _IN_FLIGHT:
             settle(self.__dict__["params"])
+            settle(T.tree_leaves(self.__dict__["opt_state"]))
         return self.__dict__
 
     def replace(self, **changes: Any) -> "TrainState":

@@ -236,7 +236,8 @@ class Step:
             ),
         )
         if functional is not None and not keep_module:
-            self.storage.adopt(functional, state, share=self.donate)
+            late = any(e.updates_late for e in self.extensions)
+            self.storage.adopt(functional, state, share=self.donate, updates_late=late)
         return state
 
     def _opt_params(self, flats: tuple, layout: Layout, rank: int) -> dict[str, torch.Tensor]:
@@ -376,11 +377,11 @@ class Step:
         # 5. Update in place, then 6. publish.
         with torch.no_grad():
             opt_state = O.update_params(
-                self.effective_optimizer, reduced, state.opt_state, self._opt_params(state.params, layout, rank),
+                self.effective_optimizer, reduced, state.opt_state, self._opt_params(state.arriving_params(), layout, rank),
                 grad_norm=torch.tensor(grad_norm),
             )  # fmt: skip
             del reduced
-            self.storage.publish(state.params, layout, rank)
+            self.storage.publish(state.arriving_params(), layout, rank)
         new = state.replace(opt_state=opt_state, count=state.count + 1, **after)
         return new, _metrics(precision, after["loss_scale"], stats, aux, False, grad_norm)
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -44,7 +43,7 @@ from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn.functional import Functional, PendingParams
 from zerofn.reduction import GradSink
-from zerofn.state import _IN_FLIGHT, Bucket, Layout, TrainState, in_flight, settle
+from zerofn.state import Bucket, Layout, TrainState, arriving, in_flight, settle, take
 
 __all__ = ["FIRST_BUCKET_BYTES", "Held", "ParamSplit", "Storage", "gathered", "in_flight", "settle", "split_params", "to_host"]
 
@@ -191,14 +190,20 @@ class Storage:
 
         The gathers go out last bucket first, the order the next forward
         reads them (buckets are in backward order). With ``defer_publish``
-        they are left in flight (see :func:`settle`).
+        they are left in flight (see :func:`settle`). A bucket whose update
+        is still running elsewhere (marked with
+        :func:`~zerofn.state.arriving`) is gathered once it has finished, so
+        the gather of one bucket overlaps the update of the next.
         """
         for i in reversed(range(len(flats))):
             flat, bucket = flats[i], layout.buckets[i]
             if bucket.shards > 1:
                 lo, hi = bucket.shard_range(rank)
+                update = take(flat)  # an update still writing this shard (on another thread) finishes first
+                if update is not None:
+                    update.wait()
                 # In place: the input is this rank's slice of the output, so no temporary.
-                _IN_FLIGHT[id(flat)] = (weakref.ref(flat), C.all_gather(flat, flat[lo:hi], async_op=True))
+                arriving(flat, C.all_gather(flat, flat[lo:hi], async_op=True))
         if not self.defer_publish:
             settle(flats)
 
@@ -225,13 +230,14 @@ class Storage:
         with torch.no_grad():
             return model()(_tree(state, state.spec.layout.views(state.params)), *args, **kwargs)
 
-    def adopt(self, functional: Functional, state: TrainState, share: bool) -> None:
+    def adopt(self, functional: Functional, state: TrainState, share: bool, updates_late: bool = False) -> None:
         """Take the module's parameters over after ``init``: the module keeps no storage of its own.
 
         With ``share``, a parameter the state holds whole, in the module's
         dtype and on its device, stays in the module as a view of the
         state's buffer (the module then reads the state's current values);
-        every other parameter becomes a placeholder.
+        every other parameter becomes a placeholder. ``updates_late``: the
+        optimizer may still be writing the buffers after a step returns.
         """
         views: dict[str, torch.Tensor] = {}
         if share:
@@ -244,7 +250,8 @@ class Storage:
         # The module reads the state's buffers, whose publish may be in flight (only sharded buckets
         # are published: with none, as at world size 1, the module's reads go unwatched).
         publishes = self.defer_publish and any(b.shards > 1 for b in state.spec.layout.buckets)
-        functional.adopt(views, before_read=(lambda: settle(flats)) if views and publishes else None)
+        watch = views and (publishes or updates_late)
+        functional.adopt(views, before_read=(lambda: settle(flats)) if watch else None)
 
     def replace(self, **changes) -> "Storage":
         return dataclasses.replace(self, **changes)
