@@ -27,10 +27,14 @@ same hyper-parameters, no gradient clipping):
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, fused AdamW.
 - ``deepspeed-z2``, ``deepspeed-z3``: ``deepspeed.initialize`` with bf16 and
   ZeRO stage 2 / 3, DeepSpeed's AdamW (when ``import deepspeed`` works;
-  otherwise reported as "not installed"; CUDA only).
+  otherwise reported as "not installed"; CUDA only); ``deepspeed-z2-offload``:
+  stage 2 with ``offload_optimizer`` to pinned CPU memory (ZeRO-Offload).
 - zerofn: ``zf-amp`` = amp(train_step), ``zf-z1-amp`` (+ shard_optimizer),
   ``zf-z2-amp`` (+ shard_grads), ``zf-z3-amp`` (+ shard_params),
-  ``zf-z2-amp-offload`` (+ offload("cpu")), ``zf-z3-amp-remat`` (+ remat).
+  ``zf-z2-amp-offload`` (+ offload("cpu"): the host update overlapping the
+  next forward), ``zf-z2-amp-offload-sync`` (overlap=False: the update
+  before the step returns), ``zf-z2-amp-offload-delay`` (delay=1, which
+  changes the numbers), ``zf-z3-amp-remat`` (+ remat).
 
 Reported per system: the median step time over --steps after --warmup
 (each step's time is the slowest rank's; on CUDA the device is synchronised
@@ -67,8 +71,9 @@ sys.path.insert(0, HERE)
 
 LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 TORCH_SYSTEMS = ("torch-amp", "fsdp2")
-DEEPSPEED_SYSTEMS = ("deepspeed-z2", "deepspeed-z3")
-ZF_SYSTEMS = ("zf-amp", "zf-z1-amp", "zf-z2-amp", "zf-z3-amp", "zf-z2-amp-offload", "zf-z3-amp-remat")
+DEEPSPEED_SYSTEMS = ("deepspeed-z2", "deepspeed-z3", "deepspeed-z2-offload")
+ZF_SYSTEMS = ("zf-amp", "zf-z1-amp", "zf-z2-amp", "zf-z3-amp", "zf-z2-amp-offload", "zf-z2-amp-offload-sync",
+              "zf-z2-amp-offload-delay", "zf-z3-amp-remat")  # fmt: skip
 SYSTEMS = TORCH_SYSTEMS + DEEPSPEED_SYSTEMS + ZF_SYSTEMS
 RESULT_TAG = "BENCH_GPU_RESULT "
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) by a pattern in torch.cuda.get_device_name().
@@ -80,12 +85,12 @@ def zf_composition(name: str):
     from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params
 
     shard = {"zf-amp": lambda s: s, "zf-z1-amp": shard_optimizer, "zf-z2-amp": shard_grads, "zf-z3-amp": shard_params,
-             "zf-z2-amp-offload": shard_grads, "zf-z3-amp-remat": shard_params}[name]  # fmt: skip
+             "zf-z3-amp-remat": shard_params}.get(name, shard_grads)  # fmt: skip
 
     def compose(step):
         step = amp(shard(step), torch.bfloat16)
-        if name.endswith("-offload"):
-            step = offload(step, "cpu")
+        if "-offload" in name:  # overlapped (the default), updated before the step returns, or one step late
+            step = offload(step, "cpu", overlap=not name.endswith("-sync"), delay=int(name.endswith("-delay")))  # noqa: E501
         if name.endswith("-remat"):
             step = remat(step)
         return step
@@ -178,11 +183,13 @@ def _build_deepspeed(system, cfg, device, batch_per_rank):
         "train_micro_batch_size_per_gpu": batch_per_rank,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": int(system[-1])},
+        "zero_optimization": {"stage": int(system[len("deepspeed-z")])},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if system.endswith("-offload"):  # ZeRO-Offload: its CPU Adam on pinned host state
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def step(batch):

@@ -46,3 +46,6 @@ def test_bench_offload_py_streams_from_files(tmp_path):
     m = re.search(r"loss ([\d.]+) and ([\d.]+)", out)
     assert m, out
     assert float(m.group(1)) == float(m.group(2)), out  # offloading changes where the state lives, not the math
+    four = re.search(r"4\. The host update alongside the forward.*", out)
+    assert four, out
+    assert len(re.findall(r"[\d.]+ ms \([\d.]+\)", four.group(0))) == 4, four.group(0)  # every system timed

@@ -82,7 +82,7 @@ def offload(
     params: bool = False,
     sub_group_bytes: int = DEFAULT_SUB_GROUP_BYTES,
     pin_memory: bool = True,
-    overlap: bool = True,
+    overlap: bool | None = None,
     delay: int = 0,
 ) -> Step:
     """Keep optimizer state (and fp32 master weights) in CPU RAM or NVMe files.
@@ -98,7 +98,10 @@ def offload(
             bucket in the order the forward reads them, and return before it
             ends; the next forward waits for each bucket as it first reads it,
             and reading the state waits for all of it. The same numbers as
-            ``overlap=False``, which updates before the step returns.
+            ``overlap=False``, which updates before the step returns. None
+            (the default): on when the parameters live on an accelerator, off
+            when the step computes on the CPU, whose cores the update and
+            the forward would share.
         delay: ``"cpu"``: ``1`` delays each update by one step, as
             ZeRO-Offload's delayed parameter update: the host update of step
             t runs through the forward and backward of step t + 1, which use
@@ -139,12 +142,13 @@ def offload(
     else:
         if path is not None:
             raise ValueError('offload: path is for device="nvme"; device="cpu" keeps state in RAM')
-        wrap = functools.partial(_host_optimizer, pin=pin, params_on_host=bool(params), overlap=bool(overlap), delay=delay)
-        options = ("cpu", bool(params), pin, bool(overlap), delay)
+        overlap = None if overlap is None else bool(overlap)
+        wrap = functools.partial(_host_optimizer, pin=pin, params_on_host=bool(params), overlap=overlap, delay=delay)
+        options = ("cpu", bool(params), pin, overlap, delay)
     have = step.extension("offload")
     if reapply(step, "offload", have and have.options, options, "offloads (device and settings)"):
         return step
-    late = device == "cpu" and (bool(overlap) or bool(delay))
+    late = device == "cpu" and (bool(delay) or overlap or (overlap is None and torch.cuda.is_available()))
     step = step.extend(
         Extension("offload", options, wrap_optimizer=wrap, check=_needs_units if params else None, updates_late=late)
     )
@@ -209,7 +213,7 @@ class DelayedHostState(HostState):
 
 
 def _host_optimizer(
-    inner: O.GradientTransformation, *, pin: bool, params_on_host: bool, overlap: bool = False, delay: int = 0
+    inner: O.GradientTransformation, *, pin: bool, params_on_host: bool, overlap: bool | None = False, delay: int = 0
 ) -> O.GradientTransformation:
     kind = DelayedHostState if delay else HostState
     split = _PerBucket(inner)
@@ -236,6 +240,8 @@ def _host_optimizer(
 
     @torch.no_grad()
     def update_later(grads, state, params, **extra):
+        if not delay and overlap is None and all(p.device.type == "cpu" for p in params.values()):
+            return update_now(grads, state, params, **extra)  # the forward computes on the same cores
         # Reading state.opt_state waited for the update before this one: its buffers are free.
         to_host_grads(grads, state)
         if delay:  # the parameters the last update made, for the next forward; then this update
@@ -263,7 +269,7 @@ def _host_optimizer(
         return kind(state.params, state.grads, new_inner)
 
     pure = O.in_place(init, update_now, "offload")  # the pure update() waits for its result
-    if not (overlap or delay):
+    if overlap is False and not delay:
         return pure
     return O.GradientTransformation(init, pure.update, update_later)
 

@@ -24,8 +24,8 @@ def _train(shard, where, use_amp, world, rank, root):
     step = SHARDS[shard](zf.train_step(loss_fn, zf.optim.adamw(3e-3, weight_decay=0.1), 2 if shard == "zero2" else 1))
     if use_amp:
         step = amp(step, torch.bfloat16)
-    if where == "cpu":
-        step = offload(step, "cpu", params=shard == "zero3")
+    if where in ("cpu", "cpu-overlap"):  # the update before the step returns, or alongside the next forward
+        step = offload(step, "cpu", params=shard == "zero3", overlap=where == "cpu-overlap")
     elif where == "nvme":
         path = os.path.join(root, f"{shard}-{use_amp}")
         os.makedirs(path, exist_ok=True)
@@ -41,7 +41,7 @@ def _rank_compare(root):
     for shard in SHARDS:
         for use_amp in (False, True):
             ref = _train(shard, None, use_amp, world, rank, root)[0]
-            for where in ("cpu", "nvme"):
+            for where in ("cpu", "cpu-overlap", "nvme"):
                 params, placement, name = _train(shard, where, use_amp, world, rank, os.path.join(root, where))
                 same = all(torch.equal(params[n], ref[n]) for n in ref)
                 out[(shard, use_amp, where)] = (same, placement, name)

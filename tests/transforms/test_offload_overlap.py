@@ -53,7 +53,7 @@ def _release_later(go, seconds=0.3):
 def test_a_step_returns_with_its_update_running_and_the_forward_waits_bucket_by_bucket():
     _, apply, loss_fn = make_transformer()
     gate, go = _gate()
-    step = _step(loss_fn, opt=zf.optim.chain(gate, zf.optim.adamw(LR, weight_decay=WD)))
+    step = _step(loss_fn, opt=zf.optim.chain(gate, zf.optim.adamw(LR, weight_decay=WD)), overlap=True)
     state = step.init(apply.params)
     go.set()
     state, _ = step(state, transformer_batch(0, 8))
@@ -158,7 +158,7 @@ def test_a_failed_host_update_is_raised_on_the_next_read():
         return updates, state
 
     broken = zf.optim.GradientTransformation(lambda p: zf.optim.EmptyState(), update)
-    step = _step(loss_fn, opt=zf.optim.chain(broken, zf.optim.adamw(LR)))
+    step = _step(loss_fn, opt=zf.optim.chain(broken, zf.optim.adamw(LR)), overlap=True)
     state = step.init(apply.params)
     buckets.append(len(state.spec.layout.buckets))
     state, _ = step(state, transformer_batch(0, 8))
@@ -265,6 +265,26 @@ def test_the_delayed_update_on_two_ranks_matches_the_reference(ranks):
         for stage, (params, host) in r.items():
             assert max_abs_diff(params, used) <= 1e-6, stage
             assert max_abs_diff(host, newest) <= 1e-6, stage
+
+
+def test_by_default_the_update_overlaps_only_when_the_forward_runs_elsewhere():
+    """On the CPU the update and the forward would share the cores: the default updates before the
+    step returns there (on the step's own thread); overlap=True runs it on the worker anyway."""
+    where = {}
+    for overlap in (None, True):
+        _, apply, loss_fn = make_mlp()
+
+        def update(updates, state, params=None, **extra):
+            where[overlap] = threading.current_thread().name
+            return updates, state
+
+        spy = zf.optim.GradientTransformation(lambda p: zf.optim.EmptyState(), update)
+        step = _step(loss_fn, opt=zf.optim.chain(spy, zf.optim.adamw(LR)), overlap=overlap)
+        state = step.init(apply.params)
+        state, _ = step(state, mlp_batch(0, 8))
+        step.full_params(state)
+    assert where[None] == threading.main_thread().name
+    assert where[True].startswith("zerofn-offload")
 
 
 @pytest.mark.parametrize(
