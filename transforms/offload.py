@@ -229,14 +229,19 @@ def _host_optimizer(
         if pin:
             torch.cuda.current_stream().synchronize()
 
+    def on_host(state, target, extra):  # the whole update, here and now
+        return kind(state.params, state.grads, O.update_params(inner, state.grads, state.inner, target, **extra))
+
+    def copy_out(params, state) -> None:
+        torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.params), non_blocking=pin)
+
     @torch.no_grad()
     def update_now(grads, state, params, **extra):
         to_host_grads(grads, state)
-        target = params if params_on_host else state.params
-        new_inner = O.update_params(inner, state.grads, state.inner, target, **extra)
+        new = on_host(state, params if params_on_host else state.params, extra)
         if not params_on_host:
-            torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.params), non_blocking=pin)
-        return kind(state.params, state.grads, new_inner)
+            copy_out(params, state)
+        return new
 
     @torch.no_grad()
     def update_later(grads, state, params, **extra):
@@ -245,14 +250,17 @@ def _host_optimizer(
         # Reading state.opt_state waited for the update before this one: its buffers are free.
         to_host_grads(grads, state)
         if delay:  # the parameters the last update made, for the next forward; then this update
-            torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.params), non_blocking=pin)
+            copy_out(params, state)
             if pin:
                 torch.cuda.current_stream().synchronize()
         target = params if params_on_host else state.params
         device = None if (delay or params_on_host) else params
         done = _launch(split, state, target, device, extra, pin)
-        if done is None:  # an optimizer state the update cannot be split over buckets for
-            return update_now(grads, state, params, **extra) if not delay else _delayed_now(state, target, extra)
+        if done is None:  # an optimizer state the update cannot be split over buckets for: update here
+            new = on_host(state, target, extra)
+            if device is not None:
+                copy_out(params, state)
+            return new
         if device is not None:  # each bucket is written by the worker; the forward waits bucket by bucket
             for k, handle in done.buckets.items():
                 arriving(params[k], handle)
@@ -263,10 +271,6 @@ def _host_optimizer(
             if isinstance(t, torch.Tensor):
                 arriving(t, done)
         return state
-
-    def _delayed_now(state, target, extra):
-        new_inner = O.update_params(inner, state.grads, state.inner, target, **extra)
-        return kind(state.params, state.grads, new_inner)
 
     pure = O.in_place(init, update_now, "offload")  # the pure update() waits for its result
     if overlap is False and not delay:
@@ -300,13 +304,10 @@ class _Launched(NamedTuple):
         self.all.wait()
 
 
-_WORKER: list = []  # one thread for every host update, so that they run in the order launched
-
-
+@functools.cache
 def _worker() -> concurrent.futures.ThreadPoolExecutor:
-    if not _WORKER:
-        _WORKER.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerofn-offload"))
-    return _WORKER[0]
+    """One thread for every host update, so that they run in the order launched."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerofn-offload")
 
 
 class _PerBucket:
@@ -324,7 +325,8 @@ class _PerBucket:
         self.treedefs: dict = {}
 
     def plan(self, state: Any, params: dict) -> tuple | None:
-        """``(leaves, owner, treedef per key)``: owner[i] is the bucket key of leaf i (None: shared)."""
+        """``(leaves, owner, treedef per key)``: owner[i] is the bucket key of leaf i (None: shared);
+        None when the state cannot be taken apart so."""
         paths, leaves, _ = T.tree_flatten_with_path(state)
         owner = [next((c for c in reversed(p) if isinstance(c, str) and c in params), None) for p in paths]
         if not all(isinstance(t, torch.Tensor) for t in leaves):
@@ -347,9 +349,9 @@ def _launch(split: _PerBucket, state: HostState, target: dict, device: dict | No
     if plan is None:
         return None
     leaves, owner, defs = plan
-    shared = [i for i, k in enumerate(owner) if k is None]
-    before = {i: leaves[i].clone() for i in shared}  # the counters as they were before this step
+    before = {i: leaves[i].clone() for i, k in enumerate(owner) if k is None}  # the counters before this step
     order = list(reversed(list(target)))  # buckets are in backward order: the forward reads the last first
+    mine = {k: [i for i, o in enumerate(owner) if o == k or o is None] for k in order}  # each bucket's leaves
     done = _Launched({k: _Done() for k in order}, _Done())
     side = torch.cuda.Stream() if (pin and device is not None) else None
 
@@ -357,11 +359,10 @@ def _launch(split: _PerBucket, state: HostState, target: dict, device: dict | No
     def run() -> None:
         try:
             for k in order:
-                mine = [i for i, o in enumerate(owner) if o == k or o is None]
-                sub_leaves = [before[i].clone() if owner[i] is None else leaves[i] for i in mine]
+                sub_leaves = [before[i].clone() if owner[i] is None else leaves[i] for i in mine[k]]
                 sub = T.tree_unflatten(defs[k], sub_leaves)
                 new = T.tree_leaves(O.update_params(split.inner, {k: state.grads[k]}, sub, {k: target[k]}, **extra))
-                for i, t in zip(mine, new):
+                for i, t in zip(mine[k], new):
                     if owner[i] is None:
                         last_shared[i] = t
                     elif t is not leaves[i]:

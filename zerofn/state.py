@@ -32,7 +32,7 @@ import torch
 from zerofn import collectives as C
 from zerofn import tree as T
 
-__all__ = ["Bucket", "DonatedStateError", "Layout", "Slot", "StateSpec", "TrainState", "arriving", "in_flight", "settle", "take"]
+__all__ = ["Bucket", "DonatedStateError", "Layout", "Slot", "StateSpec", "TrainState", "arriving", "in_flight", "settle"]
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ def arriving(t: torch.Tensor, handle: Any) -> None:
     _IN_FLIGHT[id(base)] = (weakref.ref(base), handle)
 
 
-def take(t: torch.Tensor) -> Any:
+def _take(t: torch.Tensor) -> Any:
     """The handle of ``t``'s values in flight, now no longer marked (None when none is)."""
     base = _root(t)
     entry = _IN_FLIGHT.pop(id(base), None)
@@ -225,7 +225,7 @@ def settle(flats, only: int | None = None) -> None:
     """
     for f in flats if only is None else (flats[only],):
         if isinstance(f, torch.Tensor):
-            handle = take(f)
+            handle = _take(f)
             if handle is not None:
                 handle.wait()
 

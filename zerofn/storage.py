@@ -43,7 +43,7 @@ from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn.functional import Functional, PendingParams
 from zerofn.reduction import GradSink
-from zerofn.state import Bucket, Layout, TrainState, arriving, in_flight, settle, take
+from zerofn.state import Bucket, Layout, TrainState, arriving, in_flight, settle
 
 __all__ = ["FIRST_BUCKET_BYTES", "Held", "ParamSplit", "Storage", "gathered", "in_flight", "settle", "split_params", "to_host"]
 
@@ -199,9 +199,7 @@ class Storage:
             flat, bucket = flats[i], layout.buckets[i]
             if bucket.shards > 1:
                 lo, hi = bucket.shard_range(rank)
-                update = take(flat)  # an update still writing this shard (on another thread) finishes first
-                if update is not None:
-                    update.wait()
+                settle(flats, i)  # an update still writing this shard (on another thread) finishes first
                 # In place: the input is this rank's slice of the output, so no temporary.
                 arriving(flat, C.all_gather(flat, flat[lo:hi], async_op=True))
         if not self.defer_publish:

@@ -47,19 +47,31 @@ def _release_later(go, seconds=0.3):
     threading.Timer(seconds, go.set).start()
 
 
+def _gated(loss_fn, overlap):
+    """A step whose host updates wait at a gate, and the gate's event."""
+    gate, go = _gate()
+    return _step(loss_fn, opt=zf.optim.chain(gate, zf.optim.adamw(LR, weight_decay=WD)), overlap=overlap), go
+
+
+def _second_update_held(apply, step, go, hold):
+    """Two steps; with ``hold``, the second returns with its update waiting at the gate."""
+    state = step.init(apply.params)
+    go.set()
+    state, _ = step(state, transformer_batch(0, 8))
+    state.opt_state  # waits for the first update
+    if hold:
+        go.clear()
+    state, _ = step(state, transformer_batch(1, 8))
+    return state
+
+
 # ---------------------------------------------------------------- overlap: the same numbers, reads wait
 
 
 def test_a_step_returns_with_its_update_running_and_the_forward_waits_bucket_by_bucket():
     _, apply, loss_fn = make_transformer()
-    gate, go = _gate()
-    step = _step(loss_fn, opt=zf.optim.chain(gate, zf.optim.adamw(LR, weight_decay=WD)), overlap=True)
-    state = step.init(apply.params)
-    go.set()
-    state, _ = step(state, transformer_batch(0, 8))
-    state.opt_state  # waits for the first update
-    go.clear()
-    state, _ = step(state, transformer_batch(1, 8))  # its update now waits for the gate
+    step, go = _gated(loss_fn, overlap=True)
+    state = _second_update_held(apply, step, go, hold=True)
     layout = state.spec.layout
     assert len(layout.buckets) > 3
     assert S.in_flight(state.arriving_params()) == list(range(len(layout.buckets)))
@@ -97,15 +109,8 @@ def test_every_read_of_the_state_waits_for_the_update(reader, tmp_path):
     out = {}
     for held in (False, True):
         model, apply, loss_fn = make_transformer(extras=False)
-        gate, go = _gate()
-        step = _step(loss_fn, opt=zf.optim.chain(gate, zf.optim.adamw(LR, weight_decay=WD)), overlap=held)
-        state = step.init(apply.params)
-        go.set()
-        state, _ = step(state, transformer_batch(0, 8))
-        state.opt_state  # waits for the first update
-        if held:
-            go.clear()
-        state, _ = step(state, transformer_batch(1, 8))
+        step, go = _gated(loss_fn, overlap=held)
+        state = _second_update_held(apply, step, go, hold=held)
         if held:
             assert S.in_flight(state.arriving_params())
             _release_later(go)
@@ -113,7 +118,7 @@ def test_every_read_of_the_state_waits_for_the_update(reader, tmp_path):
             path = tmp_path / f"ck{held}"
             zf.checkpoint.save(state, path)
             fresh_model, fresh_apply, fresh_loss = make_transformer(seed=1, extras=False)
-            fresh = _step(fresh_loss, opt=zf.optim.chain(_gate()[0], zf.optim.adamw(LR, weight_decay=WD)), overlap=False)
+            fresh = _gated(fresh_loss, overlap=False)[0]
             loaded = zf.checkpoint.load(path, fresh, params=fresh_apply.params)
             out[held] = [fresh.full_params(loaded), [t.clone() for t in zf.tree.tree_leaves(loaded.opt_state)]]
         else:
