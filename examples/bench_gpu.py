@@ -33,8 +33,10 @@ same hyper-parameters, no gradient clipping):
   ``zf-z2-amp`` (+ shard_grads), ``zf-z3-amp`` (+ shard_params),
   ``zf-z2-amp-offload`` (+ offload("cpu"): the host update overlapping the
   next forward), ``zf-z2-amp-offload-sync`` (overlap=False: the update
-  before the step returns), ``zf-z2-amp-offload-delay`` (delay=1, which
-  changes the numbers), ``zf-z3-amp-remat`` (+ remat).
+  before the step returns), ``zf-z2-amp-offload-early`` (early=True: each
+  bucket's update starts during backward, speculatively),
+  ``zf-z2-amp-offload-delay`` (delay=1, which changes the numbers),
+  ``zf-z3-amp-remat`` (+ remat).
 
 Reported per system: the median step time over --steps after --warmup
 (each step's time is the slowest rank's; on CUDA the device is synchronised
@@ -73,7 +75,7 @@ LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 TORCH_SYSTEMS = ("torch-amp", "fsdp2")
 DEEPSPEED_SYSTEMS = ("deepspeed-z2", "deepspeed-z3", "deepspeed-z2-offload")
 ZF_SYSTEMS = ("zf-amp", "zf-z1-amp", "zf-z2-amp", "zf-z3-amp", "zf-z2-amp-offload", "zf-z2-amp-offload-sync",
-              "zf-z2-amp-offload-delay", "zf-z3-amp-remat")  # fmt: skip
+              "zf-z2-amp-offload-early", "zf-z2-amp-offload-delay", "zf-z3-amp-remat")  # fmt: skip
 SYSTEMS = TORCH_SYSTEMS + DEEPSPEED_SYSTEMS + ZF_SYSTEMS
 RESULT_TAG = "BENCH_GPU_RESULT "
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) by a pattern in torch.cuda.get_device_name().
@@ -89,8 +91,9 @@ def zf_composition(name: str):
 
     def compose(step):
         step = amp(shard(step), torch.bfloat16)
-        if "-offload" in name:  # overlapped (the default), updated before the step returns, or one step late
-            step = offload(step, "cpu", overlap=not name.endswith("-sync"), delay=int(name.endswith("-delay")))  # noqa: E501
+        if "-offload" in name:  # overlapped (the default), updated first, started during backward, one step late
+            step = offload(step, "cpu", overlap=not name.endswith("-sync"), delay=int(name.endswith("-delay")),
+                           early=name.endswith("-early"))  # fmt: skip
         if name.endswith("-remat"):
             step = remat(step)
         return step

@@ -13,8 +13,9 @@
    time, and peak RSS of each (fresh processes).
 4. The host update alongside the forward: the GPT with ``offload("cpu")``
    updating before the step returns (``overlap=False``), on a worker thread
-   alongside the next forward (``overlap=True``), one step late
-   (``delay=1``), and without offload; one process with one compute thread
+   alongside the next forward (``overlap=True``), started during backward
+   as each gradient lands (``early=True``), one step late (``delay=1``),
+   and without offload; one process with one compute thread
    (so that a core is free for the host update, as a GPU machine's host
    cores are free while the GPU computes), the systems taking turns in
    rounds of a few steps, each round ending when its last update has.
@@ -140,11 +141,12 @@ OVERLAP_SYSTEMS = {
     "no offload": None,
     "offload, update first": dict(overlap=False),
     "offload, overlapped": dict(overlap=True),
+    "offload, early": dict(overlap=True, early=True),
     "offload, delay=1": dict(delay=1),
 }
 
 
-def _overlap_rank(rounds, per_round, bucket_bytes):
+def _overlap_rank(rounds, per_round, bucket_bytes, batch_size):
     from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for
 
     systems = {}
@@ -155,7 +157,7 @@ def _overlap_rank(rounds, per_round, bucket_bytes):
         if options is not None:
             step = offload(step, "cpu", **options)
         systems[name] = [step, step.init(apply.params)]
-    batch = MarkovCorpus(64).sample(8, 65, seed=1)
+    batch = MarkovCorpus(64).sample(batch_size, 65, seed=1)
     times: dict = {name: [] for name in systems}
     names = list(systems)
     for r in range(rounds + 1):  # round 0 warms up
@@ -171,12 +173,13 @@ def _overlap_rank(rounds, per_round, bucket_bytes):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def overlap(rounds: int, bucket_bytes: int, per_round: int = 3) -> None:
+def overlap(rounds: int, bucket_bytes: int, batch_size: int = 8, per_round: int = 3) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"  # every thread of the child, the update's worker too
-    t = zf.spawn(_overlap_rank, 1, rounds, per_round, bucket_bytes)[0]
+    t = zf.spawn(_overlap_rank, 1, rounds, per_round, bucket_bytes, batch_size)[0]
     first = t["offload, update first"]
     cells = ", ".join(f"{name} {1e3 * v:.1f} ms ({v / first:.2f})" for name, v in t.items())
-    print(f"4. The host update alongside the forward (GPT 3.2 M, one compute thread; ratio to updating first): {cells}")
+    print(f"4. The host update alongside the forward (GPT 3.2 M, batch {batch_size} x 64 tokens, one compute "
+          f"thread; ratio to updating first): {cells}")  # fmt: skip
 
 
 def main(argv=None):
@@ -187,13 +190,14 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--only-overlap", action="store_true", help="run the fourth measurement alone")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="the fourth measurement's bucket size")
+    p.add_argument("--batch", type=int, default=8, help="the fourth measurement's sequences per step")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if not args.only_overlap:
         cpu_update(args.params, args.repeat)
         nvme_stream(args.params, args.path, args.repeat)
         gpt(args.path, args.steps)
-    overlap(args.steps, int(args.bucket_mb * 2**20))
+    overlap(args.steps, int(args.bucket_mb * 2**20), args.batch)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def test_systems_are_the_issue_s_and_every_zerofn_composition_runs():
     assert set(bench.SYSTEMS) == {
         "torch-amp", "fsdp2", "deepspeed-z2", "deepspeed-z3", "deepspeed-z2-offload", "zf-amp", "zf-z1-amp",
         "zf-z2-amp", "zf-z3-amp", "zf-z2-amp-offload", "zf-z2-amp-offload-sync", "zf-z2-amp-offload-delay",
-        "zf-z3-amp-remat",
+        "zf-z2-amp-offload-early", "zf-z3-amp-remat",
     }  # fmt: skip
     for name in ("amp", "shard_optimizer", "shard_grads", "shard_params", "offload", "remat"):
         assert callable(getattr(zerofn.transforms, name)), name
@@ -86,9 +86,10 @@ def test_systems_are_the_issue_s_and_every_zerofn_composition_runs():
         state, metrics = step(state, torch.ones(2, 4))
         assert torch.isfinite(metrics["loss"]), system
         assert state.params[0].dtype == torch.bfloat16, system  # amp: bf16 parameters, fp32 master
-        if "-offload" in system:  # overlapped, first, or one step late, as the name says
-            options = step.extension("offload").options
-            assert options[-2:] == ((False, 0) if system.endswith("-sync") else (True, int(system.endswith("-delay")))), system
+        if "-offload" in system:  # overlapped, first, early, or one step late, as the name says
+            overlap, delay, early = step.extension("offload").options[-3:]
+            assert overlap == (not system.endswith("-sync")), system
+            assert (delay, early) == (int(system.endswith("-delay")), system.endswith("-early")), system
 
 
 def test_deepspeed_is_reported_not_run_when_missing_or_on_cpu():

@@ -53,6 +53,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -64,7 +65,7 @@ from zerofn import tree as T
 from zerofn.checkpoint import FileTensor, read_at, write_at
 from zerofn.extension import Extension
 from zerofn.step import Step, reapply, transform
-from zerofn.state import arriving
+from zerofn.state import arriving, settle
 from zerofn.storage import to_host
 
 __all__ = ["DelayedHostState", "HostState", "NvmeFiles", "NvmeState", "offload"]
@@ -84,6 +85,7 @@ def offload(
     pin_memory: bool = True,
     overlap: bool | None = None,
     delay: int = 0,
+    early: bool = False,
 ) -> Step:
     """Keep optimizer state (and fp32 master weights) in CPU RAM or NVMe files.
 
@@ -108,6 +110,14 @@ def offload(
             the parameters from before it, so each gradient is taken one
             update behind. It changes the numbers (off by default; see the
             offload page of the docs). ``0``: no delay.
+        early: ``"cpu"``: start each bucket's host update during backward,
+            as soon as its gradient is on the host, before the global norm
+            and the skip decision are known: speculatively, the bucket's
+            state saved first into a second copy of the host optimizer
+            state (host RAM for it twice), restored on a skipped step and
+            updated again when the norm clips. The same numbers as
+            ``early=False``; see the offload page of the docs for when it
+            pays.
 
     Returns:
         The rewritten Step. Applied to a step that already offloads with the
@@ -128,6 +138,12 @@ def offload(
         raise ValueError(f"offload: delay must be 0 (update before the next forward) or 1 (one step late), got {delay!r}")
     if delay and device != "cpu":
         raise ValueError('offload: delay=1 runs the host update alongside the next step in CPU RAM; use device="cpu"')
+    if early and (device != "cpu" or params or delay):
+        raise ValueError(
+            'offload: early=True updates host optimizer state in CPU RAM during backward, while the forward\'s '
+            "parameters stay as they are; it takes device=\"cpu\", params=False and delay=0 (got "
+            f"device={device!r}, params={bool(params)}, delay={delay!r})"
+        )
     if delay and params:
         raise ValueError(
             "offload: delay=1 keeps a second host copy of the parameters for the next forward to run on while "
@@ -143,8 +159,10 @@ def offload(
         if path is not None:
             raise ValueError('offload: path is for device="nvme"; device="cpu" keeps state in RAM')
         overlap = None if overlap is None else bool(overlap)
-        wrap = functools.partial(_host_optimizer, pin=pin, params_on_host=bool(params), overlap=overlap, delay=delay)
-        options = ("cpu", bool(params), pin, overlap, delay)
+        wrap = functools.partial(
+            _host_optimizer, pin=pin, params_on_host=bool(params), overlap=overlap, delay=delay, early=bool(early)
+        )
+        options = ("cpu", bool(params), pin, overlap, delay, bool(early))
     have = step.extension("offload")
     if reapply(step, "offload", have and have.options, options, "offloads (device and settings)"):
         return step
@@ -193,6 +211,7 @@ class HostState(NamedTuple):
     params: Any  # None when the parameters already live on the host (params=True)
     grads: Any
     inner: Any
+    spare: Any = None  # early=True: room to save each bucket's state before a speculative update
 
     offloaded = True  # the state's printout says where the optimizer state lives
 
@@ -213,16 +232,27 @@ class DelayedHostState(HostState):
 
 
 def _host_optimizer(
-    inner: O.GradientTransformation, *, pin: bool, params_on_host: bool, overlap: bool | None = False, delay: int = 0
+    inner: O.GradientTransformation,
+    *,
+    pin: bool,
+    params_on_host: bool,
+    overlap: bool | None = False,
+    delay: int = 0,
+    early: bool = False,
 ) -> O.GradientTransformation:
     kind = DelayedHostState if delay else HostState
     split = _PerBucket(inner)
+    speculation = {"on": early}  # turned off for good when the optimizer cannot run before the norm is known
 
     def init(params):
         host = None if params_on_host else T.tree_map(lambda p: to_host(p.detach(), pin), params)
         # fp32 (amp's gradients reach the optimizer in fp32), or wider for a wider parameter
         grads = T.tree_map(lambda p: torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pin), params)
-        return kind(host, grads, inner.init(params if params_on_host else host))
+        state = kind(host, grads, inner.init(params if params_on_host else host))
+        return state._replace(spare=split.spare(state.inner, host)) if early else state
+
+    def later(params) -> bool:  # whether the update may run on after the step returns
+        return bool(delay) or overlap or (overlap is None and any(p.device.type != "cpu" for p in params.values()))
 
     def to_host_grads(grads, state) -> None:
         torch._foreach_copy_(T.tree_leaves(state.grads), T.tree_leaves(grads), non_blocking=pin)
@@ -230,52 +260,198 @@ def _host_optimizer(
             torch.cuda.current_stream().synchronize()
 
     def on_host(state, target, extra):  # the whole update, here and now
-        return kind(state.params, state.grads, O.update_params(inner, state.grads, state.inner, target, **extra))
+        return state._replace(inner=O.update_params(inner, state.grads, state.inner, target, **extra))
 
     def copy_out(params, state) -> None:
         torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.params), non_blocking=pin)
 
-    @torch.no_grad()
-    def update_now(grads, state, params, **extra):
-        to_host_grads(grads, state)
-        new = on_host(state, params if params_on_host else state.params, extra)
-        if not params_on_host:
-            copy_out(params, state)
-        return new
-
-    @torch.no_grad()
-    def update_later(grads, state, params, **extra):
-        if not delay and overlap is None and all(p.device.type == "cpu" for p in params.values()):
-            return update_now(grads, state, params, **extra)  # the forward computes on the same cores
-        # Reading state.opt_state waited for the update before this one: its buffers are free.
-        to_host_grads(grads, state)
+    def update_host(state, params, extra, run_later: bool, done=()):
+        """The update, the gradients on the host: here and now, or launched on the worker (the state
+        marked as arriving); ``done``: buckets a speculation already updated."""
+        target = params if params_on_host else state.params
+        if not run_later:
+            new = on_host(state, target, extra)
+            if not params_on_host:
+                copy_out(params, state)
+            return new
         if delay:  # the parameters the last update made, for the next forward; then this update
             copy_out(params, state)
             if pin:
                 torch.cuda.current_stream().synchronize()
-        target = params if params_on_host else state.params
         device = None if (delay or params_on_host) else params
-        done = _launch(split, state, target, device, extra, pin)
-        if done is None:  # an optimizer state the update cannot be split over buckets for: update here
+        launched = _launch(split, state, target, device, extra, pin)
+        if launched is None:  # an optimizer state the update cannot be split over buckets for: update here
             new = on_host(state, target, extra)
             if device is not None:
                 copy_out(params, state)
             return new
-        if device is not None:  # each bucket is written by the worker; the forward waits bucket by bucket
-            for k, handle in done.buckets.items():
-                arriving(params[k], handle)
-        elif params_on_host:
-            for k in params:
-                arriving(params[k], done)
-        for t in T.tree_leaves(state):
-            if isinstance(t, torch.Tensor):
-                arriving(t, done)
+        _mark(launched, state, params, device is not None or params_on_host)
         return state
 
+    @torch.no_grad()
+    def update_now(grads, state, params, **extra):
+        to_host_grads(grads, state)
+        return update_host(state, params, extra, run_later=False)
+
+    @torch.no_grad()
+    def update_later(grads, state, params, **extra):
+        # Reading state.opt_state waited for the update before this one: its buffers are free.
+        to_host_grads(grads, state)
+        return update_host(state, params, extra, run_later=later(params))
+
+    def start_update(state, params):
+        target = params if params_on_host else state.params
+        plan = split.plan(state.inner, target) if speculation["on"] and state.spare is not None else None
+        if plan is None:
+            return _Landing(state, params, pin, lambda extra: update_host(state, params, extra, later(params)))
+        return _Speculation(split, plan, state, target, params, pin, later(params), speculation)
+
     pure = O.in_place(init, update_now, "offload")  # the pure update() waits for its result
-    if overlap is False and not delay:
-        return pure
-    return O.GradientTransformation(init, pure.update, update_later)
+    if delay:  # the gradient buffers are read by the update of the step before until its update phase
+        return O.GradientTransformation(init, pure.update, update_later)
+    return O.GradientTransformation(init, pure.update, update_later if overlap is not False else update_now, start_update)
+
+
+def _mark(launched: "_Launched", state: HostState, params: dict, params_written: bool) -> None:
+    """Mark what a launched update writes as arriving: each device bucket until its own update is done."""
+    if params_written:
+        for k in params:
+            arriving(params[k], launched.buckets[k])
+    for t in T.tree_leaves(state):
+        if isinstance(t, torch.Tensor):
+            arriving(t, launched)
+
+
+class _Landing(O.PendingUpdate):
+    """Gradients copied to the host bucket by bucket as backward lands them (non-blocking on CUDA,
+    overlapping the rest of backward); the update itself once they all have (``commit``)."""
+
+    def __init__(self, state: HostState, params: dict, pin: bool, update) -> None:
+        self.state, self.params, self.pin, self.update = state, params, pin, update
+        self.copied: dict = {}  # key -> a CUDA event once its copy is done (None on the CPU)
+
+    def grad(self, key: str, grad: torch.Tensor) -> None:
+        host = self.state.grads[key]
+        settle([host])  # the update before this one reads it until it is done
+        host.copy_(grad, non_blocking=self.pin)
+        event = None
+        if self.pin:
+            event = torch.cuda.Event()
+            event.record()
+        self.copied[key] = event
+        self.landed(key)
+
+    def landed(self, key: str) -> None:
+        pass
+
+    def wait_copied(self, key: str) -> None:
+        event = self.copied[key]
+        if event is not None:
+            event.synchronize()
+
+    def land_rest(self, grads: dict) -> None:
+        for k in grads:
+            if k not in self.copied:
+                self.grad(k, grads[k])
+
+    @torch.no_grad()
+    def commit(self, grads, **extra):
+        self.land_rest(grads)
+        for k in grads:
+            self.wait_copied(k)
+        return self.update(extra)
+
+    def cancel(self) -> None:
+        for k in list(self.copied):
+            self.wait_copied(k)
+
+
+class _Speculation(_Landing):
+    """The host update of each bucket started as soon as its gradient is on the host, during backward.
+
+    Until the step decides (``commit`` or ``cancel``), each bucket is
+    updated speculatively: its state saved first into the spare buffers,
+    updated with a :class:`~zerofn.optim.PendingNorm` for the global norm,
+    its device parameters left alone. A skipped step or an error restores
+    what was updated; a commit whose norm clips (or an optimizer that reads
+    the norm as a number) restores it and updates again. The newest landed
+    bucket goes first, so that what is left when backward ends is the
+    embedding's end, which the next forward reads first.
+    """
+
+    def __init__(self, split, plan, state, target, params, pin, run_later: bool, speculation: dict) -> None:
+        super().__init__(state, params, pin, None)
+        self.run = _BucketRun(split, plan, state, target, params, pin)
+        self.run_later, self.speculation = run_later, speculation
+        self.cv = threading.Condition()
+        self.ready: list = []  # landed, not yet updated
+        self.decision: tuple | None = None
+        self.failed = False
+        self.finished = _Done()  # the speculation over: restored, or committed
+        _worker().submit(self.speculate)
+
+    def landed(self, key: str) -> None:
+        with self.cv:
+            self.ready.append(key)
+            self.cv.notify()
+
+    @torch.no_grad()
+    def speculate(self) -> None:
+        run, norm = self.run, O.PendingNorm()
+        try:
+            run.begin()
+            while True:
+                with self.cv:
+                    while self.decision is None and (self.failed or (not self.ready and not run.unsaved())):
+                        self.cv.wait()
+                    if self.decision is not None:
+                        break
+                    key = self.ready.pop() if self.ready else None  # the newest first
+                if key is None:  # nothing landed yet: save the next bucket backward brings
+                    run.save(run.unsaved()[0])
+                    continue
+                self.wait_copied(key)
+                run.save(key)
+                try:
+                    run.update(key, {"grad_norm": norm}, speculative=True)
+                except Exception:  # it needs the norm (or failed): once the norm is known, again, and no more
+                    run.restore(key)
+                    self.failed = True
+                    self.speculation["on"] = False
+            kind, extra = self.decision
+            if kind == "cancel" or self.failed or not norm.holds(float(extra["grad_norm"])):
+                for key in run.updated:
+                    run.restore(key)
+                run.updated = []
+            self.finished.future.set_result(None)
+        except BaseException as e:
+            run.fail(e)
+            self.finished.future.set_exception(e)
+            return
+        if kind == "commit":
+            run.commit_phase(extra)
+
+    def decide(self, decision: tuple) -> None:
+        with self.cv:
+            self.decision = decision
+            self.cv.notify()
+
+    @torch.no_grad()
+    def commit(self, grads, **extra):
+        self.land_rest(grads)
+        for k in grads:
+            self.wait_copied(k)
+        self.decide(("commit", extra))
+        state, run = self.state, self.run
+        if not self.run_later:
+            run.done.wait()
+            return state
+        _mark(run.done, state, self.params, True)
+        return state
+
+    def cancel(self) -> None:
+        self.decide(("cancel", None))
+        self.finished.wait()
 
 
 class _Done:
@@ -342,51 +518,104 @@ class _PerBucket:
                 return None
         return leaves, owner, defs
 
+    def spare(self, state: Any, target: dict) -> dict | None:
+        """Room for a copy of each bucket's state and parameters (see :class:`_Speculation`); None
+        when the state cannot be taken apart by bucket."""
+        plan = self.plan(state, target)
+        if plan is None:
+            return None
+        leaves, owner, _ = plan
+        return {k: [torch.empty_like(target[k])] + [torch.empty_like(t) for t, o in zip(leaves, owner) if o == k]
+                for k in target}  # fmt: skip
+
+
+class _BucketRun:
+    """One step's host update, bucket by bucket, on the worker thread (see :class:`_PerBucket`)."""
+
+    def __init__(self, split: _PerBucket, plan: tuple, state: HostState, target: dict, device: dict | None, pin: bool):
+        self.split, self.state, self.target, self.device = split, state, target, device
+        self.leaves, self.owner, self.defs = plan
+        self.mine = {k: [i for i, o in enumerate(self.owner) if o == k or o is None] for k in target}
+        self.order = list(reversed(list(target)))  # buckets are in backward order: the forward reads the last first
+        self.done = _Launched({k: _Done() for k in target}, _Done())
+        self.side = torch.cuda.Stream() if (pin and device is not None) else None
+        self.before: dict | None = None
+        self.last_shared: dict = {}
+        self.updated: list = []  # buckets updated so far
+        self.saved: set = set()
+
+    def begin(self) -> None:
+        """On the worker, once the update before this one is done: the counters as they were before."""
+        if self.before is None:
+            self.before = {i: t.clone() for i, t in enumerate(self.leaves) if self.owner[i] is None}
+
+    def _own(self, k: str) -> list:
+        return [self.target[k]] + [self.leaves[i] for i in self.mine[k] if self.owner[i] is not None]
+
+    def unsaved(self) -> list:
+        return [k for k in self.target if k not in self.saved] if self.state.spare is not None else []
+
+    def save(self, k: str) -> None:
+        if k not in self.saved:
+            torch._foreach_copy_(self.state.spare[k], self._own(k))
+            self.saved.add(k)
+
+    def restore(self, k: str) -> None:
+        torch._foreach_copy_(self._own(k), self.state.spare[k])
+
+    def update(self, k: str, extra: dict, speculative: bool = False) -> None:
+        leaves, owner = self.leaves, self.owner
+        sub_leaves = [self.before[i].clone() if owner[i] is None else leaves[i] for i in self.mine[k]]
+        sub = T.tree_unflatten(self.defs[k], sub_leaves)
+        new = T.tree_leaves(O.update_params(self.split.inner, {k: self.state.grads[k]}, sub, {k: self.target[k]}, **extra))
+        for i, t in zip(self.mine[k], new):
+            if owner[i] is None:
+                self.last_shared[i] = t
+            elif t is not leaves[i]:
+                leaves[i].copy_(t)
+        self.updated.append(k)
+
+    def publish(self, k: str) -> None:
+        """Copy bucket ``k``'s parameters to the device and mark it done."""
+        if self.device is not None:
+            if self.side is None:
+                self.device[k].copy_(self.target[k])
+            else:
+                with torch.cuda.stream(self.side):
+                    self.device[k].copy_(self.target[k], non_blocking=True)
+                self.side.synchronize()
+        self.done.buckets[k].future.set_result(None)
+
+    @torch.no_grad()  # grad mode is per thread
+    def commit_phase(self, extra: dict) -> None:
+        """Every bucket not updated yet, then each bucket's parameters out, the forward's first first."""
+        try:
+            self.begin()
+            for k in self.order:
+                if k not in self.updated:
+                    self.update(k, extra)
+                self.publish(k)
+            for i, t in self.last_shared.items():
+                if t is not self.leaves[i]:
+                    self.leaves[i].copy_(t)
+            self.done.all.future.set_result(None)
+        except BaseException as e:
+            self.fail(e)
+
+    def fail(self, e: BaseException) -> None:  # every waiter hears of it
+        for d in (*self.done.buckets.values(), self.done.all):
+            if not d.future.done():
+                d.future.set_exception(e)
+
 
 def _launch(split: _PerBucket, state: HostState, target: dict, device: dict | None, extra: dict, pin: bool):
     """Start the host update of every bucket, the one the forward reads first first; None if it cannot be split."""
     plan = split.plan(state.inner, target)
     if plan is None:
         return None
-    leaves, owner, defs = plan
-    before = {i: leaves[i].clone() for i, k in enumerate(owner) if k is None}  # the counters before this step
-    order = list(reversed(list(target)))  # buckets are in backward order: the forward reads the last first
-    mine = {k: [i for i, o in enumerate(owner) if o == k or o is None] for k in order}  # each bucket's leaves
-    done = _Launched({k: _Done() for k in order}, _Done())
-    side = torch.cuda.Stream() if (pin and device is not None) else None
-
-    @torch.no_grad()  # grad mode is per thread
-    def run() -> None:
-        try:
-            for k in order:
-                sub_leaves = [before[i].clone() if owner[i] is None else leaves[i] for i in mine[k]]
-                sub = T.tree_unflatten(defs[k], sub_leaves)
-                new = T.tree_leaves(O.update_params(split.inner, {k: state.grads[k]}, sub, {k: target[k]}, **extra))
-                for i, t in zip(mine[k], new):
-                    if owner[i] is None:
-                        last_shared[i] = t
-                    elif t is not leaves[i]:
-                        leaves[i].copy_(t)
-                if device is not None:
-                    if side is None:
-                        device[k].copy_(target[k])
-                    else:
-                        with torch.cuda.stream(side):
-                            device[k].copy_(target[k], non_blocking=True)
-                        side.synchronize()
-                done.buckets[k].future.set_result(None)
-            for i, t in last_shared.items():
-                if t is not leaves[i]:
-                    leaves[i].copy_(t)
-            done.all.future.set_result(None)
-        except BaseException as e:  # every waiter hears of it
-            for d in (*done.buckets.values(), done.all):
-                if not d.future.done():
-                    d.future.set_exception(e)
-
-    last_shared: dict = {}
-    _worker().submit(run)
-    return done
+    run = _BucketRun(split, plan, state, target, device, pin)
+    _worker().submit(run.commit_phase, extra)
+    return run.done
 
 
 # ---------------------------------------------------------------- NVMe

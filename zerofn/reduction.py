@@ -98,10 +98,15 @@ class GradSink:
         reduced_sums: reduced partitions from earlier micro-steps, or None;
             each reduction updates its partition in place, so only one
             partition is ever alive.
+        on_result: ``on_result(i, reduced) -> tensor``, called with each
+            bucket's reduced gradient as soon as it is waited for (during
+            backward: a bucket is waited for when the next one is launched);
+            what it returns is that bucket's result.
     """
 
     def __init__(self, layout: Layout, reduction: Reduction, grad_dtype: Callable[[torch.dtype], torch.dtype],
-                 rank: int, reduce: bool, carried=None, reduced_sums=None):  # fmt: skip
+                 rank: int, reduce: bool, carried=None, reduced_sums=None,
+                 on_result: Callable[[int, torch.Tensor], torch.Tensor] | None = None):  # fmt: skip
         n = len(layout.buckets)
         self.sums = list(reduced_sums) if reduced_sums is not None else None
         self.layout, self.reduction, self.rank, self.reduce = layout, reduction, rank, reduce
@@ -119,6 +124,7 @@ class GradSink:
         self.launched = 0
         self.received = 0  # gradients handed over in this micro-step
         self.release = not reduction.replicated
+        self.on_result = on_result
         # fp16 gradients are divided by the world size before the reduction, so that
         # summing N ranks' scaled gradients does not overflow fp16's range.
         world = C.world_size()
@@ -175,7 +181,7 @@ class GradSink:
     def _launch_upto(self, upto: int) -> None:
         while self.launched < upto:
             i = self.launched
-            if self.release and i > 0:
+            if (self.release or self.on_result is not None) and i > 0:
                 self._settle(i - 1)
             bucket, out = self.layout.buckets[i], None
             if self.predivide[i] != 1:
@@ -191,7 +197,8 @@ class GradSink:
 
     def _settle(self, i: int) -> None:
         if self.results[i] is None and self.handles[i] is not None:
-            self.results[i] = self.handles[i].wait()
+            result = self.handles[i].wait()
+            self.results[i] = result if self.on_result is None else self.on_result(i, result)
             self.handles[i] = None
             if self.release:
                 self.buffers[i] = None

@@ -278,6 +278,10 @@ class TrainState:
         forward, which waits bucket by bucket, and for what reads only shapes."""
         return self.__dict__["params"]
 
+    def arriving_opt_state(self) -> Any:
+        """``opt_state`` without waiting for an update in flight: for an update that queues behind it."""
+        return self.__dict__["opt_state"]
+
     def _donate(self) -> None:
         object.__setattr__(self, "_donated", True)
 

@@ -32,7 +32,11 @@ names no transform. One call runs these phases, in this order:
 5. ``update``: unless a gradient is not finite (then skip, and let the
    precision adjust its loss scale), the optimizer (wrapped by the
    precision, then by the extensions) updates, in place, the tensors the
-   storage's ``opt_view`` gives (the input state is donated).
+   storage's ``opt_view`` gives (the input state is donated). An optimizer
+   with ``start_update`` (:class:`zerofn.optim.PendingUpdate`) is started
+   before the forward, gets each bucket's gradient as soon as its
+   reduction is waited for (phase 4 done for that bucket alone), and is
+   committed here, or cancelled on a skip or an error.
 6. ``publish``: the storage makes the updated parameters whole on every
    rank (nothing for the plain step, an all-gather per bucket when the
    update was sharded); the default storage leaves the gathers in flight
@@ -117,7 +121,8 @@ class Step:
     storage: Storage = Storage()
     precision: Precision = Precision()
     extensions: tuple[Extension, ...] = ()
-    # The model loss_fn calls, found on first use (a cache: not compared, not copied by replace).
+    # The model loss_fn calls and the effective optimizer, found on first use (a cache: not compared, not
+    # copied by replace).
     _found: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     # ------------------------------------------------------------ composition
@@ -158,11 +163,13 @@ class Step:
         in: amp's fp32 master weights are optimizer state, so a wrapper that
         places the optimizer state (offload) must see them.
         """
-        opt = self.precision.wrap_optimizer(self.optimizer)
-        for e in self.extensions:
-            if e.wrap_optimizer is not None:
-                opt = e.wrap_optimizer(opt)
-        return opt
+        if "optimizer" not in self._found:  # built once per step: a wrapper may learn from step to step
+            opt = self.precision.wrap_optimizer(self.optimizer)
+            for e in self.extensions:
+                if e.wrap_optimizer is not None:
+                    opt = e.wrap_optimizer(opt)
+            self._found["optimizer"] = opt
+        return self._found["optimizer"]
 
     def _model(self) -> Functional:
         """The ``zf.functional`` apply that ``loss_fn`` calls."""
@@ -345,41 +352,66 @@ class Step:
         every_micro = self.reduction.every_micro
         reduce_now = last or every_micro
         carried = state.grad_accum
+        scale = precision.loss_scale_factor(ls)
+        optimizer = self.effective_optimizer
+        # An optimizer that can start before backward ends gets each bucket's gradient as it is final.
+        pending = None
+        if last and optimizer.start_update is not None:
+            pending = optimizer.start_update(
+                state.arriving_opt_state(), self._opt_params(state.arriving_params(), layout, rank)
+            )
+
+        def final(i: int, r: torch.Tensor) -> torch.Tensor:  # phase 4 below, for one bucket, as it lands
+            g = precision.optimizer_grads({"g": r})["g"]
+            torch._foreach_mul_([g], [sink.predivide[i] / (world * k * scale)])
+            pending.grad(f"b{i}", g)
+            return g
+
         sink = GradSink(
             layout, self.reduction, precision.grad_dtype, rank, reduce_now,
             carried=None if every_micro else carried, reduced_sums=carried if every_micro else None,
+            on_result=final if pending is not None else None,
         )  # fmt: skip
 
-        # 2. Forward and backward; each bucket is reduced as backward completes it.
-        scale = precision.loss_scale_factor(ls)
-        loss, aux, extra = self._forward_backward(state, batch, sink, scale)
-        after = {"micro": state.micro + 1, "extra": extra}
+        try:
+            # 2. Forward and backward; each bucket is reduced as backward completes it.
+            loss, aux, extra = self._forward_backward(state, batch, sink, scale)
+            after = {"micro": state.micro + 1, "extra": extra}
 
-        # 3. Carry the gradient to the next micro-step.
-        if not reduce_now:
-            stats = _stats(loss, aux, None, world, rank, self.reduction.replicated)
-            return state.replace(grad_accum=sink.full_buffers(), **after), metrics(stats, aux, False, math.nan)
-        reduced = sink.finish()
-        if not last:
-            stats = _stats(loss, aux, None, world, rank, self.reduction.replicated)
-            return state.replace(grad_accum=tuple(reduced.values()), **after), metrics(stats, aux, False, math.nan)
+            # 3. Carry the gradient to the next micro-step.
+            if not reduce_now:
+                stats = _stats(loss, aux, None, world, rank, self.reduction.replicated)
+                return state.replace(grad_accum=sink.full_buffers(), **after), metrics(stats, aux, False, math.nan)
+            reduced = sink.finish()
+            if not last:
+                stats = _stats(loss, aux, None, world, rank, self.reduction.replicated)
+                return state.replace(grad_accum=tuple(reduced.values()), **after), metrics(stats, aux, False, math.nan)
 
-        # 4. Average over ranks and micro-steps and undo the loss scale: one fused multiply.
-        reduced = precision.optimizer_grads(reduced)
-        torch._foreach_mul_(list(reduced.values()), [d / (world * k * scale) for d in sink.predivide])
-        stats = _stats(loss, aux, reduced, world, rank, self.reduction.replicated)
+            # 4. Average over ranks and micro-steps and undo the loss scale: one fused multiply.
+            if pending is None:
+                reduced = precision.optimizer_grads(reduced)
+                torch._foreach_mul_(list(reduced.values()), [d / (world * k * scale) for d in sink.predivide])
+            stats = _stats(loss, aux, reduced, world, rank, self.reduction.replicated)
+        except BaseException:
+            if pending is not None:  # nothing it started may stay: the state is as it was
+                pending.cancel()
+            raise
         grad_norm = math.sqrt(stats["sumsq"]) if stats["sumsq"] >= 0 else math.nan
         finite = math.isfinite(stats["loss"]) and math.isfinite(stats["sumsq"])
         after.update(micro=torch.zeros((), dtype=torch.int64), grad_accum=None, loss_scale=precision.adjust(ls, finite))
         if not finite:
+            if pending is not None:
+                pending.cancel()
             return state.replace(**after), _metrics(precision, after["loss_scale"], stats, aux, True, grad_norm)
 
         # 5. Update in place, then 6. publish.
         with torch.no_grad():
-            opt_state = O.update_params(
-                self.effective_optimizer, reduced, state.opt_state, self._opt_params(state.arriving_params(), layout, rank),
-                grad_norm=torch.tensor(grad_norm),
-            )  # fmt: skip
+            norm = torch.tensor(grad_norm)
+            if pending is not None:
+                opt_state = pending.commit(reduced, grad_norm=norm)
+            else:
+                opt_params = self._opt_params(state.arriving_params(), layout, rank)
+                opt_state = O.update_params(optimizer, reduced, state.opt_state, opt_params, grad_norm=norm)
             del reduced
             self.storage.publish(state.arriving_params(), layout, rank)
         new = state.replace(opt_state=opt_state, count=state.count + 1, **after)

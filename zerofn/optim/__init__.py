@@ -21,7 +21,8 @@ Step counts are int64 0-dim CPU tensors, even for CUDA params, so reading one
 Extra keyword arguments to ``update`` are passed by :func:`chain` to every
 member; each transform ignores those it does not know.
 :func:`clip_by_global_norm` reads ``grad_norm``: the global norm computed by
-the caller across ranks, for when ``updates`` is only this rank's shard.
+the caller across ranks, for when ``updates`` is only this rank's shard; an
+update that starts before the norm is known gets a :class:`PendingNorm`.
 
 Example:
     >>> import torch
@@ -42,6 +43,8 @@ from zerofn.optim.base import (
     ClipByGlobalNormState,
     EmptyState,
     GradientTransformation,
+    PendingNorm,
+    PendingUpdate,
     ScaleByAdamState,
     ScaleByScheduleState,
     ScaleState,
@@ -78,6 +81,8 @@ __all__ = [
     "ClipByGlobalNormState",
     "EmptyState",
     "GradientTransformation",
+    "PendingNorm",
+    "PendingUpdate",
     "ScaleByAdamState",
     "ScaleByScheduleState",
     "ScaleState",

@@ -38,6 +38,66 @@ class GradientTransformation(NamedTuple):
     # updates params in place, equal to update() followed by apply_updates()
     # (for example one fused kernel for all of AdamW). See update_params().
     update_in_place: Callable[..., OptState] | None = None
+    # Optional: start_update(state, params) -> a PendingUpdate, for an update that starts before the
+    # gradients are all known (each handed over as it is final); see PendingUpdate.
+    start_update: Callable[..., "PendingUpdate"] | None = None
+
+
+class PendingUpdate:
+    """An update started before its gradients were all known: what ``start_update`` returns.
+
+    The step that runs the optimizer calls ``grad(key, g)`` for each bucket
+    as soon as its gradient is final (averaged and unscaled, during
+    backward), then exactly one of ``commit(grads, **extra)``, which ends
+    the update (the new state) with every gradient and the same extras
+    ``update`` gets, or ``cancel()``, which leaves the state and parameters
+    as they were before ``start_update`` (a skipped step, an error in
+    backward). Work started on a ``grad`` must not change what anyone can
+    read until ``commit``.
+    """
+
+    def grad(self, key: str, grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def commit(self, grads: Updates, **extra: Any) -> OptState:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+
+class PendingNorm:
+    """A global gradient norm that is not known yet: the ``grad_norm`` an update gets when it runs
+    ahead of the end of backward (a speculative update; see :class:`PendingUpdate`).
+
+    A transform that reads ``grad_norm`` and acts only when it is large
+    (clipping) calls :meth:`assume_below` with a function telling, from the
+    true norm, whether its result is as if it had not acted, and then does
+    not act; the speculation is kept only if every such function says so
+    once the norm is known (:meth:`holds`). Any other use (as a number)
+    raises :class:`TypeError`, and the update that tried is run again once
+    the norm is known.
+    """
+
+    def __init__(self) -> None:
+        self.checks: list[Callable[[float], bool]] = []
+
+    def assume_below(self, unchanged: Callable[[float], bool]) -> None:
+        self.checks.append(unchanged)
+
+    def holds(self, norm: float) -> bool:
+        """Whether every assumption made holds for the true ``norm``."""
+        return all(check(norm) for check in self.checks)
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "grad_norm is not known yet (an update started during backward); a transform that reads it "
+            "must handle zerofn.optim.PendingNorm (see clip_by_global_norm), or the update waits for the norm"
+        )
+
+    __float__ = __int__ = __index__ = __bool__ = __array__ = _refuse
+    __add__ = __radd__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __sub__ = __rsub__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = _refuse
 
 
 class EmptyState(NamedTuple):

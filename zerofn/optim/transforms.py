@@ -26,6 +26,7 @@ from zerofn.optim._checks import (
 from zerofn.optim.base import (
     EmptyState,
     GradientTransformation,
+    PendingNorm,
     ScalarOrSchedule,
     ScaleByAdamState,
     ScaleByScheduleState,
@@ -433,6 +434,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     passes ``grad_norm=`` (a float or 0-dim tensor, e.g. the norm across all
     ranks of a sharded gradient) it is used instead of the local tree's norm.
     With a tensor norm the factor is clamped on device, never read back.
+    Given a :class:`PendingNorm` (an update running before the norm is
+    known) it does not scale, and records that this holds only if the true
+    norm will not clip.
 
     Args:
         max_norm: the largest allowed global norm, > 0.
@@ -452,6 +456,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     max_norm = _check_number("clip_by_global_norm", "max_norm", max_norm, low=0.0, low_open=True)
     where = "clip_by_global_norm.update"
 
+    def _coef(norm: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(max_norm / (norm.reshape(()) + 1e-6), max=1.0)
+
     def init(params):
         return EmptyState()
 
@@ -461,13 +468,16 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         norm = extra.get("grad_norm")
         if norm is None:
             norm = global_norm(updates)
+        if isinstance(norm, PendingNorm):  # not known yet: go on as if not clipping, and say when that holds
+            norm.assume_below(lambda true: _coef(torch.tensor(true)) == 1.0)
+            return updates, state
         if isinstance(norm, torch.Tensor):
             if norm.numel() != 1:
                 raise ValueError(
                     f"{where}: grad_norm must be a float or a 0-dim tensor, got a tensor "
                     f"{describe_leaf(norm)}. Pass the global norm, e.g. optim.global_norm(grads)."
                 )
-            coef = torch.clamp(max_norm / (norm.reshape(()) + 1e-6), max=1.0)
+            coef = _coef(norm)
             for (u,) in _groups(leaves):
                 torch._foreach_mul_(u, coef.to(u[0].device))
             return updates, state
