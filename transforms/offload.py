@@ -265,9 +265,9 @@ def _host_optimizer(
     def copy_out(params, state) -> None:
         torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.params), non_blocking=pin)
 
-    def update_host(state, params, extra, run_later: bool, done=()):
+    def update_host(state, params, extra, run_later: bool):
         """The update, the gradients on the host: here and now, or launched on the worker (the state
-        marked as arriving); ``done``: buckets a speculation already updated."""
+        marked as arriving)."""
         target = params if params_on_host else state.params
         if not run_later:
             new = on_host(state, target, extra)
@@ -349,15 +349,9 @@ class _Landing(O.PendingUpdate):
         if event is not None:
             event.synchronize()
 
-    def land_rest(self, grads: dict) -> None:
-        for k in grads:
-            if k not in self.copied:
-                self.grad(k, grads[k])
-
     @torch.no_grad()
-    def commit(self, grads, **extra):
-        self.land_rest(grads)
-        for k in grads:
+    def commit(self, **extra):
+        for k in self.copied:
             self.wait_copied(k)
         return self.update(extra)
 
@@ -437,9 +431,8 @@ class _Speculation(_Landing):
             self.cv.notify()
 
     @torch.no_grad()
-    def commit(self, grads, **extra):
-        self.land_rest(grads)
-        for k in grads:
+    def commit(self, **extra):
+        for k in self.copied:  # the buckets the speculation has not reached are updated without waiting
             self.wait_copied(k)
         self.decide(("commit", extra))
         state, run = self.state, self.run

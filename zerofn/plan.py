@@ -35,12 +35,16 @@ gradients exist inside a step. Also inside a step:
 - the update's transient: under mixed precision the reduced gradient
   partition is cast to fp32 for the master weights on the GPU (4 S bytes
   beside the 2 S partition); in full precision one bucket's temporary.
+  With the optimizer state in CPU RAM there is none: each bucket's
+  gradient is cast and copied to the host as backward lands it, so the
+  GPU holds three buckets of gradient (or two and one's fp32 copy), not
+  all of it.
 
 ``Estimate.total`` (per GPU) = parameters + optimizer state on the GPU +
 gradients + max(activations + gathered units, update transient).
 
 Optimizer state in CPU RAM (``"cpu"``): the GPU keeps only parameters and
-gradients; the host holds, per rank, the optimizer state (K S), an fp32
+the gradients of the buckets backward is landing; the host holds, per rank, the optimizer state (K S), an fp32
 gradient buffer kept from step to step (4 S) and a host copy of the
 parameters it updates (2 S, or the parameters themselves when they rest
 on the host too: ``param_offload="cpu"``, ZeRO-3 only): 18 bytes per
@@ -58,8 +62,8 @@ Example:
     >>> round(z3.model_state / 1e9, 1), z3.fits(80e9)               # 1120 GB / 8 > 80 GB
     (140.0, False)
     >>> cpu = memory.estimate(70e9, gpus=8, stage=3, optimizer_offload="cpu")
-    >>> round(cpu.model_state / 1e9, 1), round(cpu.cpu_per_node / 1e12, 2)  # GPU: (2 + 2) / 8; host: 18 bytes
-    (35.0, 1.26)
+    >>> round(cpu.model_state / 1e9, 1), round(cpu.cpu_per_node / 1e12, 2)  # GPU: 2 / 8 + buckets; host: 18 bytes
+    (17.6, 1.26)
     >>> round(memory.estimate(70e9, inference=True).total / 1e9, 1)  # fp16 weights only
     140.0
 """
@@ -361,7 +365,8 @@ class Estimate:
 
     @property
     def model_state(self) -> int:
-        """Parameters + gradients + optimizer state on the GPU: the ZeRO paper's table, per GPU."""
+        """Parameters + gradients + optimizer state on the GPU: the ZeRO paper's table, per GPU (with the
+        optimizer state in CPU RAM, the gradients are the few buckets backward is landing)."""
         return self.params + self.grads + self.optimizer
 
     @property
@@ -573,6 +578,15 @@ def estimate(
     cpu = nvme = 0
     state = param_bytes + opt_state
     if optimizer_offload == "cpu":
+        # Each bucket's reduced gradient leaves for the host as backward lands it (cast to fp32 first
+        # under mixed precision), so there is no update transient and the GPU holds a few buckets of
+        # gradient: when a bucket completes, its gradients and its buffer and the bucket before it in
+        # flight; when that one lands, the two buffers and the landing one's fp32 copy.
+        whole = pb * (psi if stage < 3 else shard)
+        bucket = min(bucket_bytes, whole)
+        copy = min(4 * shard, 2 * bucket) if mixed_precision else 0
+        grads = max(3 * bucket, 2 * bucket + copy) if whole > 2 * bucket_bytes else max(2 * whole, whole + copy)
+        update = 0
         host_params = pb * shard  # a host copy of what the optimizer updates, or the parameters themselves
         cpu = opt_state + 4 * shard + (0 if param_offload else host_params)  # + the fp32 gradient buffer
         state += 4 * shard + (0 if param_offload else host_params)

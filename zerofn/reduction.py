@@ -98,10 +98,11 @@ class GradSink:
         reduced_sums: reduced partitions from earlier micro-steps, or None;
             each reduction updates its partition in place, so only one
             partition is ever alive.
-        on_result: ``on_result(i, reduced) -> tensor``, called with each
-            bucket's reduced gradient as soon as it is waited for (during
-            backward: a bucket is waited for when the next one is launched);
-            what it returns is that bucket's result.
+        on_result: ``on_result(i, reduced)``, called with each bucket's
+            reduced gradient as soon as it is waited for (during backward:
+            a bucket is waited for when the next one is launched), which
+            takes it over: the sink keeps no result of its own (``finish``
+            gives None for each bucket).
     """
 
     def __init__(self, layout: Layout, reduction: Reduction, grad_dtype: Callable[[torch.dtype], torch.dtype],
@@ -198,9 +199,13 @@ class GradSink:
     def _settle(self, i: int) -> None:
         if self.results[i] is None and self.handles[i] is not None:
             result = self.handles[i].wait()
-            self.results[i] = result if self.on_result is None else self.on_result(i, result)
+            if self.on_result is None:
+                self.results[i] = result
+            else:
+                self.on_result(i, result)
+                self.results[i] = None
             self.handles[i] = None
-            if self.release:
+            if self.release or self.on_result is not None:
                 self.buffers[i] = None
                 for s in self.layout.buckets[i].slots:
                     self.views.pop(s.name, None)

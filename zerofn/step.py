@@ -361,11 +361,13 @@ class Step:
                 state.arriving_opt_state(), self._opt_params(state.arriving_params(), layout, rank)
             )
 
-        def final(i: int, r: torch.Tensor) -> torch.Tensor:  # phase 4 below, for one bucket, as it lands
+        norms: list = []  # of each bucket's final gradient, as it lands (the gradient then goes)
+
+        def final(i: int, r: torch.Tensor) -> None:  # phase 4 below, for one bucket, as it lands
             g = precision.optimizer_grads({"g": r})["g"]
             torch._foreach_mul_([g], [sink.predivide[i] / (world * k * scale)])
+            norms.extend(torch._foreach_norm([g]))
             pending.grad(f"b{i}", g)
-            return g
 
         sink = GradSink(
             layout, self.reduction, precision.grad_dtype, rank, reduce_now,
@@ -391,7 +393,8 @@ class Step:
             if pending is None:
                 reduced = precision.optimizer_grads(reduced)
                 torch._foreach_mul_(list(reduced.values()), [d / (world * k * scale) for d in sink.predivide])
-            stats = _stats(loss, aux, reduced, world, rank, self.reduction.replicated)
+                norms = torch._foreach_norm(list(reduced.values())) if reduced else []
+            stats = _stats(loss, aux, norms, world, rank, self.reduction.replicated)
         except BaseException:
             if pending is not None:  # nothing it started may stay: the state is as it was
                 pending.cancel()
@@ -408,7 +411,7 @@ class Step:
         with torch.no_grad():
             norm = torch.tensor(grad_norm)
             if pending is not None:
-                opt_state = pending.commit(reduced, grad_norm=norm)
+                opt_state = pending.commit(grad_norm=norm)
             else:
                 opt_params = self._opt_params(state.arriving_params(), layout, rank)
                 opt_state = O.update_params(optimizer, reduced, state.opt_state, opt_params, grad_norm=norm)
@@ -538,13 +541,13 @@ def _split_loss(where: str, out: Any) -> tuple[torch.Tensor, dict]:
     return out, aux
 
 
-def _stats(loss, aux, reduced, world: int, rank: int, replicated: bool) -> dict[str, Any]:
-    """One small all-reduce: loss (mean over ranks), gradient sum of squares, scalar aux values."""
+def _stats(loss, aux, norms, world: int, rank: int, replicated: bool) -> dict[str, Any]:
+    """One small all-reduce: loss (mean over ranks), gradient sum of squares (from each bucket's
+    norm; None: no gradient), scalar aux values."""
     scalars = {k: v for k, v in sorted(aux.items()) if _is_scalar(v)}
-    if reduced is None or (replicated and rank != 0):  # replicated: rank 0's norm is everyone's
+    if norms is None or (replicated and rank != 0):  # replicated: rank 0's norm is everyone's
         sumsq = torch.zeros((), dtype=torch.float64)
     else:
-        norms = torch._foreach_norm(list(reduced.values())) if reduced else []
         sumsq = sum((n.double() ** 2 for n in norms), torch.zeros((), dtype=torch.float64))
     vec = torch.stack(
         [loss.double().cpu(), sumsq.cpu()] + [torch.as_tensor(v, dtype=torch.float64).cpu() for v in scalars.values()]

@@ -256,6 +256,38 @@ def test_every_offloaded_step_copies_gradients_to_the_host_during_backward(monke
     assert sorted(k for k in seen if k != "finish") == sorted(f"b{i}" for i in range(n))
 
 
+@pytest.mark.parametrize("stage, use_amp", [(0, False), (0, True), (2, False)])
+def test_a_landed_gradient_leaves_the_device_before_the_next_lands(stage, use_amp, monkeypatch):
+    """Once a bucket's gradient is on the host nothing holds it on the device: at most the bucket filling
+    and the one landing are alive, whatever the stage (stage 0 too), and none at the update."""
+    import gc
+    import weakref
+
+    alive_at_landing, refs = [], []
+    grad, commit = OFFLOAD._Landing.grad, OFFLOAD._Landing.commit
+
+    def spy_grad(pending, key, g):
+        gc.collect()
+        alive_at_landing.append(sum(r() is not None for r in refs))
+        refs.append(weakref.ref(g))
+        return grad(pending, key, g)
+
+    def spy_commit(pending, **extra):
+        gc.collect()
+        assert all(r() is None for r in refs), "a landed gradient is still held at the update"
+        return commit(pending, **extra)
+
+    monkeypatch.setattr(OFFLOAD._Landing, "grad", spy_grad)
+    monkeypatch.setattr(OFFLOAD._Landing, "commit", spy_commit)
+    _, apply, loss_fn = make_transformer(extras=False)
+    step = _step(loss_fn, stage=stage, use_amp=use_amp, overlap=False)
+    state = step.init(apply.params)
+    n = len(state.spec.layout.buckets)
+    step(state, transformer_batch(0, 8))
+    assert len(refs) == n > 3
+    assert max(alive_at_landing) == 0
+
+
 # ---------------------------------------------------------------- memory and refusals
 
 

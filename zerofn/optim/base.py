@@ -46,20 +46,21 @@ class GradientTransformation(NamedTuple):
 class PendingUpdate:
     """An update started before its gradients were all known: what ``start_update`` returns.
 
-    The step that runs the optimizer calls ``grad(key, g)`` for each bucket
-    as soon as its gradient is final (averaged and unscaled, during
-    backward), then exactly one of ``commit(grads, **extra)``, which ends
-    the update (the new state) with every gradient and the same extras
-    ``update`` gets, or ``cancel()``, which leaves the state and parameters
-    as they were before ``start_update`` (a skipped step, an error in
-    backward). Work started on a ``grad`` must not change what anyone can
-    read until ``commit``.
+    The step that runs the optimizer calls ``grad(key, g)`` for every
+    bucket, each as soon as its gradient is final (averaged and unscaled,
+    during backward); ``g`` is the pending update's to keep or copy (the
+    step drops it on return). Then it calls exactly one of
+    ``commit(**extra)``, which ends the update and returns the new state
+    (``extra`` as ``update`` gets it: the global ``grad_norm``), or
+    ``cancel()``, which leaves the state and parameters as they were before
+    ``start_update`` (a skipped step, an error in backward). Work started
+    on a ``grad`` must not change what anyone can read until ``commit``.
     """
 
     def grad(self, key: str, grad: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def commit(self, grads: Updates, **extra: Any) -> OptState:
+    def commit(self, **extra: Any) -> OptState:
         raise NotImplementedError
 
     def cancel(self) -> None:
