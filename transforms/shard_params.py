@@ -88,7 +88,7 @@ from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn.functional import ACTIVE_RUN, Functional
 from zerofn.reduction import GradSink
-from zerofn.state import Bucket, Layout, TrainState
+from zerofn.state import Bucket, Layout, TrainState, settle
 from zerofn.step import Step, reapply, transform
 from zerofn.storage import Held, ParamSplit, Storage, gathered, to_host
 from zerofn.transforms._units import ROOT, Materialiser, MinUnitBytes, Unit, assign_units, inside, unit_buckets, unit_names
@@ -273,6 +273,9 @@ class _Runner:
         self.sink = sink
         self.host_shards = host_shards
         self.units = [_LiveUnit(u, i) for i, u in enumerate(self.layout.units)]
+        # The shards without waiting for an update still writing them (offload's, on its worker thread):
+        # each unit waits for its own buckets before it is gathered.
+        self.flats = state.arriving_params()
         self.by_name = {u.spec.name: u for u in self.units}
         self.leaves: dict[str, torch.Tensor] = {}
         self.hooks: list[Any] = []
@@ -284,7 +287,7 @@ class _Runner:
         # One rank holds whole buckets: the leaves view them where they lie, with nothing to gather or release.
         whole = C.world_size() == 1 and not host_shards
         for unit in self.units:
-            pairs = [(state.params[i], self.layout.buckets[i], True) for i in unit.spec.buckets]
+            pairs = [(self.flats[i], self.layout.buckets[i], True) for i in unit.spec.buckets]
             pairs += [(state.frozen[i], self.layout.frozen_buckets[i], False) for i in unit.spec.frozen]
             for shard, bucket, grads in pairs:
                 full = shard if whole else torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
@@ -355,7 +358,11 @@ class _Runner:
     # ---------------------------------------------------------- gather and release
 
     def _gather(self, unit: _LiveUnit) -> None:
-        if unit.ready or unit.handles or not unit.fulls:
+        if unit.ready or unit.handles:
+            return
+        for i in unit.spec.buckets:  # an update still writing a shard finishes first (on every rank alike)
+            settle(self.flats, i)
+        if not unit.fulls:
             return
         for full, shard in unit.fulls:
             full.untyped_storage().resize_(full.numel() * full.element_size())

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import zerofn as zf
 import zerofn.storage as S
 from helpers import make_mlp, make_transformer, max_abs_diff, mlp_batch, rank_slice, transformer_batch
-from zerofn.transforms import amp, offload, shard_grads, shard_optimizer
+from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_params
 
 OFFLOAD = sys.modules["zerofn.transforms.offload"]
 LR, WD = 3e-3, 0.1
@@ -92,6 +92,44 @@ def test_a_step_returns_with_its_update_running_and_the_forward_waits_bucket_by_
     where = {s.name: i for i, b in enumerate(layout.buckets) for s in b.slots}
     assert order[0] == where["tok.weight"]  # the embedding's bucket first
     assert len(set(order)) >= 3, order  # one bucket at a time, not all at once
+
+
+@pytest.mark.parametrize("params_on_host", [False, True])
+def test_under_shard_params_each_unit_waits_for_its_own_update(params_on_host):
+    """ZeRO-3: the next forward waits for each unit's buckets just before it gathers that unit, the first
+    unit first, not for the whole update at the first gather; the same numbers as updating first."""
+    unit_module = sys.modules["zerofn.transforms.shard_params"]
+    out = {}
+    for overlap in (False, True):
+        _, apply, loss_fn = make_transformer(extras=False)
+        gate, go = _gate()
+        opt = zf.optim.chain(gate, zf.optim.adamw(LR, weight_decay=WD))
+        step = offload(shard_params(zf.train_step(loss_fn, opt, bucket_bytes=1024)), "cpu", overlap=overlap,
+                       params=params_on_host)  # fmt: skip
+        state = _second_update_held(apply, step, go, hold=overlap)
+        order, real = [], unit_module.settle
+
+        def spy(flats, only=None):
+            if only is not None and S.in_flight(flats[only : only + 1]):
+                order.append(only)
+            real(flats, only)
+
+        if overlap:
+            assert S.in_flight(state.arriving_params()) == list(range(len(state.spec.layout.buckets)))
+            _release_later(go)
+        unit_module.settle = spy
+        try:
+            state, _ = step(state, transformer_batch(2, 8))
+        finally:
+            unit_module.settle = real
+            go.set()
+        out[overlap] = step.full_params(state)
+        if overlap:
+            units = state.spec.layout.units
+            first = [u.buckets for u in units if u.name == ""][0]  # the root (embeddings) runs first
+            assert order[: len(first)] == list(first), (order, first)
+            assert len(order) == len(state.spec.layout.buckets)  # each bucket waited for once, on its own
+    assert _same(out[True], out[False])
 
 
 READERS = {  # each the first read after a step whose update is held back
