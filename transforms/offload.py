@@ -5,11 +5,14 @@ optimizer after ``amp`` has (the fp32 master weights are optimizer state, so
 they move with it), whatever order the transforms were applied in.
 
 ``device="cpu"``: the optimizer state (and amp's fp32 master) lives in host
-memory, pinned when CUDA is present. Each update copies this rank's gradient
-partition to the host (non-blocking into pinned buffers on CUDA), runs the
-optimizer there (its fused kernel: torch's fused AdamW runs on the CPU), and
-copies the updated parameters back. On a CPU-only machine the same code runs:
-the host copy is a separate placement with its own buffers, not a shortcut.
+memory, pinned when CUDA is present. Backward copies this rank's gradient
+partition to the host bucket by bucket as each lands (non-blocking into
+pinned buffers on CUDA) and frees it on the device; the update runs the
+optimizer there (its fused kernel: torch's fused AdamW runs on the CPU) and
+copies the updated parameters back; ``overlap`` lets it run on alongside the
+next forward, ``early`` starts it during backward. On a CPU-only machine the
+same code runs: the host copy is a separate placement with its own buffers,
+not a shortcut.
 
 ``params=True`` (with ``shard_params``): the parameter shards themselves live
 on the host; each unit's shard is copied in just before its all-gather, so
