@@ -332,10 +332,15 @@ class _Landing(O.PendingUpdate):
     def __init__(self, state: HostState, params: dict, pin: bool, update) -> None:
         self.state, self.params, self.pin, self.update = state, params, pin, update
         self.copied: dict = {}  # key -> a CUDA event once its copy is done (None on the CPU)
+        self.kept: dict = {}  # key -> a gradient still on the device, for pageable host buffers
 
     def grad(self, key: str, grad: torch.Tensor) -> None:
         host = self.state.grads[key]
         settle([host])  # the update before this one reads it until it is done
+        if grad.device.type == "cuda" and not self.pin:
+            # Into pageable memory the copy would stall backward here: keep the gradient until commit.
+            self.kept[key] = grad
+            return
         host.copy_(grad, non_blocking=self.pin)
         event = None
         if self.pin:
@@ -343,6 +348,14 @@ class _Landing(O.PendingUpdate):
             event.record()
         self.copied[key] = event
         self.landed(key)
+
+    def copy_kept(self) -> None:
+        """The gradients kept on the device (pageable host memory), copied in now."""
+        for key, grad in self.kept.items():
+            self.state.grads[key].copy_(grad)
+            self.copied[key] = None
+            self.landed(key)
+        self.kept = {}
 
     def landed(self, key: str) -> None:
         pass
@@ -354,11 +367,13 @@ class _Landing(O.PendingUpdate):
 
     @torch.no_grad()
     def commit(self, **extra):
+        self.copy_kept()
         for k in self.copied:
             self.wait_copied(k)
         return self.update(extra)
 
     def cancel(self) -> None:
+        self.kept = {}
         for k in list(self.copied):
             self.wait_copied(k)
 
@@ -435,6 +450,7 @@ class _Speculation(_Landing):
 
     @torch.no_grad()
     def commit(self, **extra):
+        self.copy_kept()
         for k in self.copied:  # the buckets the speculation has not reached are updated without waiting
             self.wait_copied(k)
         self.decide(("commit", extra))
