@@ -531,14 +531,14 @@ class _PerBucket:
         return leaves, owner, defs
 
     def spare(self, state: Any, target: dict) -> dict | None:
-        """Room for a copy of each bucket's state and parameters (see :class:`_Speculation`); None
-        when the state cannot be taken apart by bucket."""
+        """Room for a copy of each bucket's state (see :class:`_Speculation`; the host parameters need
+        none: the device holds the same values until the update commits); None when the state cannot be
+        taken apart by bucket."""
         plan = self.plan(state, target)
         if plan is None:
             return None
         leaves, owner, _ = plan
-        return {k: [torch.empty_like(target[k])] + [torch.empty_like(t) for t, o in zip(leaves, owner) if o == k]
-                for k in target}  # fmt: skip
+        return {k: [torch.empty_like(t) for t, o in zip(leaves, owner) if o == k] for k in target}
 
 
 class _BucketRun:
@@ -562,7 +562,7 @@ class _BucketRun:
             self.before = {i: t.clone() for i, t in enumerate(self.leaves) if self.owner[i] is None}
 
     def _own(self, k: str) -> list:
-        return [self.target[k]] + [self.leaves[i] for i in self.mine[k] if self.owner[i] is not None]
+        return [self.leaves[i] for i in self.mine[k] if self.owner[i] is not None]
 
     def unsaved(self) -> list:
         return [k for k in self.target if k not in self.saved] if self.state.spare is not None else []
@@ -573,7 +573,9 @@ class _BucketRun:
             self.saved.add(k)
 
     def restore(self, k: str) -> None:
+        """Bucket ``k`` as saved, its host parameters from the device's (not written before the commit)."""
         torch._foreach_copy_(self._own(k), self.state.spare[k])
+        self.target[k].copy_(self.device[k])
 
     def update(self, k: str, extra: dict, speculative: bool = False) -> None:
         leaves, owner = self.leaves, self.owner
