@@ -44,10 +44,11 @@ gradients exist inside a step. Also inside a step:
 gradients + max(activations + gathered units, update transient).
 
 Optimizer state in CPU RAM (``"cpu"``): the GPU keeps only parameters and
-the gradients of the buckets backward is landing; the host holds, per rank, the optimizer state (K S), an fp32
-gradient buffer kept from step to step (4 S) and a host copy of the
-parameters it updates (2 S, or the parameters themselves when they rest
-on the host too: ``param_offload="cpu"``, ZeRO-3 only): 18 bytes per
+the gradients of the buckets backward is landing; the host holds, per
+rank, the optimizer state (K S), an fp32 gradient buffer kept from step
+to step (4 S) and a host copy of the parameters it updates (2 S, or the
+parameters themselves when they rest on the host too:
+``param_offload="cpu"``, ZeRO-3 only): 18 bytes per
 parameter in mixed precision, where write-ups of ZeRO-Offload count 12.
 On NVMe (``"nvme"``): the files hold two generations of the K S state plus
 a staging copy of the parameters, (2 K + 2) S bytes; RAM holds a few

@@ -107,7 +107,7 @@ class GradSink:
 
     def __init__(self, layout: Layout, reduction: Reduction, grad_dtype: Callable[[torch.dtype], torch.dtype],
                  rank: int, reduce: bool, carried=None, reduced_sums=None,
-                 on_result: Callable[[int, torch.Tensor], torch.Tensor] | None = None):  # fmt: skip
+                 on_result: Callable[[int, torch.Tensor], None] | None = None):  # fmt: skip
         n = len(layout.buckets)
         self.sums = list(reduced_sums) if reduced_sums is not None else None
         self.layout, self.reduction, self.rank, self.reduce = layout, reduction, rank, reduce
