@@ -365,17 +365,20 @@ class _Landing(O.PendingUpdate):
         if event is not None:
             event.synchronize()
 
-    @torch.no_grad()
-    def commit(self, **extra):
+    def all_copied(self) -> None:
+        """Every landed gradient in its host buffer."""
         self.copy_kept()
         for k in self.copied:
             self.wait_copied(k)
+
+    @torch.no_grad()
+    def commit(self, **extra):
+        self.all_copied()
         return self.update(extra)
 
     def cancel(self) -> None:
         self.kept = {}
-        for k in list(self.copied):
-            self.wait_copied(k)
+        self.all_copied()
 
 
 class _Speculation(_Landing):
@@ -450,9 +453,7 @@ class _Speculation(_Landing):
 
     @torch.no_grad()
     def commit(self, **extra):
-        self.copy_kept()
-        for k in self.copied:  # the buckets the speculation has not reached are updated without waiting
-            self.wait_copied(k)
+        self.all_copied()  # the buckets the speculation has not reached are updated without waiting
         self.decide(("commit", extra))
         state, run = self.state, self.run
         if not self.run_later:

@@ -365,7 +365,7 @@ class Step:
 
         def final(i: int, r: torch.Tensor) -> None:  # phase 4 below, for one bucket, as it lands
             g = precision.optimizer_grads({"g": r})["g"]
-            torch._foreach_mul_([g], [sink.predivide[i] / (world * k * scale)])
+            torch._foreach_mul_([g], [factors[i]])
             norms.extend(torch._foreach_norm([g]))
             pending.grad(f"b{i}", g)
 
@@ -374,6 +374,7 @@ class Step:
             carried=None if every_micro else carried, reduced_sums=carried if every_micro else None,
             on_result=final if pending is not None else None,
         )  # fmt: skip
+        factors = [d / (world * k * scale) for d in sink.predivide]  # phase 4's, per bucket
 
         try:
             # 2. Forward and backward; each bucket is reduced as backward completes it.
@@ -392,7 +393,7 @@ class Step:
             # 4. Average over ranks and micro-steps and undo the loss scale: one fused multiply.
             if pending is None:
                 reduced = precision.optimizer_grads(reduced)
-                torch._foreach_mul_(list(reduced.values()), [d / (world * k * scale) for d in sink.predivide])
+                torch._foreach_mul_(list(reduced.values()), factors)
                 norms = torch._foreach_norm(list(reduced.values())) if reduced else []
             stats = _stats(loss, aux, norms, world, rank, self.reduction.replicated)
         except BaseException:

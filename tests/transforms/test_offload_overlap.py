@@ -68,6 +68,26 @@ def _second_update_held(apply, step, go, hold):
 # ---------------------------------------------------------------- overlap: the same numbers, reads wait
 
 
+def _settle_order(module, step, state, go):
+    """Release the held update shortly, run the next step, and return its state and the buckets it waited
+    for through ``module.settle``, in order, each while it was still in flight."""
+    order, real = [], module.settle
+
+    def spy(flats, only=None):
+        if only is not None and S.in_flight(flats[only : only + 1]):
+            order.append(only)
+        real(flats, only)
+
+    _release_later(go)
+    module.settle = spy
+    try:
+        state, _ = step(state, transformer_batch(2, 8))
+    finally:
+        module.settle = real
+        go.set()
+    return state, order
+
+
 def test_a_step_returns_with_its_update_running_and_the_forward_waits_bucket_by_bucket():
     _, apply, loss_fn = make_transformer()
     step, go = _gated(loss_fn, overlap=True)
@@ -75,20 +95,7 @@ def test_a_step_returns_with_its_update_running_and_the_forward_waits_bucket_by_
     layout = state.spec.layout
     assert len(layout.buckets) > 3
     assert S.in_flight(state.arriving_params()) == list(range(len(layout.buckets)))
-    order, real = [], S.settle
-
-    def spy(flats, only=None):
-        if only is not None:
-            order.append(only)
-        real(flats, only)
-
-    _release_later(go)
-    S.settle = spy
-    try:
-        state, _ = step(state, transformer_batch(2, 8))
-    finally:
-        S.settle = real
-        go.set()
+    state, order = _settle_order(S, step, state, go)
     where = {s.name: i for i, b in enumerate(layout.buckets) for s in b.slots}
     assert order[0] == where["tok.weight"]  # the embedding's bucket first
     assert len(set(order)) >= 3, order  # one bucket at a time, not all at once
@@ -107,22 +114,9 @@ def test_under_shard_params_each_unit_waits_for_its_own_update(params_on_host):
         step = offload(shard_params(zf.train_step(loss_fn, opt, bucket_bytes=1024)), "cpu", overlap=overlap,
                        params=params_on_host)  # fmt: skip
         state = _second_update_held(apply, step, go, hold=overlap)
-        order, real = [], unit_module.settle
-
-        def spy(flats, only=None):
-            if only is not None and S.in_flight(flats[only : only + 1]):
-                order.append(only)
-            real(flats, only)
-
         if overlap:
             assert S.in_flight(state.arriving_params()) == list(range(len(state.spec.layout.buckets)))
-            _release_later(go)
-        unit_module.settle = spy
-        try:
-            state, _ = step(state, transformer_batch(2, 8))
-        finally:
-            unit_module.settle = real
-            go.set()
+        state, order = _settle_order(unit_module, step, state, go)
         out[overlap] = step.full_params(state)
         if overlap:
             units = state.spec.layout.units

@@ -8,6 +8,7 @@ goes through.
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Callable, NamedTuple, Union
 
 import torch
@@ -43,7 +44,7 @@ class GradientTransformation(NamedTuple):
     start_update: Callable[..., "PendingUpdate"] | None = None
 
 
-class PendingUpdate:
+class PendingUpdate(abc.ABC):
     """An update started before its gradients were all known: what ``start_update`` returns.
 
     The step that runs the optimizer calls ``grad(key, g)`` for every
@@ -57,14 +58,17 @@ class PendingUpdate:
     on a ``grad`` must not change what anyone can read until ``commit``.
     """
 
+    @abc.abstractmethod
     def grad(self, key: str, grad: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Bucket ``key``'s final gradient."""
 
+    @abc.abstractmethod
     def commit(self, **extra: Any) -> OptState:
-        raise NotImplementedError
+        """End the update: the new state."""
 
+    @abc.abstractmethod
     def cancel(self) -> None:
-        raise NotImplementedError
+        """Leave the state and parameters as they were before ``start_update``."""
 
 
 class PendingNorm:
