@@ -169,15 +169,21 @@ def offload(
     have = step.extension("offload")
     if reapply(step, "offload", have and have.options, options, "offloads (device and settings)"):
         return step
-    late = device == "cpu" and (bool(delay) or overlap or (overlap is None and torch.cuda.is_available()))
+    late = functools.partial(_runs_late, delay=delay, overlap=overlap) if device == "cpu" else None
     step = step.extend(
         Extension("offload", options, wrap_optimizer=wrap, check=_needs_units if params else None, updates_late=late)
     )
-    return step.replace(storage=step.storage.replace(host=True)) if params else step
+    return step.replace(storage=step.storage.replace(param_placement="cpu")) if params else step
+
+
+def _runs_late(device_type: str, *, delay: int, overlap: bool | None) -> bool:
+    """Whether the host update may run on after the step returns, for parameters on ``device_type``:
+    delayed, or overlapped (by default where the forward runs on an accelerator)."""
+    return bool(delay) or bool(overlap) or (overlap is None and device_type != "cpu")
 
 
 def _needs_units(step: Step) -> None:
-    if step.reduction.stage < 3:
+    if not step.storage.gathers_units:
         raise ValueError(
             f"{step.name}.init: offload(params=True) keeps parameter shards on the host and brings them in "
             "per unit, which needs shard_params: offload(shard_params(step), params=True)"
@@ -255,7 +261,7 @@ def _host_optimizer(
         return state._replace(spare=split.spare(state.inner, host)) if early else state
 
     def later(params) -> bool:  # whether the update may run on after the step returns
-        return bool(delay) or overlap or (overlap is None and any(p.device.type != "cpu" for p in params.values()))
+        return any(_runs_late(p.device.type, delay=delay, overlap=overlap) for p in params.values())
 
     def to_host_grads(grads, state) -> None:
         torch._foreach_copy_(T.tree_leaves(state.grads), T.tree_leaves(grads), non_blocking=pin)

@@ -62,8 +62,8 @@ def shard_grads(step: Step, /, *, bucket_bytes: int | None = None) -> Step:
     if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
         raise ValueError(f"shard_grads: bucket_bytes must be a positive int, got {bucket_bytes!r}")
     want = step.bucket_bytes if bucket_bytes is None else bucket_bytes
-    have = step.bucket_bytes if step.reduction.stage >= 2 else None
+    have = step.bucket_bytes if step.reduction.shards_grads else None
     if reapply(step, "shard_grads", have, want, "shards gradients with bucket_bytes"):
         return step
     sharded = shard_optimizer(step)
-    return sharded.replace(reduction=sharded.reduction.replace(stage=2, name="shard_grads"), bucket_bytes=want)
+    return sharded.replace(reduction=sharded.reduction.replace(grads=True, name="shard_grads"), bucket_bytes=want)

@@ -1,7 +1,7 @@
 """``shard_optimizer`` (ZeRO stage 1): each rank holds and updates 1/N of the optimizer state.
 
 Replaces the step's ``reduction`` part (see ``zerofn.step``) with a
-:class:`ShardedReduction` of stage 1:
+:class:`ShardedReduction` (``shards_optimizer``):
 
 - every bucket is padded to a multiple of N and split in N contiguous
   shards; rank r owns shard r of every bucket, and the storage gives the
@@ -23,8 +23,8 @@ Example:
     >>> apply = zf.functional(torch.nn.Linear(4, 1))
     >>> loss_fn = lambda p, b: apply(p, b).square().mean()
     >>> step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-3)))
-    >>> step.name, step.reduction.stage
-    ('shard_optimizer(train_step)', 1)
+    >>> step.name, step.reduction.shards_optimizer, step.reduction.shards_grads
+    ('shard_optimizer(train_step)', True, False)
 """
 
 from __future__ import annotations
@@ -45,13 +45,22 @@ __all__ = ["ShardedReduction", "shard_optimizer"]
 class ShardedReduction(Reduction):
     """Buckets reduce-scattered over N shards: rank r receives the summed gradient of shard r.
 
-    ``stage`` 1 reduces once per update; from stage 2 on, gradients are
-    sharded for the whole step: every micro-step reduce-scatters and the
-    state carries only this rank's reduced partition between micro-steps.
+    Without ``grads`` (ZeRO-1) it reduces once per update; with ``grads``
+    (ZeRO-2, set by ``shard_grads``) gradients are sharded for the whole
+    step: every micro-step reduce-scatters and the state carries only this
+    rank's reduced partition between micro-steps.
     """
 
-    stage: int = 1
     name: str | None = "shard_optimizer"
+    grads: bool = False
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return True
+
+    @property
+    def shards_grads(self) -> bool:
+        return self.grads
 
     def shards(self, world: int) -> int:
         return world
@@ -62,7 +71,7 @@ class ShardedReduction(Reduction):
 
     @property
     def every_micro(self) -> bool:
-        return self.stage >= 2
+        return self.grads
 
     def reduce(self, grad: torch.Tensor, bucket: Bucket, rank: int, out: torch.Tensor | None) -> C.Handle:
         if out is None and bucket.shards == 1:
@@ -89,6 +98,6 @@ def shard_optimizer(step: Step, /) -> Step:
     Raises:
         TypeError: ``step`` is not a Step.
     """
-    if step.reduction.stage >= 1:
+    if step.reduction.shards_optimizer:
         return step
     return step.replace(reduction=ShardedReduction())

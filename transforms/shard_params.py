@@ -40,7 +40,7 @@ their gradients land, as in ``shard_grads``), and the ``storage``, with a
   ``init_fn``, a Hugging Face model's own ``_init_weights``, or the module's
   ``reset_parameters``).
 - ``full_params`` and ``forward`` (``step.apply``): gather one unit at a time.
-- ``host`` (``offload(params=True)``): shards rest in host memory and each
+- ``param_placement="cpu"`` (``offload(params=True)``): shards rest in host memory and each
   is copied in just before its unit's all-gather.
 
 Why module hooks and not autograd-aware gathers under selective
@@ -140,12 +140,12 @@ def shard_params(
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"shard_params: prefetch must be an int >= 0, got {prefetch!r}")
     units = tuple(units) if isinstance(units, (list, tuple)) else units  # hashable, like the rest of a Step
-    storage = UnitStorage(host=step.storage.host, units=units, prefetch=prefetch, init_fn=init_fn)
-    have = step.storage if step.reduction.stage >= 3 else None
+    storage = UnitStorage(param_placement=step.storage.param_placement, units=units, prefetch=prefetch, init_fn=init_fn)
+    have = step.storage if step.storage.gathers_units else None
     if reapply(step, "shard_params", have, storage, "shards parameters"):
         return step
     sharded = shard_grads(step)
-    return sharded.replace(reduction=sharded.reduction.replace(stage=3, name="shard_params"), storage=storage)
+    return sharded.replace(reduction=sharded.reduction.replace(name="shard_params"), storage=storage)
 
 
 # ---------------------------------------------------------------- the storage
@@ -156,6 +156,10 @@ class UnitStorage(Storage):
     """Parameter shards at rest, gathered per unit around the module's calls (see the module docs)."""
 
     units: Any = None
+
+    @property
+    def gathers_units(self) -> bool:
+        return True
     prefetch: int = 1
     init_fn: Any = None
 
@@ -191,14 +195,14 @@ class UnitStorage(Storage):
             units=tuple(units),
         )
         shards = Materialiser(functional.module, named, self.init_fn).fill(buckets + frozen_buckets, rank)
-        if self.host:  # shards at rest in host memory
+        if self.param_placement == "cpu":  # shards at rest in host memory
             shards = [to_host(t, torch.cuda.is_available()) for t in shards]
         flats, frozen = tuple(shards[: len(buckets)]), tuple(shards[len(buckets) :])
         return Held(flats, frozen, layout, {ORDER: torch.zeros(0, dtype=torch.int64)})
 
     @contextlib.contextmanager
     def bind(self, state: TrainState, sink: GradSink, model: Callable, extra: dict):
-        runner = _Runner(state, model(), self.prefetch, sink, self.host)
+        runner = _Runner(state, model(), self.prefetch, sink, self.param_placement == "cpu")
         token = ACTIVE_RUN.set(runner)
         try:
             yield runner.placeholders()
@@ -218,7 +222,7 @@ class UnitStorage(Storage):
         return None  # updated in place, gathered when used
 
     def forward(self, state: TrainState, model: Callable, args: tuple, kwargs: dict) -> Any:
-        runner = _Runner(state, model(), self.prefetch, None, self.host)
+        runner = _Runner(state, model(), self.prefetch, None, self.param_placement == "cpu")
         try:
             with torch.no_grad():
                 return runner.run(args, kwargs)

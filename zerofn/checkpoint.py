@@ -80,7 +80,6 @@ from zerofn import tree as T
 from zerofn._safetensors import BLOCK, IntegrityError, Reader, Writer, checksum_file, dtype_from_name, DTYPES
 from zerofn.functional import owner_of
 from zerofn.state import Bucket, Slot, TrainState
-from zerofn.step import STRUCTURE_ONLY
 
 __all__ = [
     "CheckpointError", "FileTensor", "IntegrityError", "SaveHandle", "consolidate", "find_quantity", "latest", "load",
@@ -942,7 +941,7 @@ def load(
     try:
         if state is None:
             if params is None:
-                params = step._model().params
+                params = step.model().params
             owner = owner_of(params)
             if owner is not None and owner.adopted:
                 raise CheckpointError(
@@ -950,13 +949,9 @@ def load(
                     "over), so they cannot seed another. Pass that state to fill in place: "
                     "load(path, step, state=state), or build a fresh model for the step."
                 )
-            token = STRUCTURE_ONLY.set(True)  # the values are overwritten below: unseeded ranks may differ
-            try:
-                state = step.init(params)
-            finally:
-                STRUCTURE_ONLY.reset(token)
+            state = step.init(params, structure_only=True)  # the values are overwritten below
         else:
-            step._check_state(state)
+            step.check_state(state)
         layouts = _layouts(state)
         _check_model(saved, layouts, state)
         parts, small = _state_parts(state, C.rank(), layouts)

@@ -16,10 +16,11 @@ optional:
   under ``state.extra[key]``.
 - ``check``: ``check(step)`` runs when ``step.init`` is called, before
   anything is built, for settings that depend on transforms applied later.
-- ``updates_late``: its optimizer wrapper may leave the update running
-  after the step returns, the tensors it writes marked with
-  :func:`zerofn.state.arriving`; the module a state adopts then waits for
-  them before its parameters are read.
+- ``updates_late``: ``updates_late(device_type) -> bool``, whether its
+  optimizer wrapper may leave the update running after the step returns
+  when the parameters compute on ``device_type`` (the tensors it writes
+  marked with :func:`zerofn.state.arriving`); the module a state adopts
+  then waits for them before its parameters are read.
 
 Its ``name`` is its piece of the step's name, and ``options`` what it was
 asked for: a transform applied to a step that already has its extension
@@ -62,7 +63,8 @@ class Extension:
         around: ``(model, state) -> context manager`` around forward and backward, or None.
         entries: ``(key, init)`` pairs for ``state.extra``.
         check: ``step -> None``, raises when the finished step cannot honour the extension.
-        updates_late: the optimizer wrapper may still be writing after the step returns.
+        updates_late: ``device_type -> bool``: the optimizer wrapper may still be writing after the
+            step returns, for parameters on that device type (None: never).
     """
 
     name: str
@@ -71,4 +73,4 @@ class Extension:
     around: Callable | None = None
     entries: tuple[tuple[str, Callable[[], Any]], ...] = ()
     check: Callable | None = None
-    updates_late: bool = False
+    updates_late: Callable[[str], bool] | None = None

@@ -4,8 +4,9 @@ A Step's ``reduction`` says how a gradient bucket is reduced over the ranks
 and how many shards the optimizer splits each bucket into. The default here
 is DDP's: every bucket all-reduced, every rank holding and updating the
 whole of it (ZeRO stage 0). A transform that shards optimizer state replaces
-it with a subclass of a higher ``stage``; transforms that imply one another
-compare stages (``step.reduction.stage >= 2``), never names.
+it with a subclass that says so through named capabilities
+(``shards_optimizer``, ``shards_grads``); transforms that imply one another
+read those, never names or stage numbers.
 
 :class:`GradSink` is the engine: backward hands it each parameter's
 gradient through a post-accumulate-grad hook on a leaf the step created
@@ -16,8 +17,8 @@ bucket order, while backward goes on.
 Example:
     >>> from zerofn.reduction import Reduction
     >>> r = Reduction()
-    >>> r.stage, r.shards(world=4), r.replicated, r.every_micro
-    (0, 1, True, False)
+    >>> r.shards_optimizer, r.shards_grads, r.shards(world=4), r.replicated, r.every_micro
+    (False, False, 1, True, False)
 """
 
 from __future__ import annotations
@@ -39,13 +40,20 @@ class Reduction:
     """Replicated gradients (DDP): each bucket is all-reduced; the optimizer updates all of it.
 
     Attributes:
-        stage: the ZeRO stage this reduction gives: 0 here; subclasses raise
-            it (1 optimizer state sharded, 2 gradients too, 3 parameters too).
         name: this part's piece of the step's name (None: it adds none).
     """
 
-    stage: int = 0
     name: str | None = None
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Each rank updates (and holds the optimizer state of) its shard of every bucket only."""
+        return False
+
+    @property
+    def shards_grads(self) -> bool:
+        """Gradients are sharded for the whole step: no rank holds a whole reduced gradient."""
+        return False
 
     def shards(self, world: int) -> int:
         """How many shards each bucket is split into for the optimizer."""

@@ -63,7 +63,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -87,10 +86,6 @@ from zerofn.storage import Storage, split_params
 __all__ = ["DEFAULT_BUCKET_BYTES", "Step", "StepTransform", "reapply", "train_step", "transform"]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # torch DDP's default bucket_cap_mb
-
-# Set while init builds a state whose values are overwritten next (a checkpoint's load): the ranks'
-# parameters then only give the structure, and need not agree.
-STRUCTURE_ONLY: contextvars.ContextVar = contextvars.ContextVar("zerofn_structure_only", default=False)
 
 IGNORED_PARAMS_HELP = """\
 {name}(state, batch): no gradient reached the parameters the step passed to
@@ -171,15 +166,15 @@ class Step:
             self._found["optimizer"] = opt
         return self._found["optimizer"]
 
-    def _model(self) -> Functional:
-        """The ``zf.functional`` apply that ``loss_fn`` calls."""
+    def model(self) -> Functional:
+        """The ``zf.functional`` apply that ``loss_fn`` calls (found in its closure on first use)."""
         if "model" not in self._found:
             self._found["model"] = find_functional(self.loss_fn)
         return self._found["model"]
 
     # ------------------------------------------------------------ init and views
 
-    def init(self, params: Any, *, keep_module: bool = False) -> TrainState:
+    def init(self, params: Any, *, keep_module: bool = False, structure_only: bool = False) -> TrainState:
         """Build the state for ``params`` (a tree of tensors, e.g. ``apply.params``).
 
         Tensors with ``requires_grad=False`` (or a non-float dtype) are frozen:
@@ -211,13 +206,13 @@ class Step:
         named = {k: self.precision.cast(v, owner(k)) for k, v in split.named.items()}  # held (and run) so
         split = split._replace(named=named, trainable={k: named[k] for k in split.trainable})
         world, rank = C.world_size(), C.rank()
-        if world > 1 and not STRUCTURE_ONLY.get():
+        if world > 1 and not structure_only:
             _check_same_params(split.named, self.name)
         held = self.storage.init(
             split,
             shards=self.reduction.shards(world),
             bucket_bytes=self.bucket_bytes,
-            model=lambda: functional or self._model(),
+            model=lambda: functional or self.model(),
         )
         opt_state = self.effective_optimizer.init(self._opt_params(held.params, held.layout, rank))
         extra = dict(held.extra)
@@ -243,7 +238,8 @@ class Step:
             ),
         )
         if functional is not None and not keep_module:
-            late = any(e.updates_late for e in self.extensions)
+            device = torch.device(_device(held.layout)).type
+            late = any(e.updates_late(device) for e in self.extensions if e.updates_late is not None)
             self.storage.adopt(functional, state, share=self.donate, updates_late=late)
         return state
 
@@ -264,9 +260,9 @@ class Step:
         full-precision weights the optimizer updates (amp's fp32 masters;
         frozen parameters, which have none, as held, in fp32).
         """
-        self._check_state(state)
+        self.check_state(state)
         masters = self.precision.masters(state.opt_state) if master else None
-        full = self.storage.full_params(state, self._model, masters)
+        full = self.storage.full_params(state, self.model, masters)
         if requires_grad:  # trainable as they were, for init, which reads trainability from requires_grad
             layout = state.spec.layout
             trainable = {s.name for b in layout.buckets for s in b.slots}
@@ -282,7 +278,7 @@ class Step:
         Collective, like :meth:`full_params`; ``master`` as there.
         """
         full = self.full_params(state, master=master)
-        return self._model().state_dict_of(full, state.buffers)
+        return self.model().state_dict_of(full, state.buffers)
 
     def apply(self, state: TrainState, *args: Any, **kwargs: Any) -> Any:
         """The model's forward on the current parameters, without gradients (evaluation, generation).
@@ -293,14 +289,15 @@ class Step:
         larger than one rank. Collective: call it on every rank, in the same
         order as the other collective calls.
         """
-        self._check_state(state)
+        self.check_state(state)
         with contextlib.ExitStack() as stack:
             if state.buffers:
-                stack.callback(self._model().bind_buffers(state.buffers))
+                stack.callback(self.model().bind_buffers(state.buffers))
             stack.enter_context(self.precision.autocast(_device(state.spec.layout)))
-            return self.storage.forward(state, self._model, args, kwargs)
+            return self.storage.forward(state, self.model, args, kwargs)
 
-    def _check_state(self, state: Any) -> None:
+    def check_state(self, state: Any) -> None:
+        """Raise, saying what to do, unless ``state`` is a live state this step made (its chain, this world size)."""
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"{self.name}(state, batch): state is a {type(state).__name__}, expected the TrainState made by "
@@ -328,7 +325,7 @@ class Step:
         ``zerofn.collectives.CollectiveTimeoutError`` after
         ``ZEROFN_TIMEOUT_S`` (default 600 s).
         """
-        self._check_state(state)
+        self.check_state(state)
         with C.counting() as counter:
             _check_batch(self.name, batch)
             if not self.donate:  # the copy reads state.params, which waits for a publish in flight
@@ -427,11 +424,11 @@ class Step:
         before = _float_buffers(state.buffers, copy=True)
         with contextlib.ExitStack() as stack:
             if state.buffers:
-                stack.callback(self._model().bind_buffers(state.buffers))
-            params = stack.enter_context(self.storage.bind(state, sink, self._model, extra))
+                stack.callback(self.model().bind_buffers(state.buffers))
+            params = stack.enter_context(self.storage.bind(state, sink, self.model, extra))
             for e in self.extensions:
                 if e.around is not None:
-                    stack.enter_context(e.around(self._model, state))
+                    stack.enter_context(e.around(self.model, state))
             # Parameters a zf.functional call swaps in stay until backward is over,
             # so a recompute in backward (checkpointing in the model) sees them too.
             token = BINDING.set(stack)

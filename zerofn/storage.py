@@ -108,9 +108,11 @@ class Storage:
 
     Attributes:
         name: this part's piece of the step's name (None: it adds none).
-        host: keep parameters at rest in host memory and bring them in when
-            used; honoured by storages that gather parameters when used
-            (this one keeps them where they are).
+        param_placement: where parameters rest between uses: ``"device"``
+            (where they compute) or ``"cpu"`` (host memory, brought in when
+            used). Only a storage that gathers units (``gathers_units``)
+            can keep them away from the device; this one refuses ``"cpu"``
+            at ``init`` (a transform that asks for it checks first).
         defer_publish: let the all-gathers of updated shards run on after the
             step returns, each waited for when the parameters are first read
             (the next forward, per bucket); False waits for them before the
@@ -118,12 +120,22 @@ class Storage:
     """
 
     name: str | None = None
-    host: bool = False
+    param_placement: str = "device"
     defer_publish: bool = True
+
+    @property
+    def gathers_units(self) -> bool:
+        """Parameters are held as shards and gathered unit by unit when a module uses them."""
+        return False
 
     def init(self, split: ParamSplit, *, shards: int, bucket_bytes: int, model: Callable | None) -> Held:
         """The parameter part of a fresh state; ``model()`` returns the ``zf.functional`` apply, if needed."""
         trainable = split.trainable
+        if self.param_placement != "device":
+            raise ValueError(
+                f"init: parameters cannot rest on {self.param_placement!r} here: this storage keeps full parameters "
+                "where they compute; a storage that gathers units (gathers_units) brings them in when used"
+            )
         meta = [k for k, v in split.named.items() if v.device.type == "meta"]
         if meta:
             raise ValueError(
