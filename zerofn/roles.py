@@ -31,7 +31,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["Inner", "Quantity", "parts_of", "placement_of"]
+from zerofn import keys
+from zerofn import tree as T
+
+__all__ = ["Inner", "Quantity", "find_quantity", "parts_of", "placement_of"]
 
 
 class Inner(NamedTuple):
@@ -78,3 +81,21 @@ def placement_of(node: Any) -> str | None:
         parts = parts_of(node)
         node = next((p.tree for p in parts or () if isinstance(p, Inner)), None)
     return None
+
+
+def find_quantity(tree: Any, name: str) -> dict[int, Any]:
+    """Bucket index -> this rank's piece of the :class:`Quantity` called ``name`` declared anywhere in
+    ``tree`` (an optimizer state), following :class:`Inner` records; empty when none is declared."""
+    found: dict[int, Any] = {}
+    for node in T.tree_leaves(tree, is_leaf=lambda x: parts_of(x) is not None):
+        for part in parts_of(node) or ():
+            if isinstance(part, Inner):
+                found.update(find_quantity(part.tree, name))
+            elif part.name == name:
+                paths, leaves, _ = T.tree_flatten_with_path(part.tree)
+                for path, leaf in zip(paths, leaves):
+                    i = keys.bucket_index(path[-1]) if path else None
+                    if i is None:
+                        raise ValueError(f"{name}: a declared quantity's leaf at {path} is not keyed by bucket")
+                    found[i] = leaf
+    return found

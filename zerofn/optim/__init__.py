@@ -55,6 +55,7 @@ from zerofn.optim.base import (
     in_place,
     update_params,
 )
+from zerofn.optim.probe import StateProbe, probe_state
 from zerofn.optim.schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -87,6 +88,7 @@ __all__ = [
     "ScaleByScheduleState",
     "ScaleState",
     "Schedule",
+    "StateProbe",
     "TraceState",
     "adam",
     "adamw",
@@ -103,6 +105,7 @@ __all__ = [
     "deepspeed_warmup_lr",
     "global_norm",
     "linear_schedule",
+    "probe_state",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
