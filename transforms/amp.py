@@ -72,18 +72,42 @@ from torch.utils._pytree import tree_map_only
 
 from zerofn import optim as O
 from zerofn import tree as T
-from zerofn.checkpoint import FileTensor, find_quantity
+from zerofn._io import FileTensor
+from zerofn.roles import Inner, Quantity, find_quantity
 from zerofn.functional import BINDING
 from zerofn.precision import Precision
 from zerofn.step import Step, reapply, transform
 
 __all__ = [
-    "DynamicLossScale", "FP32_MODULES", "MasterState", "MixedPrecision", "NoOpLossScale", "StaticLossScale", "amp",
+    "FP32_MODULES",
+    "MASTER",
+    "DynamicLossScale",
+    "MasterState",
+    "MixedPrecision",
+    "NoOpLossScale",
+    "ScaleSettings",
+    "StaticLossScale",
+    "amp",
     "master_weights",
-]  # fmt: skip
+]
 
 _DEFAULT = object()
 _DTYPES = (torch.bfloat16, torch.float16)
+
+
+class ScaleSettings(NamedTuple):
+    """The loss scale's settings as :func:`amp` was given them (compared when amp is applied again)."""
+
+    loss_scale: Any = None  # "dynamic", a positive float (static) or None (no scaling)
+    init_scale: float = 2.0**16
+    growth_interval: int = 1000
+    backoff: float = 0.5
+    hysteresis: int = 2
+    min_scale: float = 1.0
+
+    def new(self) -> Any:
+        """A fresh loss scale of these settings; raises a ValueError on a bad setting."""
+        return _new_scale(self)
 _COMPUTE = ("autocast", "param")
 # Modules that run in fp32 under compute="param": norms (BatchNorm, InstanceNorm, LayerNorm, GroupNorm,
 # LocalResponseNorm, RMSNorm where torch has it) and losses.
@@ -168,6 +192,8 @@ class DynamicLossScale:
 
 # ---------------------------------------------------------------- master weights
 
+MASTER = "master"  # the quantity amp's fp32 master weights are declared (and saved) as
+
 
 class MasterState(NamedTuple):
     """fp32 master copies of the parameters an optimizer updates, and that optimizer's state."""
@@ -175,9 +201,9 @@ class MasterState(NamedTuple):
     master: Any
     inner: Any
 
-    def checkpoint_parts(self) -> dict:
-        """For ``zerofn.checkpoint``: the masters are their own quantity; the inner state continues."""
-        return {"@master": self.master, "": self.inner}
+    def state_parts(self) -> tuple:
+        """What this state holds (``zerofn.roles``): the parameters in full precision, then the inner state."""
+        return (Quantity(MASTER, self.master, precise=True), Inner(self.inner))
 
 
 def master_weights(inner: O.GradientTransformation) -> O.GradientTransformation:
@@ -223,8 +249,8 @@ class MixedPrecision(Precision):
     Attributes:
         dtype: ``torch.bfloat16`` or ``torch.float16``.
         reduce_dtype: the dtype gradients travel in (None: ``dtype``).
-        scale_settings: ``(loss_scale, init_scale, growth_interval, backoff,
-            hysteresis, min_scale)`` as given to :func:`amp`.
+        scale_settings: the loss scale's settings as given to :func:`amp`
+            (:class:`ScaleSettings`).
         compute: ``"autocast"`` (the forward under ``torch.autocast``) or
             ``"param"`` (in the parameters' dtype, ``fp32_modules`` in fp32).
         fp32_modules: the module types that run in fp32 under ``"param"``
@@ -234,7 +260,7 @@ class MixedPrecision(Precision):
     name: str | None = "amp"
     dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype | None = None
-    scale_settings: tuple = (None,)
+    scale_settings: ScaleSettings = ScaleSettings()
     compute: str = "autocast"
     fp32_modules: tuple = ()
 
@@ -261,13 +287,13 @@ class MixedPrecision(Precision):
         return {k: v.float() for k, v in reduced.items()}  # the optimizer works on the fp32 masters
 
     def masters(self, opt_state: Any) -> tuple | None:
-        found = find_quantity(opt_state, "master")  # in memory, on the host, or in NVMe files
+        found = find_quantity(opt_state, MASTER)  # in memory, on the host, or in NVMe files
         if not found:
             raise ValueError("amp: no fp32 master weights in the optimizer state (a state of another step?)")
         return tuple(t.read() if isinstance(t, FileTensor) else t for t in (found[i] for i in range(len(found))))
 
     def new_loss_scale(self) -> Any:
-        return _new_scale(*self.scale_settings)
+        return self.scale_settings.new()
 
     def loss_scale_factor(self, loss_scale: Any) -> float:
         return float(loss_scale.scale)
@@ -346,8 +372,8 @@ def amp(
         raise ValueError(f"amp: reduce_dtype must be a floating dtype such as torch.float32, got {reduce_dtype!r}")
     if loss_scale is _DEFAULT:
         loss_scale = "dynamic" if dtype == torch.float16 else None
-    settings = (loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale)
-    _new_scale(*settings)  # check the settings now, not at init
+    settings = ScaleSettings(loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale)
+    settings.new()  # check the settings now, not at init
     modules = _fp32_modules(compute, fp32_modules)
     policy = MixedPrecision(
         dtype=dtype, reduce_dtype=reduce_dtype, scale_settings=settings, compute=compute, fp32_modules=modules
@@ -441,8 +467,10 @@ def _to(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
-def _new_scale(loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale):
+def _new_scale(s: ScaleSettings):
     """A fresh loss scale for amp's settings (checking them)."""
+    loss_scale, init_scale, growth_interval, backoff = s.loss_scale, s.init_scale, s.growth_interval, s.backoff
+    hysteresis, min_scale = s.hysteresis, s.min_scale
     if loss_scale is None:
         return NoOpLossScale(_i64(0))
     if loss_scale == "dynamic":

@@ -90,7 +90,7 @@ from zerofn.functional import ACTIVE_RUN, Functional
 from zerofn.reduction import GradSink
 from zerofn.state import Bucket, Layout, TrainState, settle
 from zerofn.step import Step, reapply, transform
-from zerofn.storage import Held, ParamSplit, Storage, gathered, to_host
+from zerofn.storage import Held, ParamSplit, Storage, to_host, whole_params
 from zerofn.transforms._units import ROOT, Materialiser, MinUnitBytes, Unit, assign_units, inside, unit_buckets, unit_names
 from zerofn.transforms.shard_grads import shard_grads
 
@@ -233,13 +233,8 @@ class UnitStorage(Storage):
         layout = state.spec.layout
         dtype = masters[0].dtype if masters else None
         frozen = [f.to(dtype) if dtype is not None and f.is_floating_point() else f for f in state.frozen]
-        out: dict[str, torch.Tensor] = {}
-        for shards, buckets in ((masters or state.params, layout.buckets), (frozen, layout.frozen_buckets)):
-            for shard, bucket in zip(shards, buckets):  # one unit's buffer at a time
-                full = gathered(shard.to(bucket.device), bucket)
-                for s in bucket.slots:
-                    out[s.name] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
-                del full
+        out = whole_params(masters or state.params, layout.buckets, to_device=True)  # one unit's buffer at a time
+        out.update(whole_params(frozen, layout.frozen_buckets, to_device=True))
         return T.tree_unflatten(state.spec.treedef, [out[n] for n in layout.names])
 
 

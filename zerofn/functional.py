@@ -40,7 +40,7 @@ import torch.utils._pytree
 
 from zerofn.tree import NAMESPACE
 
-__all__ = ["ADOPTED_HELP", "BINDING", "Functional", "PendingParams", "functional"]
+__all__ = ["ACTIVE_RUN", "ADOPTED_HELP", "BINDING", "Functional", "PendingParams", "functional"]
 
 # A step sets this to an ExitStack for the span of its forward and backward:
 # parameters swapped in during that span are restored only when it closes.

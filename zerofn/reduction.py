@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from zerofn import collectives as C
+from zerofn import keys
 from zerofn.state import Bucket, Layout
 
 __all__ = ["GradSink", "Reduction"]
@@ -126,7 +127,7 @@ class GradSink:
         # gradient memory grows only as backward hands gradients over.
         self.pending: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(n)]
         self.views: dict[str, torch.Tensor] = {}
-        self.where = {s.name: i for i, b in enumerate(layout.buckets) for s in b.slots}
+        self.where = layout.bucket_of
         self.remaining = [len(b.slots) for b in layout.buckets]
         self.handles: list[C.Handle | None] = [None] * n
         self.results: list[torch.Tensor | None] = [None] * n
@@ -223,7 +224,7 @@ class GradSink:
         self._launch_upto(len(self.layout.buckets))
         for i in range(len(self.layout.buckets)):
             self._settle(i)
-        out = {f"b{i}": r for i, r in enumerate(self.results)}
+        out = {keys.bucket(i): r for i, r in enumerate(self.results)}
         self.results = []  # the caller owns them now: they die when it lets go
         return out
 

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -31,6 +32,8 @@ import torch
 
 from zerofn import collectives as C
 from zerofn import tree as T
+from zerofn.placement import format_bytes, held_bytes
+from zerofn.roles import placement_of
 
 __all__ = ["Bucket", "DonatedStateError", "Layout", "Slot", "StateSpec", "TrainState", "arriving", "in_flight", "settle"]
 
@@ -62,15 +65,11 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.padded * _itemsize(self.dtype)
+        return self.padded * self.dtype.itemsize
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         k = self.shard_numel
         return rank * k, (rank + 1) * k
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ class Layout:
             groups.setdefault((p.dtype, str(p.device)), []).append((name, p))
         buckets: list[Bucket] = []
         for (dtype, device), items in groups.items():
-            limit = max(1, min(bucket_bytes, first_bucket_bytes or bucket_bytes) // _itemsize(dtype))
+            limit = max(1, min(bucket_bytes, first_bucket_bytes or bucket_bytes) // dtype.itemsize)
             run: list[Slot] = []
             size = 0
             for name, p in items:
@@ -115,12 +114,17 @@ class Layout:
                 if run and size + n > limit:
                     buckets.append(_bucket(dtype, device, run, size, shards))
                     run, size = [], 0
-                    limit = max(1, bucket_bytes // _itemsize(dtype))
+                    limit = max(1, bucket_bytes // dtype.itemsize)
                 run.append(Slot(name, tuple(p.shape), size, n))
                 size += n
             if run:
                 buckets.append(_bucket(dtype, device, run, size, shards))
         return Layout(tuple(buckets), tuple(names or trainable), tuple(frozen))
+
+    @functools.cached_property
+    def bucket_of(self) -> dict[str, int]:
+        """name -> the index of the bucket holding that trainable parameter."""
+        return {s.name: i for i, b in enumerate(self.buckets) for s in b.slots}
 
     @property
     def trainable_numel(self) -> int:
@@ -301,24 +305,6 @@ class TrainState:
         return describe(self)
 
 
-def _placement(leaves: list) -> str:
-    devices = {str(t.device) for t in leaves if isinstance(t, torch.Tensor)}
-    devices |= {t.placement for t in leaves if not isinstance(t, torch.Tensor) and hasattr(t, "placement")}
-    return ",".join(sorted(devices)) or "-"
-
-
-def _bytes(leaves: list) -> int:
-    held = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-    return held + sum(int(t.nbytes) for t in leaves if not isinstance(t, torch.Tensor) and hasattr(t, "placement"))
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
-
 
 def _params_note(state: TrainState, lay: Layout) -> str:
     note = f"{len(lay.buckets)} buckets, {lay.trainable_numel:,} trainable"
@@ -330,9 +316,9 @@ def _params_note(state: TrainState, lay: Layout) -> str:
 
 def _opt_note(opt_state: Any, sharded: bool, world: int) -> str:
     note = f"sharded 1/{world}" if sharded else "replicated"
-    # An optimizer state kept away from the parameters says so with a class attribute.
-    if getattr(type(opt_state), "offloaded", False):
-        note += f", offloaded ({type(opt_state).__name__})"
+    placement = placement_of(opt_state)  # declared by a wrapper that keeps the state elsewhere
+    if placement is not None:
+        note += f", offloaded to {placement} ({type(opt_state).__name__})"
     return note
 
 
@@ -354,5 +340,7 @@ def describe(state: TrainState) -> str:
     lines = [head + ")"]
     for label, leaves, note in rows:
         if leaves or label in ("params", "opt_state"):
-            lines.append(f"  {label:<10} {_fmt_bytes(_bytes(leaves)):>12}  on {_placement(leaves):<8} {note}")
+            held = held_bytes(leaves)
+            where = ",".join(sorted(held)) or "-"
+            lines.append(f"  {label:<10} {format_bytes(sum(held.values()), binary=True):>12}  on {where:<8} {note}")
     return "\n".join(lines)

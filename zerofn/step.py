@@ -72,12 +72,13 @@ from typing import Any, Callable
 import torch
 
 from zerofn import collectives as C
+from zerofn import keys
 from zerofn import optim as O
 from zerofn import tree as T
 from zerofn.closure import find_functional
 from zerofn.extension import Extension
 from zerofn.functional import ADOPTED_HELP, BINDING, Functional, owner_of
-from zerofn.optim.base import _groups  # the device/dtype grouping foreach kernels need
+from zerofn.optim.base import foreach_groups  # the device/dtype grouping foreach kernels need
 from zerofn.precision import Precision
 from zerofn.reduction import GradSink, Reduction
 from zerofn.state import Layout, StateSpec, TrainState
@@ -244,7 +245,7 @@ class Step:
         return state
 
     def _opt_params(self, flats: tuple, layout: Layout, rank: int) -> dict[str, torch.Tensor]:
-        return {f"b{i}": self.storage.opt_view(f, b, rank) for i, (f, b) in enumerate(zip(flats, layout.buckets))}
+        return {keys.bucket(i): self.storage.opt_view(f, b, rank) for i, (f, b) in enumerate(zip(flats, layout.buckets))}
 
     def full_params(self, state: TrainState, *, master: bool = False, requires_grad: bool = False) -> Any:
         """The full parameters (a new tree shaped like the ``init`` input) on every rank.
@@ -361,10 +362,10 @@ class Step:
         norms: list = []  # of each bucket's final gradient, as it lands (the gradient then goes)
 
         def final(i: int, r: torch.Tensor) -> None:  # phase 4 below, for one bucket, as it lands
-            g = precision.optimizer_grads({"g": r})["g"]
-            torch._foreach_mul_([g], [factors[i]])
-            norms.extend(torch._foreach_norm([g]))
-            pending.grad(f"b{i}", g)
+            key = keys.bucket(i)
+            g, norm = _unscale(precision, {key: r}, [factors[i]])
+            norms.extend(norm)
+            pending.grad(key, g[key])
 
         sink = GradSink(
             layout, self.reduction, precision.grad_dtype, rank, reduce_now,
@@ -389,9 +390,7 @@ class Step:
 
             # 4. Average over ranks and micro-steps and undo the loss scale: one fused multiply.
             if pending is None:
-                reduced = precision.optimizer_grads(reduced)
-                torch._foreach_mul_(list(reduced.values()), factors)
-                norms = torch._foreach_norm(list(reduced.values())) if reduced else []
+                reduced, norms = _unscale(precision, reduced, factors)
             stats = _stats(loss, aux, norms, world, rank, self.reduction.replicated)
         except BaseException:
             if pending is not None:  # nothing it started may stay: the state is as it was
@@ -449,6 +448,17 @@ class Step:
 # ---------------------------------------------------------------- what a step computes besides the update
 
 
+def _unscale(precision: Precision, grads: dict, factors: list) -> tuple[dict, list]:
+    """Phase 4 on ``grads`` (bucket key -> reduced gradient, ``factors`` one per bucket): the optimizer's
+    dtype, then the average over ranks and micro-steps and the loss scale undone in one fused multiply;
+    returns the gradients and their norms."""
+    grads = precision.optimizer_grads(grads)
+    if not grads:
+        return grads, []
+    torch._foreach_mul_(list(grads.values()), factors)
+    return grads, torch._foreach_norm(list(grads.values()))
+
+
 def _float_buffers(buffers: dict, copy: bool = False) -> list[torch.Tensor]:
     """The float buffers (copies of them, before a forward), when there are ranks to agree with."""
     if C.world_size() == 1:
@@ -469,7 +479,7 @@ def _average_buffers(after: list[torch.Tensor], before: list[torch.Tensor]) -> N
     """
     if not after:
         return
-    for group, old in _groups(after, before):
+    for group, old in foreach_groups(after, before):
         delta = torch.cat([(b - o).reshape(-1) for b, o in zip(group, old)])
         C.all_reduce(delta, "mean")
         pieces = delta.split([b.numel() for b in group])

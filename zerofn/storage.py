@@ -45,7 +45,7 @@ from zerofn.functional import Functional, PendingParams
 from zerofn.reduction import GradSink
 from zerofn.state import Bucket, Layout, TrainState, arriving, in_flight, settle
 
-__all__ = ["FIRST_BUCKET_BYTES", "Held", "ParamSplit", "Storage", "gathered", "in_flight", "settle", "split_params", "to_host"]
+__all__ = ["FIRST_BUCKET_BYTES", "Held", "ParamSplit", "Storage", "gathered", "in_flight", "settle", "split_params", "to_host", "whole_params"]
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 
@@ -228,9 +228,7 @@ class Storage:
         layout = state.spec.layout
         if masters is None:
             return _tree(state, {k: v.detach().clone() for k, v in layout.views(state.params).items()})
-        out: dict[str, torch.Tensor] = {}
-        for i, (m, bucket) in enumerate(zip(masters, layout.buckets)):
-            out.update(layout.bucket_views(i, gathered(m, bucket)))
+        out = whole_params(masters, layout.buckets)
         frozen = {k: v.to(masters[0].dtype) if v.is_floating_point() else v for k, v in state.frozen.items()}
         names = layout.names
         return T.tree_unflatten(state.spec.treedef, [out[n] if n in out else frozen[n].clone() for n in names])
@@ -269,7 +267,7 @@ class Storage:
 
 def _waiter(flats: tuple, layout: Layout, pending: list[int]) -> Callable[[str | None], None]:
     """``ready(name)``: wait for the bucket holding parameter ``name`` (None: every bucket), once."""
-    where = {s.name: i for i, b in enumerate(layout.buckets) for s in b.slots}
+    where = layout.bucket_of
     left = set(pending)
 
     def ready(name: str | None) -> None:
@@ -285,6 +283,18 @@ def _waiter(flats: tuple, layout: Layout, pending: list[int]) -> Callable[[str |
             left.discard(i)
 
     return ready
+
+
+def whole_params(pieces, buckets, *, to_device: bool = False) -> dict[str, torch.Tensor]:
+    """name -> a new tensor for each parameter of ``buckets``, from this rank's ``pieces`` of them (each
+    bucket whole, or its shard, gathered here one bucket at a time; ``to_device``: moved to the bucket's
+    device first, one at a time). Collective where a piece is a shard."""
+    out: dict[str, torch.Tensor] = {}
+    for piece, bucket in zip(pieces, buckets):
+        full = gathered(piece.to(bucket.device) if to_device else piece, bucket)
+        out.update({s.name: full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in bucket.slots})
+        del full
+    return out
 
 
 def gathered(part: torch.Tensor, bucket: Bucket) -> torch.Tensor:

@@ -8,21 +8,20 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 
-from zerofn.tree import describe_leaf, keystr, tree_flatten, tree_flatten_with_path
+from zerofn.tree import Tree, describe_leaf, keystr, tree_flatten, tree_flatten_with_path
 
-if TYPE_CHECKING:
-    from zerofn.optim.base import Schedule, Tree
+Schedule = Callable[[int], float]  # a learning rate (or any scalar) as a function of the update count
 
 
-def _is_real(x: Any) -> bool:
+def is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _check_number(
+def check_number(
     where: str,
     name: str,
     value: Any,
@@ -34,7 +33,7 @@ def _check_number(
     hint: str = "",
 ) -> float:
     """``value`` as a float, or a TypeError/ValueError naming ``where`` and ``name``."""
-    if not _is_real(value):
+    if not is_real(value):
         raise TypeError(
             f"{where}: {name} must be a real number, got {type(value).__name__} {value!r}. "
             f"Pass a Python float{hint and '; ' + hint}."
@@ -57,12 +56,12 @@ def _check_number(
     return value
 
 
-def _schedule_value(where: str, schedule: Schedule, count: int) -> float:
+def schedule_value(where: str, schedule: Schedule, count: int) -> float:
     """Call ``schedule(count)`` and check that it returned a finite real number."""
     value = schedule(count)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
         value = value.item()
-    if not _is_real(value):
+    if not is_real(value):
         raise TypeError(
             f"{where}: the schedule {getattr(schedule, '__name__', schedule)!r} returned "
             f"{type(value).__name__} {value!r} at count {count}; expected a Python float. "
@@ -78,7 +77,7 @@ def _schedule_value(where: str, schedule: Schedule, count: int) -> float:
     return value
 
 
-def _flat(where: str, what: str, tree: Tree):
+def flat(where: str, what: str, tree: Tree):
     leaves, spec = tree_flatten(tree)
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
@@ -98,7 +97,7 @@ _FIX_STATE = (
 )
 
 
-def _check_same(
+def check_same(
     where: str,
     what: str,
     spec,
@@ -132,10 +131,10 @@ def _check_same(
             )
 
 
-_FIX_PARAMS = "Pass the params (or this rank's shards of them) that the updates are for."
+FIX_PARAMS = "Pass the params (or this rank's shards of them) that the updates are for."
 
 
-def _check_count(where: str, count: Any) -> int:
+def check_count(where: str, count: Any) -> int:
     if not (isinstance(count, torch.Tensor) and count.dim() == 0 and count.dtype == torch.int64):
         raise TypeError(
             f"{where}: state.count must be an int64 0-dim CPU tensor, got "
@@ -145,7 +144,7 @@ def _check_count(where: str, count: Any) -> int:
     return int(count.item())
 
 
-def _check_state(where: str, state: Any, cls: type) -> None:
+def check_state(where: str, state: Any, cls: type) -> None:
     if not isinstance(state, cls):
         raise TypeError(
             f"{where}: expected a {cls.__name__} as state, got {type(state).__name__}. "

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerofn.optim._checks import _check_number, _schedule_value
+from zerofn.optim._checks import check_number, schedule_value
 from zerofn.optim.base import GradientTransformation, ScalarOrSchedule, chain
-from zerofn.optim.fused import _fused_adam
+from zerofn.optim.fused import fused_adam
 from zerofn.optim.transforms import (
     add_decayed_weights,
     decay_weights,
@@ -22,7 +22,7 @@ from zerofn.optim.transforms import (
 
 def _check_lr(where: str, lr: Any) -> None:
     if not callable(lr):
-        _check_number(
+        check_number(
             where, "lr", lr, low=0.0, hint="Pass a float >= 0 or a schedule (count -> float)."
         )
 
@@ -67,8 +67,8 @@ def sgd(
     """
     where = f"sgd(lr={lr!r}, momentum={momentum!r}, nesterov={nesterov!r}, weight_decay={weight_decay!r})"
     _check_lr(where, lr)
-    momentum = _check_number(where, "momentum", momentum, low=0.0, hint="Typically 0.9.")
-    weight_decay = _check_number(where, "weight_decay", weight_decay, low=0.0)
+    momentum = check_number(where, "momentum", momentum, low=0.0, hint="Typically 0.9.")
+    weight_decay = check_number(where, "weight_decay", weight_decay, low=0.0)
     if nesterov and momentum == 0.0:
         raise ValueError(f"{where}: Nesterov momentum needs momentum > 0; pass momentum=0.9, say.")
     parts = []
@@ -112,7 +112,7 @@ def adam(
     where = f"adam(lr={lr!r}, betas={betas!r}, eps={eps!r}, weight_decay={weight_decay!r})"
     _check_lr(where, lr)
     b1, b2 = _check_betas(where, betas)
-    weight_decay = _check_number(where, "weight_decay", weight_decay, low=0.0)
+    weight_decay = check_number(where, "weight_decay", weight_decay, low=0.0)
     parts = []
     if weight_decay:
         parts.append(add_decayed_weights(weight_decay))
@@ -120,7 +120,7 @@ def adam(
     parts.append(scale_by_learning_rate(lr))
     base = chain(*parts)
     adam_at = 1 if weight_decay else 0
-    return base._replace(update_in_place=_fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, decoupled=False))
+    return base._replace(update_in_place=fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, decoupled=False))
 
 
 def adamw(
@@ -157,17 +157,17 @@ def adamw(
     where = f"adamw(lr={lr!r}, betas={betas!r}, eps={eps!r}, weight_decay={weight_decay!r})"
     _check_lr(where, lr)
     b1, b2 = _check_betas(where, betas)
-    weight_decay = _check_number(where, "weight_decay", weight_decay, low=0.0)
+    weight_decay = check_number(where, "weight_decay", weight_decay, low=0.0)
     parts = [scale_by_adam(b1, b2, eps), scale_by_learning_rate(lr)]
     if weight_decay:
         if callable(lr):
             schedule = lr
 
             def rate(count: int) -> float:
-                return _schedule_value("adamw.update", schedule, count) * weight_decay
+                return schedule_value("adamw.update", schedule, count) * weight_decay
 
             parts.append(decay_weights(rate))
         else:
             parts.append(decay_weights(lr * weight_decay))
     base = chain(*parts)
-    return base._replace(update_in_place=_fused_adam(base, 0, lr, b1, b2, eps, weight_decay, decoupled=True))
+    return base._replace(update_in_place=fused_adam(base, 0, lr, b1, b2, eps, weight_decay, decoupled=True))

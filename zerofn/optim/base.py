@@ -2,7 +2,7 @@
 
 :class:`GradientTransformation`, the state NamedTuples of the primitives, the
 type aliases, :func:`chain`, :func:`apply_updates` and :func:`update_params`,
-plus ``_groups``, the device/dtype bucketing every multi-tensor kernel call
+plus ``foreach_groups``, the device/dtype bucketing every multi-tensor kernel call
 goes through.
 """
 
@@ -13,15 +13,13 @@ from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
-from zerofn.optim._checks import _check_same, _flat
-from zerofn.tree import tree_map
+from zerofn.optim._checks import Schedule, check_same, flat
+from zerofn.tree import Tree, tree_map
 
 
-Tree = Any
 Params = Tree
 Updates = Tree
 OptState = Any
-Schedule = Callable[[int], float]
 ScalarOrSchedule = Union[float, Schedule]
 
 
@@ -134,7 +132,7 @@ class TraceState(NamedTuple):
     trace: Tree
 
 
-def _groups(*columns: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]]:
+def foreach_groups(*columns: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], ...]]:
     """Split parallel lists of tensors into groups sharing device and dtype in every list.
 
     foreach kernels only take their fast path when a list is homogeneous.
@@ -233,13 +231,13 @@ def apply_updates(params: Params, updates: Updates) -> Params:
         [0.5, 0.5]
     """
     where = "apply_updates"
-    p, p_spec = _flat(where, "params", params)
-    u, u_spec = _flat(where, "updates", updates)
-    _check_same(
+    p, p_spec = flat(where, "params", params)
+    u, u_spec = flat(where, "updates", updates)
+    check_same(
         where, "updates", u_spec, "params", p_spec, p, u,
         fix="Pass the updates returned by update() for these params.",
     )
-    for p_, u_ in _groups(p, u):
+    for p_, u_ in foreach_groups(p, u):
         torch._foreach_add_(p_, u_)
     return params
 

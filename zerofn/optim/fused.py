@@ -1,7 +1,7 @@
-"""The fused in-place Adam/AdamW path: torch's ``_fused_adam(w)_`` kernels.
+"""The fused in-place Adam/AdamW path: torch's ``fused_adam(w)_`` kernels.
 
 :func:`~zerofn.optim.alias.adam` and :func:`~zerofn.optim.alias.adamw` attach
-``_fused_adam`` as their ``update_in_place``, which :func:`~zerofn.optim.base.update_params`
+``fused_adam`` as their ``update_in_place``, which :func:`~zerofn.optim.base.update_params`
 takes; it falls back to the equivalent chain of primitives where the kernel
 does not apply (see ``_fusable``).
 """
@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from zerofn.optim._checks import _check_count, _flat, _schedule_value
-from zerofn.optim.base import _groups, apply_updates
+from zerofn.optim._checks import check_count, flat, schedule_value
+from zerofn.optim.base import foreach_groups, apply_updates
 
 
 _FUSED_DEVICES = ("cpu", "cuda")
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool):
+def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool):
     """In-place Adam/AdamW through torch's fused kernel, one pass over memory.
 
     ``base`` is the same optimizer as a chain of primitives: its state layout
@@ -30,24 +30,24 @@ def _fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool
 
     @torch.no_grad()
     def update_in_place(grads, state, params, **extra):
-        g, spec = _flat("adam.update_in_place", "grads", grads)
-        p, p_spec = _flat("adam.update_in_place", "params", params)
+        g, spec = flat("adam.update_in_place", "grads", grads)
+        p, p_spec = flat("adam.update_in_place", "params", params)
         adam = state[adam_at]
-        mu, _ = _flat("adam.update_in_place", "state.mu", adam.mu)
-        nu, _ = _flat("adam.update_in_place", "state.nu", adam.nu)
+        mu, _ = flat("adam.update_in_place", "state.mu", adam.mu)
+        nu, _ = flat("adam.update_in_place", "state.nu", adam.nu)
         if spec != p_spec or not all(_fusable(*ts) for ts in zip(p, g, mu, nu)):
             updates, state = base.update(grads, state, params, **extra)
             apply_updates(params, updates)
             return state
-        count = _check_count("adam.update_in_place", adam.count)
-        lr_value = _schedule_value("adam.update_in_place", lr, count) if callable(lr) else lr
+        count = check_count("adam.update_in_place", adam.count)
+        lr_value = schedule_value("adam.update_in_place", lr, count) if callable(lr) else lr
         if lr_value < 0:
             raise ValueError(f"adam.update_in_place: the learning-rate schedule returned {lr_value} at count {count}; it must be >= 0")
         for sub in state:  # the counts of adam, the lr schedule and the decay schedule
             c = getattr(sub, "count", None)
             if isinstance(c, torch.Tensor):
                 c.add_(1)
-        for p_, g_, mu_, nu_ in _groups(p, g, mu, nu):
+        for p_, g_, mu_, nu_ in foreach_groups(p, g, mu, nu):
             step = torch.full((), float(count + 1), dtype=torch.float32, device=p_[0].device)
             kernel(
                 p_, g_, mu_, nu_, [], [step] * len(p_),

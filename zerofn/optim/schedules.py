@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zerofn.optim._checks import _check_number
+from zerofn.optim._checks import check_number
 from zerofn.optim.base import Schedule
 
 
@@ -43,7 +43,7 @@ def constant_schedule(value: float) -> Schedule:
         >>> optim.constant_schedule(0.1)(1000)
         0.1
     """
-    value = _check_number("constant_schedule", "value", value)
+    value = check_number("constant_schedule", "value", value)
 
     def schedule(count: int) -> float:
         return value
@@ -76,8 +76,8 @@ def linear_schedule(
         (0.0, 0.5, 1.0, 1.0)
     """
     where = "linear_schedule"
-    init_value = _check_number(where, "init_value", init_value)
-    end_value = _check_number(where, "end_value", end_value)
+    init_value = check_number(where, "init_value", init_value)
+    end_value = check_number(where, "end_value", end_value)
     if not isinstance(transition_steps, numbers.Integral):
         raise TypeError(f"{where}: transition_steps must be an int, got {transition_steps!r}.")
     if not isinstance(transition_begin, numbers.Integral) or transition_begin < 0:
@@ -117,9 +117,9 @@ def cosine_decay_schedule(
         (1.0, 0.5, 0.0, 0.0)
     """
     where = "cosine_decay_schedule"
-    init_value = _check_number(where, "init_value", init_value)
-    alpha = _check_number(where, "alpha", alpha)
-    exponent = _check_number(where, "exponent", exponent)
+    init_value = check_number(where, "init_value", init_value)
+    alpha = check_number(where, "alpha", alpha)
+    exponent = check_number(where, "exponent", exponent)
     if not isinstance(decay_steps, numbers.Integral) or decay_steps <= 0:
         raise ValueError(
             f"{where}: decay_steps must be an int > 0, got {decay_steps!r}. For a constant "
@@ -165,8 +165,8 @@ def warmup_cosine_decay_schedule(
         (0.0, 0.5, 1.0, 0.55, 0.1)
     """
     where = "warmup_cosine_decay_schedule"
-    peak_value = _check_number(where, "peak_value", peak_value)
-    end_value = _check_number(where, "end_value", end_value)
+    peak_value = check_number(where, "peak_value", peak_value)
+    end_value = check_number(where, "end_value", end_value)
     if not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 0:
         raise ValueError(f"{where}: warmup_steps must be an int >= 0, got {warmup_steps!r}.")
     if not isinstance(decay_steps, numbers.Integral) or decay_steps <= warmup_steps:
@@ -212,8 +212,8 @@ def _deepspeed_warmup(where: str, warmup_num_steps: Any, warmup_type: Any):
 def _warmup_then(where: str, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, *, after) -> Schedule:
     """DeepSpeed's warmup from ``warmup_min_lr`` to ``warmup_max_lr``, then ``min + (max - min) * after(it, W)``;
     ``count`` runs at DeepSpeed's iteration ``count - 1``, and iteration -1 at ``warmup_min_lr``."""
-    max_lr = _check_number(where, "warmup_max_lr", warmup_max_lr, low=0.0)
-    min_lr = _check_number(where, "warmup_min_lr", warmup_min_lr, low=0.0)
+    max_lr = check_number(where, "warmup_max_lr", warmup_max_lr, low=0.0)
+    min_lr = check_number(where, "warmup_min_lr", warmup_min_lr, low=0.0)
     w, gamma = _deepspeed_warmup(where, warmup_num_steps, warmup_type)
     delta = max_lr - min_lr
 
@@ -344,10 +344,10 @@ def deepspeed_warmup_cosine_lr(
         [0.0, 0.0, 0.5, 0.9, 0.5, 0.0]
     """
     where = "deepspeed_warmup_cosine_lr"
-    lr = _check_number(where, "lr", lr, low=0.0)
+    lr = check_number(where, "lr", lr, low=0.0)
     total = _check_total(where, total_num_steps)
-    min_ratio = _check_number(where, "warmup_min_ratio", warmup_min_ratio, low=0.0, high=1.0)
-    cos_min = _check_number(where, "cos_min_ratio", cos_min_ratio, low=0.0, high=1.0)
+    min_ratio = check_number(where, "warmup_min_ratio", warmup_min_ratio, low=0.0, high=1.0)
+    cos_min = check_number(where, "cos_min_ratio", cos_min_ratio, low=0.0, high=1.0)
     w, gamma = _deepspeed_warmup(where, warmup_num_steps, warmup_type)
     if total <= w:
         raise ValueError(

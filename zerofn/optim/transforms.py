@@ -14,14 +14,14 @@ import struct
 import torch
 
 from zerofn.optim._checks import (
-    _FIX_PARAMS,
-    _check_count,
-    _check_number,
-    _check_same,
-    _check_state,
-    _flat,
-    _is_real,
-    _schedule_value,
+    FIX_PARAMS,
+    check_count,
+    check_number,
+    check_same,
+    check_state,
+    flat,
+    is_real,
+    schedule_value,
 )
 from zerofn.optim.base import (
     EmptyState,
@@ -33,7 +33,7 @@ from zerofn.optim.base import (
     Schedule,
     TraceState,
     Tree,
-    _groups,
+    foreach_groups,
 )
 from zerofn.tree import describe_leaf, tree_map
 
@@ -59,15 +59,15 @@ def scale(step_size: float) -> GradientTransformation:
         >>> u["w"].tolist()
         [-2.0, -2.0]
     """
-    step_size = _check_number("scale", "step_size", step_size)
+    step_size = check_number("scale", "step_size", step_size)
 
     def init(params):
         return EmptyState()
 
     @torch.no_grad()
     def update(updates, state, params=None, **extra):
-        leaves, _ = _flat("scale.update", "updates", updates)
-        for (u,) in _groups(leaves):
+        leaves, _ = flat("scale.update", "updates", updates)
+        for (u,) in foreach_groups(leaves):
             torch._foreach_mul_(u, step_size)
         return updates, state
 
@@ -108,17 +108,17 @@ def _scale_by_schedule(fn: Schedule, *, sign: float, where: str, nonneg: bool = 
 
     @torch.no_grad()
     def update(updates, state, params=None, **extra):
-        _check_state(where, state, ScaleByScheduleState)
-        count = _check_count(where, state.count)
-        value = _schedule_value(where, fn, count)
+        check_state(where, state, ScaleByScheduleState)
+        count = check_count(where, state.count)
+        value = schedule_value(where, fn, count)
         if nonneg and value < 0:
             raise ValueError(
                 f"{where}: the learning-rate schedule returned {value} at count {count}; "
                 f"a learning rate must be >= 0. Check the schedule's arguments (e.g. "
                 f"end_value and decay_steps)."
             )
-        leaves, _ = _flat(where, "updates", updates)
-        for (u,) in _groups(leaves):
+        leaves, _ = flat(where, "updates", updates)
+        for (u,) in foreach_groups(leaves):
             torch._foreach_mul_(u, sign * value)
         state.count.add_(1)
         return updates, state
@@ -148,7 +148,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> GradientTransform
         return _scale_by_schedule(
             learning_rate, sign=-1.0, where="scale_by_learning_rate.update", nonneg=True
         )
-    lr = _check_number(
+    lr = check_number(
         "scale_by_learning_rate",
         "learning_rate",
         learning_rate,
@@ -184,13 +184,13 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         ([1.0, -1.0], 1)
     """
     where = f"scale_by_adam(b1={b1!r}, b2={b2!r}, eps={eps!r})"
-    b1 = _check_number(where, "b1", b1, low=0.0, high=1.0, high_open=True, hint="Typically 0.9.")
-    b2 = _check_number(where, "b2", b2, low=0.0, high=1.0, high_open=True, hint="Typically 0.999.")
-    eps = _check_number(where, "eps", eps, low=0.0, hint="Typically 1e-8.")
+    b1 = check_number(where, "b1", b1, low=0.0, high=1.0, high_open=True, hint="Typically 0.9.")
+    b2 = check_number(where, "b2", b2, low=0.0, high=1.0, high_open=True, hint="Typically 0.999.")
+    eps = check_number(where, "eps", eps, low=0.0, hint="Typically 1e-8.")
     where = "scale_by_adam.update"
 
     def init(params):
-        leaves, _ = _flat("scale_by_adam.init", "params", params)
+        leaves, _ = flat("scale_by_adam.init", "params", params)
         return ScaleByAdamState(
             count=_new_count(),
             mu=tree_map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params),
@@ -199,17 +199,17 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     @torch.no_grad()
     def update(updates, state, params=None, **extra):
-        _check_state(where, state, ScaleByAdamState)
-        g, spec = _flat(where, "updates", updates)
-        mu, mu_spec = _flat(where, "state.mu", state.mu)
-        nu, nu_spec = _flat(where, "state.nu", state.nu)
-        _check_same(where, "updates", spec, "state.mu", mu_spec, mu, g, dtypes=True)
-        _check_same(where, "state.nu", nu_spec, "state.mu", mu_spec, mu, nu, dtypes=True)
-        t = _check_count(where, state.count) + 1
+        check_state(where, state, ScaleByAdamState)
+        g, spec = flat(where, "updates", updates)
+        mu, mu_spec = flat(where, "state.mu", state.mu)
+        nu, nu_spec = flat(where, "state.nu", state.nu)
+        check_same(where, "updates", spec, "state.mu", mu_spec, mu, g, dtypes=True)
+        check_same(where, "state.nu", nu_spec, "state.mu", mu_spec, mu, nu, dtypes=True)
+        t = check_count(where, state.count) + 1
         state.count.add_(1)
         bias_correction1 = 1 - b1**t
         bias_correction2_sqrt = (1 - b2**t) ** 0.5
-        for g_, mu_, nu_ in _groups(g, mu, nu):
+        for g_, mu_, nu_ in foreach_groups(g, mu, nu):
             torch._foreach_lerp_(mu_, g_, 1 - b1)
             torch._foreach_mul_(nu_, b2)
             torch._foreach_addcmul_(nu_, g_, g_, 1 - b2)
@@ -248,25 +248,25 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         >>> round(u["w"].item(), 6)
         1.9
     """
-    decay = _check_number("trace", "decay", decay, low=0.0, hint="Typically 0.9.")
+    decay = check_number("trace", "decay", decay, low=0.0, hint="Typically 0.9.")
     if not isinstance(nesterov, bool):
         raise TypeError(f"trace: nesterov must be a bool, got {type(nesterov).__name__}.")
     where = "trace.update"
 
     def init(params):
-        _flat("trace.init", "params", params)
+        flat("trace.init", "params", params)
         return TraceState(
             trace=tree_map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params)
         )
 
     @torch.no_grad()
     def update(updates, state, params=None, **extra):
-        _check_state(where, state, TraceState)
-        g, spec = _flat(where, "updates", updates)
-        buf, buf_spec = _flat(where, "state.trace", state.trace)
-        _check_same(where, "updates", spec, "state.trace", buf_spec, buf, g, dtypes=True)
+        check_state(where, state, TraceState)
+        g, spec = flat(where, "updates", updates)
+        buf, buf_spec = flat(where, "state.trace", state.trace)
+        check_same(where, "updates", spec, "state.trace", buf_spec, buf, g, dtypes=True)
         # A zero-initialised trace makes the first step trace = g exactly, as torch's clone.
-        for g_, buf_ in _groups(g, buf):
+        for g_, buf_ in foreach_groups(g, buf):
             torch._foreach_mul_(buf_, decay)
             torch._foreach_add_(buf_, g_)
             if nesterov:
@@ -296,7 +296,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         >>> u["w"].item()
         2.0
     """
-    weight_decay = _check_number(
+    weight_decay = check_number(
         "add_decayed_weights", "weight_decay", weight_decay, low=0.0, hint="Typically 0.01."
     )
     where = "add_decayed_weights.update"
@@ -313,10 +313,10 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
                 f"{where}: weight_decay={weight_decay} needs the params; call "
                 f"update(updates, state, params)."
             )
-        g, spec = _flat(where, "updates", updates)
-        p, p_spec = _flat(where, "params", params)
-        _check_same(where, "updates", spec, "params", p_spec, p, g, fix=_FIX_PARAMS)
-        for g_, p_ in _groups(g, p):
+        g, spec = flat(where, "updates", updates)
+        p, p_spec = flat(where, "params", params)
+        check_same(where, "updates", spec, "params", p_spec, p, g, fix=FIX_PARAMS)
+        for g_, p_ in foreach_groups(g, p):
             torch._foreach_add_(g_, p_, alpha=weight_decay)
         return updates, state
 
@@ -361,7 +361,7 @@ def decay_weights(rate: ScalarOrSchedule) -> GradientTransformation:
     """
     where = "decay_weights.update"
     if not callable(rate):
-        rate = _check_number("decay_weights", "rate", rate, low=0.0)
+        rate = check_number("decay_weights", "rate", rate, low=0.0)
 
     def init(params):
         return ScaleByScheduleState(count=_new_count()) if callable(rate) else EmptyState()
@@ -369,9 +369,9 @@ def decay_weights(rate: ScalarOrSchedule) -> GradientTransformation:
     @torch.no_grad()
     def update(updates, state, params=None, **extra):
         if callable(rate):
-            _check_state(where, state, ScaleByScheduleState)
-            count = _check_count(where, state.count)
-            value = _schedule_value(where, rate, count)
+            check_state(where, state, ScaleByScheduleState)
+            count = check_count(where, state.count)
+            value = schedule_value(where, rate, count)
             if value < 0.0:
                 raise ValueError(
                     f"{where}: the decay rate at count {count} is {value}; it must be >= 0 "
@@ -382,10 +382,10 @@ def decay_weights(rate: ScalarOrSchedule) -> GradientTransformation:
             value = rate
         if params is None:
             raise ValueError(f"{where}: decay_weights needs the params; call update(updates, state, params).")
-        g, spec = _flat(where, "updates", updates)
-        p, p_spec = _flat(where, "params", params)
-        _check_same(where, "updates", spec, "params", p_spec, p, g, fix=_FIX_PARAMS)
-        for g_, p_ in _groups(g, p):
+        g, spec = flat(where, "updates", updates)
+        p, p_spec = flat(where, "params", params)
+        check_same(where, "updates", spec, "params", p_spec, p, g, fix=FIX_PARAMS)
+        for g_, p_ in foreach_groups(g, p):
             factor = _round_like_torch_scalar(1.0 - value, p_[0].dtype) - 1.0
             if factor != 0.0:
                 torch._foreach_add_(g_, p_, alpha=factor)
@@ -414,12 +414,12 @@ def global_norm(tree: Tree) -> torch.Tensor:
         >>> optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor(4.0)}).item()
         5.0
     """
-    leaves, _ = _flat("global_norm", "tree", tree)
+    leaves, _ = flat("global_norm", "tree", tree)
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
     device = leaves[0].device
     norms = []
-    for (group,) in _groups(leaves):
+    for (group,) in foreach_groups(leaves):
         dtype = torch.float32 if group[0].element_size() < 4 else None
         norms.extend(torch._foreach_norm(group, 2, dtype=dtype))
     stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
@@ -453,7 +453,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         >>> [round(x, 4) for x in u["w"].tolist()]
         [0.3, 0.4]
     """
-    max_norm = _check_number("clip_by_global_norm", "max_norm", max_norm, low=0.0, low_open=True)
+    max_norm = check_number("clip_by_global_norm", "max_norm", max_norm, low=0.0, low_open=True)
     where = "clip_by_global_norm.update"
 
     def _coef(norm: torch.Tensor) -> torch.Tensor:
@@ -464,7 +464,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     @torch.no_grad()
     def update(updates, state, params=None, **extra):
-        leaves, _ = _flat(where, "updates", updates)
+        leaves, _ = flat(where, "updates", updates)
         norm = extra.get("grad_norm")
         if norm is None:
             norm = global_norm(updates)
@@ -478,10 +478,10 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
                     f"{describe_leaf(norm)}. Pass the global norm, e.g. optim.global_norm(grads)."
                 )
             coef = _coef(norm)
-            for (u,) in _groups(leaves):
+            for (u,) in foreach_groups(leaves):
                 torch._foreach_mul_(u, coef.to(u[0].device))
             return updates, state
-        if not _is_real(norm):
+        if not is_real(norm):
             raise TypeError(
                 f"{where}: grad_norm must be a float or a 0-dim tensor, got "
                 f"{type(norm).__name__} {norm!r}. Pass the global norm of the full "
@@ -489,7 +489,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             )
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
-            for (u,) in _groups(leaves):
+            for (u,) in foreach_groups(leaves):
                 torch._foreach_mul_(u, coef)
         return updates, state
 
