@@ -1,4 +1,15 @@
-"""The core (zerofn/) imports no transform and names none in its code: transforms are new modules."""
+"""The house by layers: every module sits in one layer, imports only go down, and nothing below a
+transform knows it by name.
+
+    front-ends, tools   zerofn.deepspeed, zerofn.launch, zerofn.plan, zerofn.bench, metrics, memory, testing
+    persistence         zerofn.checkpoint
+    transforms          zerofn.transforms
+    core                step and its parts, state, functional, collectives, optim, roles, keys, placement
+    leaves              tree, _io, _safetensors
+
+``zerofn/__init__.py`` is the public facade: it may import any layer, and no module below the tools
+imports it. See docs/design.md ("The house by layers").
+"""
 
 from __future__ import annotations
 
@@ -7,17 +18,222 @@ import pathlib
 import re
 
 import pytest
+import torch
+import zerofn.transforms
 
 import zerofn
 
-CORE = pathlib.Path(zerofn.__file__).parent
-TRANSFORMS = ("shard_optimizer", "shard_grads", "shard_params", "amp", "offload")
-NAMED = re.compile(r"\b(" + "|".join(TRANSFORMS) + r")\b")
-TOOLS = {"bench"}  # the benchmark harness uses the transforms as a user does, like examples/
+ROOT = pathlib.Path(zerofn.__file__).parent
+TRANSFORMS_DIR = pathlib.Path(zerofn.transforms.__file__).parent
+
+LAYERS = {  # bottom first
+    "leaves": ("zerofn.tree", "zerofn._io", "zerofn._safetensors"),
+    "core": (
+        "zerofn.step",
+        "zerofn.reduction",
+        "zerofn.storage",
+        "zerofn.precision",
+        "zerofn.extension",
+        "zerofn.state",
+        "zerofn.functional",
+        "zerofn.closure",
+        "zerofn.collectives",
+        "zerofn.optim",
+        "zerofn.roles",
+        "zerofn.keys",
+        "zerofn.placement",
+    ),
+    "transforms": ("zerofn.transforms",),
+    "persistence": ("zerofn.checkpoint",),
+    "tools": (
+        "zerofn.deepspeed",
+        "zerofn.launch",
+        "zerofn.plan",
+        "zerofn.bench",
+        "zerofn.metrics",
+        "zerofn.memory",
+        "zerofn.testing",
+        "zerofn.__main__",
+    ),
+}
+RANK = {layer: i for i, layer in enumerate(LAYERS)}
+FACADE = "zerofn"
 
 
-def _core_files() -> list[pathlib.Path]:
-    return sorted(p for p in CORE.rglob("*.py") if not {"transforms", *TOOLS} & set(p.relative_to(CORE).parts))
+def _modules() -> dict[str, pathlib.Path]:
+    """Every module of the installed package: dotted name -> file."""
+    out = {}
+    for base, prefix in ((ROOT, "zerofn"), (TRANSFORMS_DIR, "zerofn.transforms")):
+        for p in sorted(base.rglob("*.py")):
+            parts = list(p.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([prefix, *parts])] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def layer_of(module: str) -> str | None:
+    """The layer a module belongs to (its longest listed prefix); None for the facade."""
+    best = None
+    for layer, prefixes in LAYERS.items():
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[1])):
+                best = (layer, prefix)
+    return best[0] if best else None
+
+
+def _resolve(name: str) -> str:
+    """The zerofn module an import names (a name imported from a package may be a submodule)."""
+    while name not in MODULES and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            ids |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return ids
+
+
+def imports_of(module: str) -> set[str]:
+    """The zerofn modules ``module`` imports (at any depth of its code; typing-only imports excepted)."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_only(tree)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            # a submodule where the name is one, else the module the name is defined in
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        out |= {_resolve(n) for n in names if n == FACADE or n.startswith(FACADE + ".")}
+    out.discard(module)
+    return out
+
+
+def test_every_module_is_in_a_layer():
+    unplaced = [m for m in MODULES if m != FACADE and layer_of(m) is None]
+    assert unplaced == [], f"modules in no layer (add them to LAYERS and to docs/design.md): {unplaced}"
+    assert {"zerofn.step", "zerofn.checkpoint", "zerofn.transforms.amp", "zerofn._io"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != FACADE))
+def test_imports_go_only_down(module):
+    mine = RANK[layer_of(module)]
+    wrong = []
+    for target in sorted(imports_of(module)):
+        if target == FACADE:
+            if mine < RANK["tools"]:
+                wrong.append(f"{target} (the facade: import the module that defines the name)")
+        elif RANK[layer_of(target)] > mine:
+            wrong.append(f"{target} ({layer_of(target)})")
+    assert wrong == [], f"{module} ({layer_of(module)}) imports from above its layer: {wrong}"
+
+
+def test_no_import_cycle():
+    graph = {m: imports_of(m) - {FACADE} for m in MODULES if m != FACADE}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                cycles.append(path[path.index(n) :] + [n] if n in path else [m, n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+
+
+def test_no_private_name_crosses_modules():
+    """``from m import _x`` (a private name of another module) nowhere; a private module only from its own package."""
+    wrong = []
+    for module, path in MODULES.items():
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zerofn"):
+                wrong += [f"{module}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+                private = [p for p in node.module.split(".") if p.startswith("_") and p != "__main__"]
+                if private:
+                    owner = node.module.rsplit(".", 1)[0]
+                    if not (package == owner or package.startswith(owner + ".")) and layer_of(node.module) != "leaves":
+                        wrong.append(f"{module}: imports the private module {node.module}")
+    assert wrong == []
+
+
+# ---------------------------------------------------------------- words: the core names no transform
+
+
+def _transform_words() -> tuple[set[str], set[str]]:
+    """Every transform's name (its piece of a step's name, and its module), and every quantity a
+    transform's state declares (``zerofn.roles``), found by building states the way users do."""
+    import tempfile
+
+    from zerofn.transforms import amp, offload, remat, shard_params
+
+    import zerofn as zf
+    from zerofn import roles
+    from zerofn import tree as T
+
+    names = {
+        m.split(".")[-1] for m in MODULES if m.startswith("zerofn.transforms.") and not m.split(".")[-1].startswith("_")
+    }
+    names |= {n for n in zerofn.transforms.__all__} | {"deepspeed", "from_deepspeed"}
+    quantities: set[str] = set()
+    with tempfile.TemporaryDirectory() as d:
+        apply = zf.functional(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
+        base = zf.train_step(lambda p, b: apply(p, b).square().mean(), zf.optim.adamw(1e-3))
+        steps = [
+            amp(base),
+            offload(base, overlap=False),
+            offload(base, delay=1),
+            offload(shard_params(base), params=True, overlap=False),
+            offload(amp(base), "nvme", path=d),
+            remat(base),
+        ]
+        for step in steps:
+            for piece in [e.name for e in step.extensions] + [
+                step.reduction.name,
+                step.storage.name,
+                step.precision.name,
+            ]:
+                if piece:
+                    names.add(piece)
+            state = step.init(apply.params, keep_module=True)
+            todo = [state.opt_state]
+            while todo:
+                for node in T.tree_leaves(todo.pop(), is_leaf=lambda x: roles.parts_of(x) is not None):
+                    for part in roles.parts_of(node) or ():
+                        if isinstance(part, roles.Quantity):
+                            quantities.add(part.name)
+                        else:
+                            todo.append(part.tree)
+    return names, quantities
+
+
+TRANSFORM_NAMES, QUANTITY_NAMES = _transform_words()
+BELOW_TRANSFORMS = sorted(m for m in MODULES if m != FACADE and RANK[layer_of(m)] < RANK["transforms"])
+PERSISTENCE = sorted(m for m in MODULES if layer_of(m) == "persistence")
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -31,43 +247,55 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return out
 
 
-def _names_in_code(source: str) -> list[str]:
+def words_in_code(source: str, names: set[str], quantities: set[str]) -> list[str]:
+    """Transform names in identifiers, strings and imports; quantity names as strings (they are keys)."""
     tree = ast.parse(source)
     docs = _docstrings(tree)
+    by_name = re.compile(r"\b(" + "|".join(map(re.escape, sorted(names))) + r")\b")
+    by_key = re.compile(r"^(" + "|".join(map(re.escape, sorted(quantities))) + r")$") if quantities else None
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
             text = node.value
+            if by_key is not None and by_key.match(text):
+                found.append(f"line {node.lineno}: the quantity {text!r}")
         elif isinstance(node, ast.Name):
             text = node.id
         elif isinstance(node, ast.Attribute):
             text = node.attr
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             text = " ".join([getattr(node, "module", None) or ""] + [a.name for a in node.names])
+            if re.search(r"zerofn(\.| )transforms\b", text):
+                found.append(f"line {node.lineno}: imports {text}")
         else:
             continue
-        found += [f"line {node.lineno}: {m}" for m in NAMED.findall(text)]
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and re.search(r"zerofn(\.| )transforms\b", text):
-            found.append(f"line {node.lineno}: imports {text}")
+        found += [f"line {node.lineno}: {m}" for m in by_name.findall(text)]
     return found
 
 
-def test_the_core_files_are_found():
-    names = {p.name for p in _core_files()}
-    assert {"step.py", "state.py", "reduction.py", "storage.py", "precision.py", "extension.py"} <= names
-    assert "amp.py" not in names
+def test_the_word_lists_are_complete():
+    assert {"shard_optimizer", "shard_grads", "shard_params", "amp", "offload", "remat", "deepspeed"} <= TRANSFORM_NAMES
+    assert {"master", "pending"} <= QUANTITY_NAMES  # amp's fp32 masters, offload's delayed update
 
 
-@pytest.mark.parametrize("path", _core_files(), ids=lambda p: str(p.relative_to(CORE)))
-def test_core_names_no_transform(path):
-    assert _names_in_code(path.read_text()) == []
+@pytest.mark.parametrize("module", BELOW_TRANSFORMS + PERSISTENCE)
+def test_below_and_above_the_transforms_no_module_names_one(module):
+    assert words_in_code(MODULES[module].read_text(), TRANSFORM_NAMES, QUANTITY_NAMES) == []
 
 
 def test_the_check_sees_a_transform_named_in_code():
-    assert _names_in_code('x = "amp"\n') == ["line 1: amp"]
-    assert _names_in_code("if step.uses_offload: pass\n") == []  # a longer word is not the name
-    assert _names_in_code("from zerofn.transforms import shard_grads\n") != []
-    assert _names_in_code("import zerofn.transforms\n") == ["line 1: imports  zerofn.transforms"]
-    assert _names_in_code("from zerofn import transforms\n") == ["line 1: imports zerofn transforms"]
-    assert _names_in_code("from zerofn.optim.transforms import scale\n") == []
-    assert _names_in_code('"""Speaks of amp in prose."""\n') == []
+    names, quantities = {"amp", "shard_grads"}, {"master"}
+    assert words_in_code('x = "amp"\n', names, quantities) == ["line 1: amp"]
+    assert words_in_code("if step.uses_amplifier: pass\n", names, quantities) == []  # a longer word is not the name
+    assert words_in_code("from zerofn.transforms import shard_grads\n", names, quantities) != []
+    assert words_in_code("import zerofn.transforms\n", names, quantities) == ["line 1: imports  zerofn.transforms"]
+    assert words_in_code('k = "master"\n', names, quantities) == ["line 1: the quantity 'master'"]
+    assert words_in_code("full_params(state, master=True)\n", names, quantities) == []  # an argument, not a key
+    assert words_in_code("from zerofn.optim.transforms import scale\n", names, quantities) == []
+    assert words_in_code('"""Speaks of amp in prose."""\n', names, quantities) == []
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    assert layer_of("zerofn.checkpoint._load") == "persistence"
+    assert layer_of("zerofn.transforms.offload._nvme") == "transforms"
+    assert RANK[layer_of("zerofn.checkpoint")] > RANK[layer_of("zerofn.transforms.amp")] > RANK[layer_of("zerofn.step")]

@@ -14,8 +14,9 @@ import dataclasses
 import math
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,9 +45,7 @@ def unit_buckets(params: dict, world: int) -> tuple[Bucket, ...]:
     if not params:
         return ()
     buckets = Layout.build(params, shards=world, bucket_bytes=1 << 62).buckets
-    return tuple(
-        dataclasses.replace(b, device=str(materialise_device())) if b.device == "meta" else b for b in buckets
-    )
+    return tuple(dataclasses.replace(b, device=str(materialise_device())) if b.device == "meta" else b for b in buckets)
 
 
 # ---------------------------------------------------------------- choosing units
@@ -81,9 +80,7 @@ class MinUnitBytes:
             raise ValueError(f"MinUnitBytes: min_bytes must be an int > 0 (parameter bytes), got {self.min_bytes!r}")
 
     def __call__(self, path: str, module: nn.Module) -> bool:
-        return param_bytes(module) >= self.min_bytes and all(
-            param_bytes(c) < self.min_bytes for c in module.children()
-        )
+        return param_bytes(module) >= self.min_bytes and all(param_bytes(c) < self.min_bytes for c in module.children())
 
 
 def param_bytes(module: nn.Module) -> int:

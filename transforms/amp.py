@@ -73,9 +73,9 @@ from torch.utils._pytree import tree_map_only
 from zerofn import optim as O
 from zerofn import tree as T
 from zerofn._io import FileTensor
-from zerofn.roles import Inner, Quantity, find_quantity
 from zerofn.functional import BINDING
 from zerofn.precision import Precision
+from zerofn.roles import Inner, Quantity, find_quantity
 from zerofn.step import Step, reapply, transform
 
 __all__ = [
@@ -108,13 +108,19 @@ class ScaleSettings(NamedTuple):
     def new(self) -> Any:
         """A fresh loss scale of these settings; raises a ValueError on a bad setting."""
         return _new_scale(self)
+
+
 _COMPUTE = ("autocast", "param")
 # Modules that run in fp32 under compute="param": norms (BatchNorm, InstanceNorm, LayerNorm, GroupNorm,
 # LocalResponseNorm, RMSNorm where torch has it) and losses.
 FP32_MODULES: tuple[type, ...] = (
-    _NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+    _NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
     _Loss,
-)  # fmt: skip
+)
 
 
 # ---------------------------------------------------------------- loss scales
@@ -134,7 +140,7 @@ class NoOpLossScale:
     def scale(self) -> float:
         return 1.0
 
-    def adjust(self, finite: bool) -> "NoOpLossScale":
+    def adjust(self, finite: bool) -> NoOpLossScale:
         return NoOpLossScale(_i64(0 if finite else int(self.skips) + 1))
 
 
@@ -145,7 +151,7 @@ class StaticLossScale:
     scale: torch.Tensor
     skips: torch.Tensor
 
-    def adjust(self, finite: bool) -> "StaticLossScale":
+    def adjust(self, finite: bool) -> StaticLossScale:
         return StaticLossScale(self.scale, _i64(0 if finite else int(self.skips) + 1))
 
 
@@ -166,7 +172,7 @@ class DynamicLossScale:
     hysteresis: int = T.field(static=True, default=2)
     min_scale: float = T.field(static=True, default=1.0)
 
-    def adjust(self, finite: bool) -> "DynamicLossScale":
+    def adjust(self, finite: bool) -> DynamicLossScale:
         scale, good, left, skips = float(self.scale), int(self.good_steps), int(self.hysteresis_left), int(self.skips)
         if finite:
             good, skips = good + 1, 0
@@ -422,7 +428,7 @@ class _ParamCompute:
         self.forward = True  # the forward is running (not a recompute in backward)
         self.handles: list = []
 
-    def __enter__(self) -> "_ParamCompute":
+    def __enter__(self) -> _ParamCompute:
         hooks = torch.nn.modules.module
         self.handles = [
             hooks.register_module_forward_pre_hook(self._pre),
@@ -483,9 +489,15 @@ def _new_scale(s: ScaleSettings):
         if not (0 < min_scale <= init_scale):
             raise ValueError(f"amp: need 0 < min_scale <= init_scale, got {min_scale} and {init_scale}")
         return DynamicLossScale(
-            torch.tensor(float(init_scale)), _i64(0), _i64(hysteresis), _i64(0),
-            growth_interval, backoff, hysteresis, float(min_scale),
-        )  # fmt: skip
+            torch.tensor(float(init_scale)),
+            _i64(0),
+            _i64(hysteresis),
+            _i64(0),
+            growth_interval,
+            backoff,
+            hysteresis,
+            float(min_scale),
+        )
     if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0:
         return StaticLossScale(torch.tensor(float(loss_scale)), _i64(0))
     raise ValueError(f'amp: loss_scale must be "dynamic", a positive float or None, got {loss_scale!r}')

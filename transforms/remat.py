@@ -39,15 +39,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from zerofn.transforms._units import natural_blocks, unit_names
 
 from zerofn.extension import Extension
 from zerofn.step import Step, reapply, transform
-from zerofn.transforms._units import natural_blocks, unit_names
 
 __all__ = ["remat"]
 

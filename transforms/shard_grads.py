@@ -32,8 +32,9 @@ Example:
 
 from __future__ import annotations
 
-from zerofn.step import Step, reapply, transform
 from zerofn.transforms.shard_optimizer import shard_optimizer
+
+from zerofn.step import Step, reapply, transform
 
 __all__ = ["shard_grads"]
 

@@ -78,11 +78,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
+from zerofn.transforms._units import (
+    ROOT,
+    Materialiser,
+    MinUnitBytes,
+    Unit,
+    assign_units,
+    inside,
+    unit_buckets,
+    unit_names,
+)
+from zerofn.transforms.shard_grads import shard_grads
 
 from zerofn import collectives as C
 from zerofn import tree as T
@@ -91,8 +103,6 @@ from zerofn.reduction import GradSink
 from zerofn.state import Bucket, Layout, TrainState, settle
 from zerofn.step import Step, reapply, transform
 from zerofn.storage import Held, ParamSplit, Storage, to_host, whole_params
-from zerofn.transforms._units import ROOT, Materialiser, MinUnitBytes, Unit, assign_units, inside, unit_buckets, unit_names
-from zerofn.transforms.shard_grads import shard_grads
 
 __all__ = ["MinUnitBytes", "UnitStorage", "shard_params"]
 
@@ -160,6 +170,7 @@ class UnitStorage(Storage):
     @property
     def gathers_units(self) -> bool:
         return True
+
     prefetch: int = 1
     init_fn: Any = None
 

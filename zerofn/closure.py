@@ -17,7 +17,8 @@ Example:
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from zerofn.functional import Functional
 

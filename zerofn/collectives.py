@@ -29,15 +29,16 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import atexit
+import contextlib
 import datetime
 import os
 import re
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -234,7 +235,9 @@ class CollectiveError(RuntimeError):
         waited_s: seconds from issuing the collective to the failure.
     """
 
-    def __init__(self, message: str, *, call: str = "", rank: Any = None, world_size: Any = None, waited_s: float = 0.0):
+    def __init__(
+        self, message: str, *, call: str = "", rank: Any = None, world_size: Any = None, waited_s: float = 0.0
+    ):
         super().__init__(message)
         self.call, self.rank, self.world_size, self.waited_s = call, rank, world_size, waited_s
 
@@ -312,19 +315,25 @@ def _translate(err: RuntimeError, what: str, started: float, *, rank, world, lim
     limit_text = f"{TIMEOUT_ENV}={limit:g} s" if limit is not None else "the process group's timeout"
     if gone:
         earlier = f" Earlier on this rank: {_first_failure}." if _first_failure else ""
-        cls, message = CollectiveError, (
-            f"{call} failed {here}: the connection to another rank is gone. Another rank exited or "
-            f"failed (its own error is in its log), or gave up waiting in a collective after "
-            f"{limit_text}, as it does when the ranks do not make the same collective calls.{earlier} "
-            f"{_SAME_CALLS}."
+        cls, message = (
+            CollectiveError,
+            (
+                f"{call} failed {here}: the connection to another rank is gone. Another rank exited or "
+                f"failed (its own error is in its log), or gave up waiting in a collective after "
+                f"{limit_text}, as it does when the ranks do not make the same collective calls.{earlier} "
+                f"{_SAME_CALLS}."
+            ),
         )
         summary = f"{call} lost a peer after {waited:.1f} s"
     elif timed_out:
         joined = "joined within that time" if what == _JOIN else "joined it"
-        cls, message = CollectiveTimeoutError, (
-            f"{call} timed out {here} ({limit_text}): not every rank {joined}. {_SAME_CALLS}, "
-            f"not under `if rank == 0:`. A rank busy for longer than {TIMEOUT_ENV} (loading data, "
-            f"writing a file) looks the same: then raise {TIMEOUT_ENV}."
+        cls, message = (
+            CollectiveTimeoutError,
+            (
+                f"{call} timed out {here} ({limit_text}): not every rank {joined}. {_SAME_CALLS}, "
+                f"not under `if rank == 0:`. A rank busy for longer than {TIMEOUT_ENV} (loading data, "
+                f"writing a file) looks the same: then raise {TIMEOUT_ENV}."
+            ),
         )
         summary = f"{call} timed out after {waited:.1f} s"
     else:
@@ -385,7 +394,9 @@ class Handle:
 
     __slots__ = ("_work", "_result", "_after", "_kind", "_nbytes", "_started")
 
-    def __init__(self, work: Any, result: Any, after=None, kind: str = "collective", nbytes: int = 0, started: float = 0.0):
+    def __init__(
+        self, work: Any, result: Any, after=None, kind: str = "collective", nbytes: int = 0, started: float = 0.0
+    ):
         self._work, self._result, self._after = work, result, after
         self._kind, self._nbytes, self._started = kind, nbytes, started
 

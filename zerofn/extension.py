@@ -46,8 +46,9 @@ Example (a transform written outside zerofn, counting forward passes):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["Extension"]
 

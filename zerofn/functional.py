@@ -32,7 +32,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import weakref
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import optree
 import torch
@@ -121,14 +122,15 @@ def _flatten_pending(p: PendingParams):
 
 
 # Seen through like the dict it stands for (the values read wait); rebuilt as a plain dict.
-optree.register_pytree_node(PendingParams, _flatten_pending, lambda keys, values: dict(zip(keys, values)), namespace=NAMESPACE)
+optree.register_pytree_node(
+    PendingParams, _flatten_pending, lambda keys, values: dict(zip(keys, values)), namespace=NAMESPACE
+)
 torch.utils._pytree.register_pytree_node(
     PendingParams, lambda p: _flatten_pending(p)[:2], lambda values, keys: dict(zip(keys, values))
 )
 
 
-
-def owner_of(params: Any) -> "Functional | None":
+def owner_of(params: Any) -> Functional | None:
     """The Functional whose ``.params`` is ``params`` (the very object), if any."""
     ref = _OWNERS.get(id(params))
     f = ref() if ref is not None else None

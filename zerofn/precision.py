@@ -83,5 +83,5 @@ class Precision:
         """What this precision adds to a step's metrics."""
         return {}
 
-    def replace(self, **changes) -> "Precision":
+    def replace(self, **changes) -> Precision:
         return dataclasses.replace(self, **changes)

@@ -24,8 +24,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -81,7 +81,7 @@ class Reduction:
             raise ValueError("a replicated (all-reduce) bucket is reduced in place; it takes no out tensor")
         return C.all_reduce(grad, "sum", async_op=True)
 
-    def replace(self, **changes) -> "Reduction":
+    def replace(self, **changes) -> Reduction:
         return dataclasses.replace(self, **changes)
 
 
@@ -114,9 +114,17 @@ class GradSink:
             gives None for each bucket).
     """
 
-    def __init__(self, layout: Layout, reduction: Reduction, grad_dtype: Callable[[torch.dtype], torch.dtype],
-                 rank: int, reduce: bool, carried=None, reduced_sums=None,
-                 on_result: Callable[[int, torch.Tensor], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        layout: Layout,
+        reduction: Reduction,
+        grad_dtype: Callable[[torch.dtype], torch.dtype],
+        rank: int,
+        reduce: bool,
+        carried=None,
+        reduced_sums=None,
+        on_result: Callable[[int, torch.Tensor], None] | None = None,
+    ):
         n = len(layout.buckets)
         self.sums = list(reduced_sums) if reduced_sums is not None else None
         self.layout, self.reduction, self.rank, self.reduce = layout, reduction, rank, reduce

@@ -25,17 +25,27 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn.placement import format_bytes, held_bytes
 from zerofn.roles import placement_of
 
-__all__ = ["Bucket", "DonatedStateError", "Layout", "Slot", "StateSpec", "TrainState", "arriving", "in_flight", "settle"]
+__all__ = [
+    "Bucket",
+    "DonatedStateError",
+    "Layout",
+    "Slot",
+    "StateSpec",
+    "TrainState",
+    "arriving",
+    "in_flight",
+    "settle",
+]
 
 
 @dataclass(frozen=True)
@@ -91,7 +101,7 @@ class Layout:
         names: tuple[str, ...] | None = None,
         frozen: tuple[str, ...] = (),
         first_bucket_bytes: int | None = None,
-    ) -> "Layout":
+    ) -> Layout:
         """Group ``trainable`` into buckets, last-registered first (backward order).
 
         ``first_bucket_bytes`` caps the first bucket of each dtype (the one
@@ -295,7 +305,7 @@ class TrainState:
             settle(T.tree_leaves(self.__dict__["opt_state"]))
         return self.__dict__
 
-    def replace(self, **changes: Any) -> "TrainState":
+    def replace(self, **changes: Any) -> TrainState:
         fields = {f.name: self.__dict__[f.name] for f in dataclasses.fields(self)}  # no wait for params
         return type(self)(**{**fields, **changes})
 
@@ -303,7 +313,6 @@ class TrainState:
         if self.__dict__.get("_donated", False):
             return "TrainState(<donated>)"
         return describe(self)
-
 
 
 def _params_note(state: TrainState, lay: Layout) -> str:

@@ -66,8 +66,9 @@ import contextlib
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -139,11 +140,11 @@ class Step:
     def __repr__(self) -> str:
         return f"<Step {self.name}, accumulate_steps={self.accumulate_steps}, donate={self.donate}>"
 
-    def replace(self, **changes: Any) -> "Step":
+    def replace(self, **changes: Any) -> Step:
         """A copy with some fields (parts, settings) replaced."""
         return dataclasses.replace(self, **changes)
 
-    def extend(self, extension: Extension) -> "Step":
+    def extend(self, extension: Extension) -> Step:
         """A copy with ``extension`` added at the end of the chain."""
         return self.replace(extensions=self.extensions + (extension,))
 
@@ -245,7 +246,9 @@ class Step:
         return state
 
     def _opt_params(self, flats: tuple, layout: Layout, rank: int) -> dict[str, torch.Tensor]:
-        return {keys.bucket(i): self.storage.opt_view(f, b, rank) for i, (f, b) in enumerate(zip(flats, layout.buckets))}
+        return {
+            keys.bucket(i): self.storage.opt_view(f, b, rank) for i, (f, b) in enumerate(zip(flats, layout.buckets))
+        }
 
     def full_params(self, state: TrainState, *, master: bool = False, requires_grad: bool = False) -> Any:
         """The full parameters (a new tree shaped like the ``init`` input) on every rank.
@@ -368,10 +371,15 @@ class Step:
             pending.grad(key, g[key])
 
         sink = GradSink(
-            layout, self.reduction, precision.grad_dtype, rank, reduce_now,
-            carried=None if every_micro else carried, reduced_sums=carried if every_micro else None,
+            layout,
+            self.reduction,
+            precision.grad_dtype,
+            rank,
+            reduce_now,
+            carried=None if every_micro else carried,
+            reduced_sums=carried if every_micro else None,
             on_result=final if pending is not None else None,
-        )  # fmt: skip
+        )
         factors = [d / (world * k * scale) for d in sink.predivide]  # phase 4's, per bucket
 
         try:
@@ -493,7 +501,10 @@ def _check_same_params(named: dict, where: str) -> None:
     if not names:
         return
     sums = torch.stack(
-        [torch.stack([named[k].detach().double().sum(), named[k].detach().double().square().sum()]).cpu() for k in names]
+        [
+            torch.stack([named[k].detach().double().sum(), named[k].detach().double().square().sum()]).cpu()
+            for k in names
+        ]
     ).nan_to_num(0.0)
     hi, lo = C.max_min(sums)
     differ = [k for k, a, b in zip(names, hi, lo) if not torch.equal(a, b)]

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,7 +46,18 @@ from zerofn.functional import Functional, PendingParams
 from zerofn.reduction import GradSink
 from zerofn.state import Bucket, Layout, TrainState, arriving, in_flight, settle
 
-__all__ = ["FIRST_BUCKET_BYTES", "Held", "ParamSplit", "Storage", "gathered", "in_flight", "settle", "split_params", "to_host", "whole_params"]
+__all__ = [
+    "FIRST_BUCKET_BYTES",
+    "Held",
+    "ParamSplit",
+    "Storage",
+    "gathered",
+    "in_flight",
+    "settle",
+    "split_params",
+    "to_host",
+    "whole_params",
+]
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 
@@ -148,9 +160,13 @@ class Storage:
         # Frozen tensors are never written, so the state shares them rather than copying.
         frozen = {k: v.detach() for k, v in split.named.items() if k not in trainable}
         layout = Layout.build(
-            trainable, shards=shards, bucket_bytes=bucket_bytes, names=tuple(split.named), frozen=tuple(frozen),
+            trainable,
+            shards=shards,
+            bucket_bytes=bucket_bytes,
+            names=tuple(split.named),
+            frozen=tuple(frozen),
             first_bucket_bytes=FIRST_BUCKET_BYTES,
-        )  # fmt: skip
+        )
         flats = []
         for b in layout.buckets:
             flat = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
@@ -261,7 +277,7 @@ class Storage:
         watch = views and (publishes or updates_late)
         functional.adopt(views, before_read=(lambda: settle(flats)) if watch else None)
 
-    def replace(self, **changes) -> "Storage":
+    def replace(self, **changes) -> Storage:
         return dataclasses.replace(self, **changes)
 
 

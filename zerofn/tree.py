@@ -22,7 +22,8 @@ Example:
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import optree
 import optree.dataclasses

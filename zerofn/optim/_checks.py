@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -50,8 +51,7 @@ def check_number(
         lo_s = "-inf" if low is None else f"{low:g}"
         hi_s = "inf" if high is None else f"{high:g}"
         raise ValueError(
-            f"{where}: {name} must be in {lo}{lo_s}, {hi_s}{hi}, got {value!r}."
-            + (f" {hint}" if hint else "")
+            f"{where}: {name} must be in {lo}{lo_s}, {hi_s}{hi}, got {value!r}." + (f" {hint}" if hint else "")
         )
     return value
 

@@ -22,16 +22,12 @@ from zerofn.optim.transforms import (
 
 def _check_lr(where: str, lr: Any) -> None:
     if not callable(lr):
-        check_number(
-            where, "lr", lr, low=0.0, hint="Pass a float >= 0 or a schedule (count -> float)."
-        )
+        check_number(where, "lr", lr, low=0.0, hint="Pass a float >= 0 or a schedule (count -> float).")
 
 
 def _check_betas(where: str, betas: Any) -> tuple[float, float]:
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise TypeError(
-            f"{where}: betas must be a pair (b1, b2), got {betas!r}. Typically (0.9, 0.999)."
-        )
+        raise TypeError(f"{where}: betas must be a pair (b1, b2), got {betas!r}. Typically (0.9, 0.999).")
     return betas[0], betas[1]
 
 

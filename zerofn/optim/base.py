@@ -9,18 +9,18 @@ goes through.
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, NamedTuple, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from zerofn.optim._checks import Schedule, check_same, flat
 from zerofn.tree import Tree, tree_map
 
-
 Params = Tree
 Updates = Tree
 OptState = Any
-ScalarOrSchedule = Union[float, Schedule]
+ScalarOrSchedule = float | Schedule
 
 
 class GradientTransformation(NamedTuple):
@@ -39,7 +39,7 @@ class GradientTransformation(NamedTuple):
     update_in_place: Callable[..., OptState] | None = None
     # Optional: start_update(state, params) -> a PendingUpdate, for an update that starts before the
     # gradients are all known (each handed over as it is final); see PendingUpdate.
-    start_update: Callable[..., "PendingUpdate"] | None = None
+    start_update: Callable[..., PendingUpdate] | None = None
 
 
 class PendingUpdate(abc.ABC):
@@ -183,9 +183,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     def update(updates, state, params=None, **extra):
         if not isinstance(state, tuple) or len(state) != len(transforms):
-            got = f"a {type(state).__name__}" + (
-                f" of length {len(state)}" if isinstance(state, tuple) else ""
-            )
+            got = f"a {type(state).__name__}" + (f" of length {len(state)}" if isinstance(state, tuple) else "")
             raise ValueError(
                 f"chain.update: expected a tuple of {len(transforms)} states (one per "
                 f"transform), got {got}. Build the state with this chain's init(params)."
@@ -234,7 +232,13 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     p, p_spec = flat(where, "params", params)
     u, u_spec = flat(where, "updates", updates)
     check_same(
-        where, "updates", u_spec, "params", p_spec, p, u,
+        where,
+        "updates",
+        u_spec,
+        "params",
+        p_spec,
+        p,
+        u,
         fix="Pass the updates returned by update() for these params.",
     )
     for p_, u_ in foreach_groups(p, u):

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from zerofn.optim._checks import check_count, flat, schedule_value
-from zerofn.optim.base import foreach_groups, apply_updates
-
+from zerofn.optim.base import apply_updates, foreach_groups
 
 _FUSED_DEVICES = ("cpu", "cuda")
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -42,7 +41,9 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool)
         count = check_count("adam.update_in_place", adam.count)
         lr_value = schedule_value("adam.update_in_place", lr, count) if callable(lr) else lr
         if lr_value < 0:
-            raise ValueError(f"adam.update_in_place: the learning-rate schedule returned {lr_value} at count {count}; it must be >= 0")
+            raise ValueError(
+                f"adam.update_in_place: the learning-rate schedule returned {lr_value} at count {count}; it must be >= 0"
+            )
         for sub in state:  # the counts of adam, the lr schedule and the decay schedule
             c = getattr(sub, "count", None)
             if isinstance(c, torch.Tensor):
@@ -50,9 +51,19 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool)
         for p_, g_, mu_, nu_ in foreach_groups(p, g, mu, nu):
             step = torch.full((), float(count + 1), dtype=torch.float32, device=p_[0].device)
             kernel(
-                p_, g_, mu_, nu_, [], [step] * len(p_),
-                lr=lr_value, beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps,
-                amsgrad=False, maximize=False,
+                p_,
+                g_,
+                mu_,
+                nu_,
+                [],
+                [step] * len(p_),
+                lr=lr_value,
+                beta1=b1,
+                beta2=b2,
+                weight_decay=weight_decay,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
             )
         return state
 

@@ -23,9 +23,7 @@ def _count(where: str, count: Any) -> int:
     if isinstance(count, torch.Tensor) and count.numel() == 1:
         count = count.item()
     if not isinstance(count, numbers.Integral) or isinstance(count, bool):
-        raise TypeError(
-            f"{where}: the step count must be an int, got {type(count).__name__} {count!r}."
-        )
+        raise TypeError(f"{where}: the step count must be an int, got {type(count).__name__} {count!r}.")
     return int(count)
 
 
@@ -51,9 +49,7 @@ def constant_schedule(value: float) -> Schedule:
     return schedule
 
 
-def linear_schedule(
-    init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0
-) -> Schedule:
+def linear_schedule(init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0) -> Schedule:
     """Linear interpolation from ``init_value`` to ``end_value`` over ``transition_steps``.
 
     Constant ``init_value`` before ``transition_begin`` and ``end_value`` after
@@ -93,9 +89,7 @@ def linear_schedule(
     return schedule
 
 
-def cosine_decay_schedule(
-    init_value: float, decay_steps: int, alpha: float = 0.0, exponent: float = 1.0
-) -> Schedule:
+def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0, exponent: float = 1.0) -> Schedule:
     """Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps``.
 
     As ``optax.cosine_decay_schedule``: ``init_value * ((1-alpha) * c**exponent +
@@ -267,8 +261,9 @@ def deepspeed_warmup_lr(
         >>> [round(s(c), 6) for c in (0, 1, 2, 51, 101, 500)]
         [0.0, 0.0, 0.000151, 0.000854, 0.001, 0.001]
     """
-    return _warmup_then("deepspeed_warmup_lr", warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
-                        after=lambda it, w: 1.0)  # fmt: skip
+    return _warmup_then(
+        "deepspeed_warmup_lr", warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, after=lambda it, w: 1.0
+    )
 
 
 def deepspeed_warmup_decay_lr(
@@ -304,8 +299,14 @@ def deepspeed_warmup_decay_lr(
     """
     where = "deepspeed_warmup_decay_lr"
     total = _check_total(where, total_num_steps)
-    return _warmup_then(where, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
-                        after=lambda it, w: max(0.0, float(total - it) / float(max(1.0, total - w))))  # fmt: skip
+    return _warmup_then(
+        where,
+        warmup_min_lr,
+        warmup_max_lr,
+        warmup_num_steps,
+        warmup_type,
+        after=lambda it, w: max(0.0, float(total - it) / float(max(1.0, total - w))),
+    )
 
 
 def deepspeed_warmup_cosine_lr(

@@ -145,9 +145,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> GradientTransform
         -0.1
     """
     if callable(learning_rate):
-        return _scale_by_schedule(
-            learning_rate, sign=-1.0, where="scale_by_learning_rate.update", nonneg=True
-        )
+        return _scale_by_schedule(learning_rate, sign=-1.0, where="scale_by_learning_rate.update", nonneg=True)
     lr = check_number(
         "scale_by_learning_rate",
         "learning_rate",
@@ -255,9 +253,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
 
     def init(params):
         flat("trace.init", "params", params)
-        return TraceState(
-            trace=tree_map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params)
-        )
+        return TraceState(trace=tree_map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params))
 
     @torch.no_grad()
     def update(updates, state, params=None, **extra):
@@ -296,9 +292,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         >>> u["w"].item()
         2.0
     """
-    weight_decay = check_number(
-        "add_decayed_weights", "weight_decay", weight_decay, low=0.0, hint="Typically 0.01."
-    )
+    weight_decay = check_number("add_decayed_weights", "weight_decay", weight_decay, low=0.0, hint="Typically 0.01.")
     where = "add_decayed_weights.update"
 
     def init(params):
@@ -310,8 +304,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
             return updates, state
         if params is None:
             raise ValueError(
-                f"{where}: weight_decay={weight_decay} needs the params; call "
-                f"update(updates, state, params)."
+                f"{where}: weight_decay={weight_decay} needs the params; call update(updates, state, params)."
             )
         g, spec = flat(where, "updates", updates)
         p, p_spec = flat(where, "params", params)
