@@ -15,36 +15,10 @@ each owning one concern and its piece of the step's name, and one chain:
   entries of the state), in the order they were applied.
 
 A transform ``Step -> Step`` replaces a part or extends the chain; the core
-names no transform. One call runs these phases, in this order:
-
-1. ``sink``: a :class:`~zerofn.reduction.GradSink` for this micro-step's
-   gradients (carrying the sums of earlier micro-steps).
-2. ``forward and backward``: the storage binds the parameters as fresh
-   leaves (``bind``), the extensions' contexts are entered, ``loss_fn``
-   runs under the precision's autocast, and backward (of the loss times the
-   loss scale) hands each gradient to the sink, which reduces each bucket
-   as soon as it is complete, overlapping the rest of backward.
-3. ``carry``: on a micro-step before the last, the state keeps the local
-   sums (or, when gradients are sharded, the reduced partitions); done.
-4. ``unscale``: average over ranks and micro-steps and undo the loss scale
-   in one fused multiply; one small all-reduce gives the loss, the global
-   gradient norm and finiteness.
-5. ``update``: unless a gradient is not finite (then skip, and let the
-   precision adjust its loss scale), the optimizer (wrapped by the
-   precision, then by the extensions) updates, in place, the tensors the
-   storage's ``opt_view`` gives (the input state is donated). An optimizer
-   with ``start_update`` (:class:`zerofn.optim.PendingUpdate`) is started
-   before the forward, gets each bucket's gradient as soon as its
-   reduction is waited for (phase 4 done for that bucket alone), and is
-   committed here, or cancelled on a skip or an error.
-6. ``publish``: the storage makes the updated parameters whole on every
-   rank (nothing for the plain step, an all-gather per bucket when the
-   update was sharded); the default storage leaves the gathers in flight
-   and the next forward waits for each bucket as it first reads it.
-
-Collectives per step of the plain ``train_step`` on N > 1 ranks: one
-all-reduce per bucket (2 x parameter bytes), plus two tiny ones (batch-shape
-agreement, and loss / gradient norm / finiteness).
+names no transform. One call runs six phases (the sink; forward and
+backward; carry; unscale; update; publish), described once in the design
+page of the docs ("The phases of a step"); the comments in ``Step._run``
+number them alike.
 
 Example:
     >>> import torch, zerofn as zf
