@@ -53,7 +53,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zerofn as zf  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for, unigram_entropy  # noqa: E402
 from zerofn.transforms import amp, remat, shard_grads, shard_optimizer, shard_params  # noqa: E402
-from zerofn.transforms.deepspeed import micro_batch_size  # noqa: E402
 
 STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
 DEFAULT_SAVE_EVERY = 50
@@ -141,10 +140,10 @@ def main(argv=None) -> float:
     model = GPT(cfg)
     apply = zf.functional(model)
     if args.deepspeed:
-        step = zf.from_deepspeed(args.deepspeed, loss_fn_for(apply))
+        step, ds_batch = zf.from_deepspeed(args.deepspeed, loss_fn_for(apply))
         # The config's batch sizes win: each rank feeds its micro-batch, accumulate_steps of them per update.
         args.accumulate = step.accumulate_steps
-        args.batch = micro_batch_size(step) * step.accumulate_steps * world
+        args.batch = ds_batch.micro_batch_size * step.accumulate_steps * world
     else:
         step = build_step(args, apply)
     if args.batch % (world * args.accumulate):

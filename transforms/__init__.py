@@ -10,16 +10,15 @@ transform that implies it) returns the step unchanged when the options
 agree, and raises a ValueError naming both settings when they differ; the
 same rule holds for every transform here.
 
-``from_deepspeed(config, loss_fn)`` composes them from a DeepSpeed
-``ds_config.json`` (also ``zf.from_deepspeed``).
+``zf.from_deepspeed(config, loss_fn)`` (the front-end ``zerofn.deepspeed``)
+composes them from a DeepSpeed ``ds_config.json``.
 """
 
 from zerofn.transforms.amp import amp
-from zerofn.transforms.deepspeed import from_deepspeed
 from zerofn.transforms.offload import offload
 from zerofn.transforms.remat import remat
 from zerofn.transforms.shard_grads import shard_grads
 from zerofn.transforms.shard_optimizer import shard_optimizer
 from zerofn.transforms.shard_params import shard_params
 
-__all__ = ["amp", "from_deepspeed", "offload", "remat", "shard_grads", "shard_optimizer", "shard_params"]
+__all__ = ["amp", "offload", "remat", "shard_grads", "shard_optimizer", "shard_params"]

@@ -38,7 +38,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """``zf.from_deepspeed``, imported on first use: the core imports no transform (PEP 562)."""
+    """``zf.from_deepspeed``, imported on first use: importing zerofn imports no transform (PEP 562)."""
     if name == "from_deepspeed":
-        return _importlib.import_module("zerofn.transforms.deepspeed").from_deepspeed
+        return _importlib.import_module("zerofn.deepspeed").from_deepspeed
     raise AttributeError(f"module 'zerofn' has no attribute {name!r}")

@@ -1,0 +1,61 @@
+"""``from_deepspeed``: the Step a DeepSpeed config (``ds_config.json``) asks for, built from zerofn's transforms.
+
+A front-end over the transforms: ``from_deepspeed(config, loss_fn)`` reads a
+DeepSpeed config (a dict, or the path of a JSON file) and composes what its
+keys ask for, the same Step one would write by hand::
+
+    train_step(loss_fn, chain(clip_by_global_norm(c), adamw(schedule, ...)), accumulate_steps, bucket_bytes=...)
+      -> shard_optimizer / shard_grads / shard_params(prefetch=...)   zero_optimization.stage 1 / 2 / 3
+      -> amp(torch.float16 | torch.bfloat16, loss scale ...)          fp16 / bf16
+      -> offload("cpu" | "nvme", params=..., sub_group_bytes=...)     offload_optimizer / offload_param
+      -> remat()                                                      activation_checkpointing
+
+It returns ``DeepSpeedRun(step, batch)``: the step, whose name and state are
+those of the composition written by hand (a state of either steps the other),
+and beside it the batch settings the config resolved (:class:`DeepSpeedConfig`).
+A rank feeds ``batch.micro_batch_size`` samples per call, and every
+``step.accumulate_steps``-th call updates: ``train_batch_size`` samples over
+all ranks, as under DeepSpeed.
+
+The rules (the key-by-key table is in docs/migrating/deepspeed.md):
+
+- Numbers keep DeepSpeed's meaning and defaults (its code's, where its
+  docs differ: ``initial_scale_power`` 16, ``gradient_clipping`` 0), and
+  sizes DeepSpeed counts in elements are converted to the bytes zerofn
+  counts (``reduce_bucket_size`` x the bytes of a held parameter element;
+  ``sub_group_size`` x the optimizer-state bytes per element).
+- A key zerofn has no equivalent for, and whose absence changes no number
+  (logging, profiling, tuning of DeepSpeed's own buffers), is listed in one
+  ``UserWarning`` with what zerofn does instead; a key set to ``false``, or
+  a block with ``"enabled": false``, asks for nothing and passes silently.
+- A key that would change the numbers if ignored (``amsgrad``, apex
+  ``amp``, ``consecutive_hysteresis``, curriculum learning, ...) raises a
+  ValueError naming it and what to write instead, before anything is built.
+- ``"auto"`` (filled in by the Hugging Face Trainer, which zerofn does not
+  have) raises, naming the key and what to write, except where zerofn can
+  resolve it: one batch key when the other two are numbers, and the sizes
+  that only tune performance (buckets, prefetch), which take zerofn's
+  defaults.
+
+The modules: ``_reader`` (the file and its blocks, key by key), ``_keys``
+(the tables of known keys), ``_batch`` (the batch sizes), ``_optimizer``
+(optimizer, scheduler, clipping), ``_precision`` (fp16 / bf16), ``_zero``
+(ZeRO, offload, activation checkpointing) and ``_build`` (the step).
+
+Example:
+    >>> import torch, zerofn as zf
+    >>> apply = zf.functional(torch.nn.Linear(4, 1))
+    >>> loss_fn = lambda p, b: apply(p, b).square().mean()
+    >>> step, batch = zf.from_deepspeed({
+    ...     "train_batch_size": 8, "gradient_accumulation_steps": 2,
+    ...     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    ...     "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+    ... }, loss_fn)
+    >>> step.name, step.accumulate_steps, batch.micro_batch_size
+    ('amp(shard_grads(train_step))', 2, 4)
+"""
+
+from zerofn.deepspeed._batch import BatchSizes, DeepSpeedConfig, batch_sizes
+from zerofn.deepspeed._build import DeepSpeedRun, from_deepspeed
+
+__all__ = ["BatchSizes", "DeepSpeedConfig", "DeepSpeedRun", "batch_sizes", "from_deepspeed"]

@@ -1,0 +1,126 @@
+"""``from_deepspeed``: read a whole config, then build the step its blocks ask for, transform by transform."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from zerofn import collectives as C
+from zerofn import optim as O
+from zerofn.deepspeed._batch import DeepSpeedConfig, resolve_batch_sizes
+from zerofn.deepspeed._keys import TOP_ERRORS, TOP_IGNORED, TOP_QUIET
+from zerofn.deepspeed._optimizer import read_optimizer
+from zerofn.deepspeed._precision import AmpSpec, read_precision
+from zerofn.deepspeed._reader import Block, asks_nothing, load_config
+from zerofn.deepspeed._zero import read_remat, read_zero
+from zerofn.step import DEFAULT_BUCKET_BYTES, Step, train_step
+from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params
+from zerofn.transforms.offload import DEFAULT_SUB_GROUP_BYTES
+
+__all__ = ["DeepSpeedRun", "from_deepspeed"]
+
+
+class DeepSpeedRun(NamedTuple):
+    """What ``from_deepspeed`` returns: ``step, batch = zf.from_deepspeed(config, loss_fn)``.
+
+    Attributes:
+        step: the Step the config asks for, the same (name included) as the
+            composition written by hand; ``step.accumulate_steps`` is
+            ``gradient_accumulation_steps``.
+        batch: the batch settings the config resolved and the keys it ignored
+            (:class:`DeepSpeedConfig`); a rank feeds ``batch.micro_batch_size``
+            samples per call.
+    """
+
+    step: Step
+    batch: DeepSpeedConfig
+
+
+def from_deepspeed(
+    config: Any, loss_fn: Callable, *, optimizer: O.GradientTransformation | None = None
+) -> DeepSpeedRun:
+    """The Step a DeepSpeed config asks for, composed from zerofn's transforms, and its batch settings.
+
+    See the package docs (``zerofn.deepspeed``) for the rules.
+
+    Args:
+        config: a DeepSpeed config: a dict, or the path of a JSON file.
+        loss_fn: ``loss_fn(params, batch)``, as for ``zf.train_step``.
+        optimizer: a ``zf.optim`` optimizer, when the config has no
+            ``"optimizer"`` (as ``deepspeed.initialize(optimizer=...)``).
+
+    Returns:
+        ``DeepSpeedRun(step, batch)``: the Step (``step.accumulate_steps`` is
+        ``gradient_accumulation_steps``) and the :class:`DeepSpeedConfig`
+        with every resolved size (``batch.micro_batch_size`` is the batch each
+        rank feeds per call). Keys with no equivalent are listed in one
+        ``UserWarning``.
+
+    Raises:
+        ValueError: batch sizes that disagree, an unsupported optimizer or
+            scheduler, an "auto" zerofn cannot resolve, or a key that would
+            change the numbers if ignored (each message names the key and
+            what to write instead).
+        TypeError: ``config`` is neither a dict nor a path.
+    """
+    r = Block("", load_config(config))
+    ignored: dict[str, str] = {}
+    world = C.world_size()
+    sizes = resolve_batch_sizes(r, world)
+    spec = read_optimizer(r, optimizer, ignored)
+    precision = read_precision(r, ignored)
+    zero = read_zero(r, ignored)
+    remat_on = read_remat(r, ignored)
+    for k in r.leftover():
+        v = r.raw(k)
+        if k in TOP_ERRORS:
+            if isinstance(v, dict) and v.get("enabled", False) is True or v is True:
+                raise ValueError(f"from_deepspeed: {k} is enabled: {TOP_ERRORS[k]}")
+        elif asks_nothing(v) or TOP_QUIET.get(k, object()) == v:
+            continue
+        else:
+            ignored[k] = TOP_IGNORED.get(k, "unknown key")
+
+    # Build: the optimizer, the step, then each transform the config asks for.
+    held = precision.dtype if precision is not None else torch.float32  # a held parameter element's dtype
+    bucket_bytes = zero.bucket_elems * held.itemsize if zero.bucket_elems is not None else DEFAULT_BUCKET_BYTES
+    step = train_step(loss_fn, spec.build(), sizes.gradient_accumulation_steps, bucket_bytes=bucket_bytes)
+    if zero.stage == 1:
+        step = shard_optimizer(step)
+    elif zero.stage == 2:
+        step = shard_grads(step)
+    elif zero.stage == 3:
+        step = shard_params(step, prefetch=zero.prefetch)
+    if precision is not None:
+        step = amp(step, precision.dtype, **precision.options)
+    if zero.offload_device == "nvme":
+        sub = DEFAULT_SUB_GROUP_BYTES
+        if zero.sub_group_elems is not None:
+            sub = max(4096, zero.sub_group_elems * _state_bytes_per_element(step, precision))
+        step = offload(step, "nvme", path=zero.nvme_path, sub_group_bytes=sub, pin_memory=zero.pin_memory)
+    elif zero.offload_device == "cpu":
+        step = offload(step, "cpu", params=zero.offload_params, pin_memory=zero.pin_memory)
+    if remat_on:
+        step = remat(step)
+    if ignored:
+        lines = "\n".join(f"  {k}: {why}" for k, why in ignored.items())
+        warnings.warn(
+            f"from_deepspeed: zerofn has no equivalent for these keys and ignores them (none changes the numbers):\n"
+            f"{lines}",
+            UserWarning,
+            stacklevel=2,
+        )
+    batch = DeepSpeedConfig(
+        sizes.train_batch_size, sizes.micro_batch_size, sizes.gradient_accumulation_steps, world, tuple(ignored)
+    )
+    return DeepSpeedRun(step, batch)
+
+
+def _state_bytes_per_element(step: Step, precision: AmpSpec | None) -> int:
+    """Bytes of parameter-shaped optimizer state per parameter element (what NVMe offload streams):
+    Adam's two moments, plus amp's fp32 master weights."""
+    dtype = precision.dtype if precision is not None else torch.float32
+    return O.probe_state(step.precision.wrap_optimizer(step.optimizer), dtype).bytes_per_element or 4

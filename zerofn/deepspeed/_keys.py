@@ -1,0 +1,174 @@
+"""The keys of a DeepSpeed config that ``from_deepspeed`` knows, table by table, with what zerofn does instead.
+
+``docs/migrating/deepspeed.md`` lists every key named here (``tests/test_docs_site.py`` checks it).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = [
+    "ADAM_PARAMS",
+    "AUTO",
+    "AUTO_HINTS",
+    "OPTIMIZERS",
+    "SCHEDULERS",
+    "SGD_PARAMS",
+    "TOP_ERRORS",
+    "TOP_IGNORED",
+    "TOP_QUIET",
+    "ZERO_ALIASES",
+    "ZERO_ANYWAY",
+    "ZERO_ERRORS",
+    "ZERO_IGNORED",
+    "ZERO_QUIET",
+    "Anyway",
+]
+
+AUTO = "auto"
+OPTIMIZERS = ("Adam", "AdamW", "SGD")
+ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad")
+SGD_PARAMS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+_WARMUP = ("warmup_num_steps", "warmup_type", "last_batch_iteration")
+SCHEDULERS = {  # each scheduler's parameters
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", *_WARMUP),
+    "WarmupDecayLR": ("total_num_steps", "warmup_min_lr", "warmup_max_lr", *_WARMUP),
+    "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "cos_min_ratio", *_WARMUP),
+}
+
+# What to write instead of "auto", per key (the Hugging Face Trainer's source of each value).
+AUTO_HINTS = {
+    "train_batch_size": "the global batch per update, over all ranks",
+    "train_micro_batch_size_per_gpu": "the batch each rank feeds per call (the Trainer's per_device_train_batch_size)",
+    "gradient_accumulation_steps": "the micro-batches per update (the Trainer's gradient_accumulation_steps)",
+    "gradient_clipping": "the largest gradient norm, e.g. 1.0 (the Trainer's max_grad_norm), or 0 for none",
+    "lr": "the learning rate, e.g. 3e-4",
+    "betas": "[beta1, beta2], e.g. [0.9, 0.999]",
+    "eps": "e.g. 1e-8",
+    "weight_decay": "e.g. 0.01, or 0",
+    "warmup_min_lr": "the learning rate at the start, e.g. 0",
+    "warmup_max_lr": "the peak learning rate, e.g. 3e-4",
+    "warmup_num_steps": "the updates of the warmup, e.g. 100",
+    "total_num_steps": "the number of updates of the whole run",
+    "enabled": "true or false",
+    "stage": "0, 1, 2 or 3",
+}
+
+# Top-level keys with no equivalent whose absence changes no number: warned, with what zerofn does.
+TOP_IGNORED = {
+    "steps_per_print": "zerofn prints nothing itself: each step returns its metrics (loss, grad_norm, loss_scale, ...)",
+    "wall_clock_breakdown": "no timers: time the steps yourself",
+    "dump_state": "print(state) shows what the state holds, where, and its bytes",
+    "memory_breakdown": "zf.memory.state_bytes(state) and zf.memory.track() measure memory",
+    "zero_allow_untested_optimizer": "every zf.optim optimizer runs under every stage",
+    "zero_force_ds_cpu_optimizer": "offload runs the zf.optim optimizer on the host",
+    "flops_profiler": "no profiler: use torch.profiler",
+    "tensorboard": "no monitors: log the metrics yourself",
+    "wandb": "no monitors: log the metrics yourself",
+    "csv_monitor": "no monitors: log the metrics yourself",
+    "comet": "no monitors: log the metrics yourself",
+    "comms_logger": "metrics['comm_bytes'] counts each step's collective traffic",
+    "checkpoint": "zf.checkpoint.save and load take their options as arguments",
+    "nebula": "zf.checkpoint.save(..., blocking=False) writes in the background",
+    "aio": "NVMe offload streams with its own reader and writer threads",
+    "autotuning": "no autotuner",
+    "dataloader_drop_last": "zerofn builds no data loader: drop the last partial batch yourself",
+    "sparse_gradients": "gradients are dense",
+    "prescale_gradients": "gradients are averaged once, after the reduction (the same average up to rounding)",
+    "gradient_predivide_factor": "gradients are averaged once, after the reduction (the same average up to rounding)",
+    "disable_allgather": "stages 1-3 always all-gather the updated shards",
+    "pipeline": "no pipeline parallelism",
+    "eigenvalue": "no eigenvalue computation",
+    "sparse_attention": "no sparse-attention kernels: the model computes its own attention",
+    "compression_training": "no compression library",
+    "hybrid_engine": "no inference engine: step.apply(state, ...) runs the model",
+    "timers": "no timers",
+    "data_types": "gradients accumulate in the dtype they are reduced in (communication_data_type)",
+    "seq_parallel_communication_data_type": "no sequence parallelism",
+    "tensor_parallel": "no tensor parallelism",
+    "weight_quantization": "no quantization",
+    "communication_data_type": "gradients of fp32 parameters are reduced in fp32 (another dtype needs bf16 or fp16)",
+}
+
+TOP_QUIET = {"gradient_predivide_factor": 1.0}  # DeepSpeed's defaults that ask for nothing
+
+# Top-level blocks that would change the numbers when enabled: errors, with what to write instead.
+TOP_ERRORS = {
+    "amp": 'apex AMP has no equivalent; zerofn\'s mixed precision is "bf16": {"enabled": true} or '
+    '"fp16": {"enabled": true}: write one of those instead',
+    "torch_autocast": 'write "bf16": {"enabled": true} (or "fp16") for zerofn\'s amp: autocast, fp32 master weights',
+    "elasticity": "it changes the batch sizes with the world size; zerofn takes them as written (and its checkpoints "
+    "load on any world size): remove it and write train_batch_size / train_micro_batch_size_per_gpu",
+    "curriculum_learning": "it changes the data each step sees; zerofn has no data pipeline: remove it "
+    '(or set "enabled": false) and feed the batches you want',
+    "data_efficiency": "it changes the data each step sees; zerofn has no data pipeline: remove it "
+    '(or set "enabled": false) and feed the batches you want',
+    "progressive_layer_drop": "it skips layers while training; zerofn has no equivalent: remove it "
+    '(or set "enabled": false)',
+    "quantize_training": "it quantizes the weights while training; zerofn has no equivalent: remove it "
+    '(or set "enabled": false)',
+}
+
+
+class Anyway(NamedTuple):
+    """A ``zero_optimization`` key zerofn does anyway: the value that asks for nothing, and why."""
+
+    value: bool
+    why: str
+
+
+# zero_optimization keys zerofn's shard transforms do anyway: silent with these values, warned otherwise.
+ZERO_ANYWAY = {
+    "overlap_comm": Anyway(True, "reductions always overlap backward"),
+    "contiguous_gradients": Anyway(True, "gradients always go into contiguous buckets"),
+    "reduce_scatter": Anyway(True, "stages 1-3 always reduce-scatter"),
+    "allgather_partitions": Anyway(True, "stages 1-2 always all-gather the updated shards"),
+    "ignore_unused_parameters": Anyway(True, "a parameter without a gradient gets zeros"),
+    "load_from_fp32_weights": Anyway(True, "checkpoints restore the fp32 master weights"),
+    "round_robin_gradients": Anyway(False, "no round-robin gradient copies"),
+    "elastic_checkpoint": Anyway(True, "checkpoints load on any composition and world size"),
+    "grad_hooks": Anyway(True, "gradients are reduced from hooks during backward"),
+}
+
+# zero_optimization keys with no equivalent (memory and traffic only): warned.
+ZERO_IGNORED = {
+    "allgather_bucket_size": "updated shards are all-gathered per bucket of reduce_bucket_size",
+    "stage3_max_live_parameters": "ZeRO-3 gathers one unit (a block) at a time plus the prefetched ones",
+    "stage3_max_reuse_distance": "ZeRO-3 releases a unit after its forward and gathers it again for backward",
+    "stage3_param_persistence_threshold": "ZeRO-3 shards every parameter; small ones travel with their module's unit "
+    "(to gather coarser units, build the step by hand with shard_params(units=MinUnitBytes(n)))",
+    "stage3_model_persistence_threshold": "ZeRO-3 shards every parameter",
+    "stage3_gather_16bit_weights_on_model_save": "step.state_dict(state) and python -m zerofn consolidate gather "
+    "on demand",
+    "stage3_module_granularity_threshold": "ZeRO-3 units are the model's blocks (shard_params(units=...) by hand)",
+    "stage3_use_all_reduce_for_fetch_params": "ZeRO-3 fetches with all-gathers",
+    "memory_efficient_linear": "linear layers are the model's own",
+    "zero_hpz_partition_size": "no hierarchical partitioning",
+    "mics_shard_size": "no MiCS sub-groups: state is sharded over all ranks",
+    "mics_hierarchical_params_gather": "no MiCS sub-groups",
+    "use_multi_rank_bucket_allreduce": "one collective per bucket",
+    "legacy_stage1": "one stage-1 implementation",
+    "pipeline_loading_checkpoint": "no pipeline parallelism",
+    "override_module_apply": "no module patching",
+    "log_trace_cache_warnings": "no trace cache",
+    "zeropp_loco_param": "no quantized communication",
+}
+ZERO_QUIET = {"zero_hpz_partition_size": (1,), "mics_shard_size": (-1, 0)}  # values that ask for nothing
+ZERO_ALIASES = {  # DeepSpeed's names without the stage3_ prefix
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+}
+ZERO_ERRORS = {  # true would change the numbers
+    "zero_quantized_weights": "quantized weight communication changes the numbers; zerofn gathers full-precision "
+    "shards: remove it",
+    "zero_quantized_nontrainable_weights": "quantized weight communication changes the numbers: remove it",
+    "zero_quantized_gradients": "quantized gradient communication changes the numbers; zerofn reduces in the "
+    "gradient dtype (bf16/fp16 under amp): remove it",
+}

@@ -1,0 +1,161 @@
+"""The memory blocks of a DeepSpeed config: ``zero_optimization`` (stage, buckets, offload) and ``activation_checkpointing``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from zerofn.deepspeed._keys import ZERO_ALIASES, ZERO_ANYWAY, ZERO_ERRORS, ZERO_IGNORED, ZERO_QUIET
+from zerofn.deepspeed._reader import Block, value_as
+
+__all__ = ["ZeroSpec", "read_remat", "read_zero"]
+
+
+@dataclass
+class ZeroSpec:
+    """What ``zero_optimization`` asks for, as the shard and offload transforms' options.
+
+    Attributes:
+        stage: the ZeRO stage, 0 to 3.
+        bucket_elems: ``reduce_bucket_size`` in elements (None: zerofn's default bucket).
+        prefetch: ``shard_params``'s prefetch (0 when ``stage3_prefetch_bucket_size`` is 0).
+        sub_group_elems: ``sub_group_size`` in elements (NVMe offload; None: zerofn's default).
+        offload_device: where ``offload`` moves the optimizer state, ``"cpu"`` or ``"nvme"`` (None: nowhere).
+        nvme_path: the directory of NVMe offload.
+        offload_params: ``offload_param`` to the CPU (stage 3).
+        pin_memory: pinned host buffers.
+    """
+
+    stage: int = 0
+    bucket_elems: int | None = None
+    prefetch: int = 1
+    sub_group_elems: int | None = None
+    offload_device: str | None = None  # "cpu" | "nvme"
+    nvme_path: str | None = None
+    offload_params: bool = False
+    pin_memory: bool = False
+
+
+def read_zero(r: Block, ignored: dict) -> ZeroSpec:
+    """What ``zero_optimization`` of the config's top level ``r`` asks for; keys with no equivalent go to ``ignored``."""
+    z = ZeroSpec()
+    raw = r.raw("zero_optimization")
+    if raw is None:
+        return z
+    if isinstance(raw, bool):  # DeepSpeed's older form: true is stage 1
+        z.stage = int(raw)
+        return z
+    raw = Block("zero_optimization", raw).data  # (checks it is a dict)
+    blk = Block("zero_optimization", {ZERO_ALIASES.get(k, k): v for k, v in raw.items()})
+    z.stage = blk.get("stage", 0, "int")
+    if z.stage not in (0, 1, 2, 3):
+        raise ValueError(f"from_deepspeed: zero_optimization.stage must be 0, 1, 2 or 3, got {z.stage!r}")
+    # Sizes that only tune performance: "auto" takes zerofn's default.
+    z.bucket_elems = blk.get("reduce_bucket_size", None, "int", auto=-1, low=1)
+    z.bucket_elems = None if z.bucket_elems == -1 else z.bucket_elems
+    prefetch = blk.get("stage3_prefetch_bucket_size", None, "int", auto=-1, low=0)
+    z.prefetch = 0 if prefetch == 0 else 1
+    if "stage3_prefetch_bucket_size" in blk and z.stage < 3:
+        ignored[blk.key("stage3_prefetch_bucket_size")] = "prefetching is ZeRO-3's (stage 3)"
+    sub = blk.get("sub_group_size", None, "int", auto=-1, low=0)
+    z.sub_group_elems = None if sub in (None, -1) else sub
+    # Offload: the optimizer state (cpu | nvme), and with stage 3 the parameter shards (cpu).
+    opt = blk.block("offload_optimizer")
+    par = blk.block("offload_param")
+    legacy_pin = blk.get("cpu_offload_use_pin_memory", None, "bool")
+    if opt is None and blk.get("cpu_offload", False, "bool"):  # deprecated spelling of offload_optimizer cpu
+        opt = Block("zero_optimization.offload_optimizer", {"device": "cpu"})
+    if par is None and blk.get("cpu_offload_param", False, "bool"):
+        par = Block("zero_optimization.offload_param", {"device": "cpu"})
+    pins = []
+    if opt is not None:
+        device = opt.get("device", "cpu", "str")
+        if device not in ("cpu", "nvme", "none"):
+            raise ValueError(f'from_deepspeed: {opt.key("device")} must be "cpu", "nvme" or "none", got {device!r}')
+        if device != "none":
+            z.offload_device = device
+            pins.append(opt.get("pin_memory", None, "bool"))
+            if device == "nvme":
+                path = opt.raw("nvme_path")
+                if isinstance(path, os.PathLike):
+                    z.nvme_path = os.fspath(path)
+                elif path is not None:
+                    z.nvme_path = value_as(opt.key("nvme_path"), path, "str")
+                if not z.nvme_path:
+                    raise ValueError(
+                        f'from_deepspeed: {opt.key("device")} "nvme" needs "nvme_path": a directory on the NVMe disk'
+                    )
+            ratio = opt.get("ratio", 1.0, "float")
+            if ratio != 1.0:
+                ignored[opt.key("ratio")] = "offload moves the whole optimizer state"
+            for k in opt.leftover():
+                ignored[opt.key(k)] = "tunes DeepSpeed's own NVMe buffers (zerofn streams sub-groups of sub_group_size)"
+    if par is not None:
+        device = par.get("device", "cpu", "str")
+        if device not in ("cpu", "nvme", "none"):
+            raise ValueError(f'from_deepspeed: {par.key("device")} must be "cpu", "nvme" or "none", got {device!r}')
+        if device == "nvme":
+            raise ValueError(
+                f'from_deepspeed: {par.key("device")} "nvme": zerofn keeps parameter shards in CPU RAM, not on NVMe; '
+                'write "device": "cpu" (the optimizer state can still go to NVMe only without offload_param)'
+            )
+        if device == "cpu":
+            if z.stage != 3:
+                raise ValueError(
+                    f"from_deepspeed: zero_optimization.offload_param needs stage 3, got stage {z.stage} "
+                    '(DeepSpeed refuses it too): set "stage": 3 or remove offload_param'
+                )
+            if z.offload_device == "nvme":
+                raise ValueError(
+                    'from_deepspeed: zero_optimization.offload_param "cpu" with offload_optimizer "nvme": zerofn '
+                    'updates host-resident shards on the host, so both must be "cpu"; write offload_optimizer '
+                    '"device": "cpu" or remove offload_param'
+                )
+            z.offload_params, z.offload_device = True, "cpu"
+            pins.append(par.get("pin_memory", None, "bool"))
+            for k in par.leftover():
+                ignored[par.key(k)] = "tunes DeepSpeed's NVMe parameter buffers"
+    pins.append(legacy_pin)
+    z.pin_memory = next((p for p in pins if p is not None), False)  # DeepSpeed's default: not pinned
+    if z.sub_group_elems is not None and z.offload_device != "nvme":
+        ignored[blk.key("sub_group_size")] = "sub-groups stream NVMe-offloaded state only"
+    for k, msg in ZERO_ERRORS.items():
+        if blk.get(k, False, "bool"):
+            raise ValueError(f"from_deepspeed: {blk.key(k)} true: {msg}")
+    for k in blk.leftover():
+        v = blk.raw(k)
+        if k in ZERO_ANYWAY:
+            anyway = ZERO_ANYWAY[k]
+            if v != anyway.value:
+                ignored[blk.key(k)] = f"zerofn's behaviour is fixed: {anyway.why}"
+        elif k in ZERO_IGNORED:
+            if v is not False and v is not None and v not in ZERO_QUIET.get(k, ()):
+                ignored[blk.key(k)] = ZERO_IGNORED[k]
+        else:
+            ignored[blk.key(k)] = "unknown key"
+    return z
+
+
+def read_remat(r: Block, ignored: dict) -> bool:
+    """Whether ``activation_checkpointing`` asks for ``remat``; keys with no equivalent go to ``ignored``."""
+    blk = r.block("activation_checkpointing")
+    if blk is None:
+        return False
+    flags = (
+        "partition_activations",
+        "cpu_checkpointing",
+        "contiguous_memory_optimization",
+        "synchronize_checkpoint_boundary",
+    )
+    on = any([blk.get(k, False, "bool") for k in flags]) or blk.raw("number_checkpoints") is not None
+    profile = blk.get("profile", False, "bool")
+    if on:
+        if blk.data.get("cpu_checkpointing") is True:
+            ignored[blk.key("cpu_checkpointing")] = "checkpointed inputs stay where the model runs"
+        if blk.data.get("number_checkpoints") is not None:
+            ignored[blk.key("number_checkpoints")] = "remat checkpoints each of the model's natural blocks"
+        if profile:
+            ignored[blk.key("profile")] = "no profiler"
+    for k in blk.leftover():
+        ignored[blk.key(k)] = "unknown key"
+    return on
