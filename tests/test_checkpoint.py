@@ -11,15 +11,18 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any, NamedTuple
 
 import pytest
 import torch
+from helpers import TinyTransformer, rank_slice
 from torch import nn
 
 import zerofn as zf
-from helpers import TinyTransformer, rank_slice
 from zerofn import collectives as C
+from zerofn import keys
 from zerofn.checkpoint import CheckpointError, IntegrityError
+from zerofn.roles import Inner, Quantity
 
 TESTS = pathlib.Path(__file__).parent
 ROOT = TESTS.parent
@@ -33,11 +36,18 @@ def _transform(name: str, nvme: str | None):
         return offload(s, "nvme", path=nvme, sub_group_bytes=4096)
 
     table = {
-        "plain": [], "shard_optimizer": [shard_optimizer], "shard_grads": [shard_grads], "shard_params": [shard_params],
-        "amp": [amp], "shard_params+amp": [shard_params, amp], "offload": [lambda s: offload(s, "cpu")],
+        "plain": [],
+        "shard_optimizer": [shard_optimizer],
+        "shard_grads": [shard_grads],
+        "shard_params": [shard_params],
+        "amp": [amp],
+        "shard_params+amp": [shard_params, amp],
+        "offload": [lambda s: offload(s, "cpu")],
         "shard_params+offload_params": [shard_params, lambda s: offload(s, "cpu", params=True)],
-        "nvme": [nv], "shard_optimizer+amp+nvme": [shard_optimizer, amp, nv], "shard_params+nvme": [shard_params, nv],
-    }  # fmt: skip
+        "nvme": [nv],
+        "shard_optimizer+amp+nvme": [shard_optimizer, amp, nv],
+        "shard_params+nvme": [shard_params, nv],
+    }
     return table[name.removesuffix("-lite")]
 
 
@@ -100,8 +110,18 @@ def _rank_round_trip(root: str, names: list) -> dict:
 
 
 def test_round_trip_every_composition_bit_for_bit(ranks, tmp_path):
-    names = ["plain", "shard_optimizer", "shard_grads", "shard_params", "amp", "shard_params+amp", "offload",
-             "shard_params+offload_params", "nvme", "shard_optimizer+amp+nvme"]  # fmt: skip
+    names = [
+        "plain",
+        "shard_optimizer",
+        "shard_grads",
+        "shard_params",
+        "amp",
+        "shard_params+amp",
+        "offload",
+        "shard_params+offload_params",
+        "nvme",
+        "shard_optimizer+amp+nvme",
+    ]
     per_rank = ranks(2).run(_rank_round_trip, str(tmp_path), names)
     for name in names:
         snapshot_equal, resumed_equal, count, _, _ = per_rank[0][name]
@@ -131,7 +151,11 @@ def _rank_resume(root: str, saved: str, name: str) -> dict:
     # Each rank a different fresh model (as unseeded ranks build): load overwrites every value.
     step, _, _ = _build(name, seed=3 + C.rank(), nvme=f"{root}/nvme-load-{name}-{C.world_size()}")
     state = zf.checkpoint.load(f"{root}/{saved}", step)
-    loaded = {"params": step.full_params(state), "masters": step.full_params(state, master=True), "count": int(state.count)}
+    loaded = {
+        "params": step.full_params(state),
+        "masters": step.full_params(state, master=True),
+        "count": int(state.count),
+    }
     final = step.state_dict(_train(step, state, 5, 10))
     return {"loaded": loaded, "final": final}
 
@@ -257,10 +281,21 @@ def test_consolidate_loads_into_the_module_strictly_and_equals_apply(ranks, tmp_
         assert torch.equal(load_file(str(tmp_path / "sharded" / f))[name], whole[name])
     # The command line, cast to bf16.
     cli = subprocess.run(
-        [sys.executable, "-m", "zerofn", "consolidate", str(tmp_path / "export"), str(tmp_path / "bf16.safetensors"),
-         "--dtype", "bf16"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "zerofn",
+            "consolidate",
+            str(tmp_path / "export"),
+            str(tmp_path / "bf16.safetensors"),
+            "--dtype",
+            "bf16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert cli.returncode == 0, cli.stderr
     half = load_file(str(tmp_path / "bf16.safetensors"))
     assert all(torch.equal(half[k], v.bfloat16()) for k, v in whole.items() if v.is_floating_point())
@@ -295,7 +330,9 @@ def test_corruption_and_other_models_are_errors_that_name_the_file(tmp_path):
         zf.checkpoint.verify(good)
 
     data.write_bytes(original[:-100])
-    with pytest.raises(IntegrityError, match=r"rank0\.safetensors has \d+ bytes, the manifest recorded \d+ \(a truncated"):
+    with pytest.raises(
+        IntegrityError, match=r"rank0\.safetensors has \d+ bytes, the manifest recorded \d+ \(a truncated"
+    ):
         zf.checkpoint.load(good, _fresh_step())
 
     data.unlink()
@@ -309,7 +346,9 @@ def test_corruption_and_other_models_are_errors_that_name_the_file(tmp_path):
     other = nn.Sequential(nn.Linear(4, 3))
     apply = zf.functional(other)
     step = zf.train_step(lambda p, x: apply(p, x).sum(), zf.optim.adamw(1e-2))
-    with pytest.raises(CheckpointError, match=r"of another model .*\n  parameters this model has and the checkpoint lacks: \['0\.bias'"):
+    with pytest.raises(
+        CheckpointError, match=r"of another model .*\n  parameters this model has and the checkpoint lacks: \['0\.bias'"
+    ):
         zf.checkpoint.load(good, step)
     # The same model with a different shape.
     torch.manual_seed(0)
@@ -319,7 +358,10 @@ def test_corruption_and_other_models_are_errors_that_name_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"blocks\.0\.fc\.bias: shape \[21\] saved, \[25\] here"):
         zf.checkpoint.load(good, step)
     # Another optimizer: its state does not map.
-    with pytest.raises(CheckpointError, match=r"optimizer state does not map .* entries saved that this optimizer lacks: \['opt:0/0', 'opt:0/1/\*'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"optimizer state does not map .* entries saved that this optimizer lacks: \['opt:0/0', 'opt:0/1/\*'",
+    ):
         zf.checkpoint.load(good, _fresh_step(optimizer=zf.optim.sgd(0.1, momentum=0.9)))
     # No manifest: not a checkpoint (or an incomplete one); the error names the newest complete one.
     with pytest.raises(CheckpointError, match=r"no manifest\.json there.*newest complete checkpoint in it is .*good"):
@@ -359,7 +401,8 @@ _CRASH = """
 import os, signal, shutil, sys, torch
 sys.path.insert(0, {tests!r})
 import zerofn as zf
-from zerofn import checkpoint as ck, _safetensors as st
+from zerofn import _safetensors as st
+from zerofn.checkpoint import saving as ck
 from test_checkpoint import _build, _train
 
 point, root = sys.argv[1], sys.argv[2]
@@ -381,8 +424,8 @@ if point == "writing":  # halfway through this rank's data file
         return real(self, data)
     st._Sink.write = write
 elif point == "before-manifest":
-    real_json = ck._write_json
-    ck._write_json = lambda p, o: die() if p.endswith("manifest.json") else real_json(p, o)
+    real_json = ck.write_json
+    ck.write_json = lambda p, o: die() if p.endswith("manifest.json") else real_json(p, o)
 elif point == "before-rename":
     real_rename = os.rename
     ck.os.rename = lambda a, b: die() if a.endswith(".partial") else real_rename(a, b)
@@ -391,7 +434,7 @@ elif point == "pruning":
     ck.shutil.rmtree = lambda p, **k: die() if p.endswith(".deleting") else real_rmtree(p, **k)
 ck.save(state, os.path.join(root, "step_3"), keep=1, blocking=False)
 state = _train(step, state, 3, 4)  # the background thread dies with the process
-ck._wait_pending()
+ck.wait_saves()
 """
 
 
@@ -399,7 +442,9 @@ ck._wait_pending()
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, point):
     script = tmp_path / "crash.py"
     script.write_text(_CRASH.format(tests=str(TESTS)))
-    proc = subprocess.run([sys.executable, str(script), point, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(script), point, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     found = zf.checkpoint.latest(tmp_path)
     expect = "step_3" if point == "pruning" else "step_2"  # pruning runs after the new one is complete
@@ -439,7 +484,6 @@ def test_a_hugging_face_model_round_trips_through_consolidate(tmp_path):
     import transformers
     from safetensors.torch import load_file
     from transformers import GPT2Config, GPT2LMHeadModel
-
     from zerofn.transforms import amp, shard_params
 
     transformers.logging.set_verbosity_error()
@@ -475,3 +519,63 @@ def test_rng_states_come_back_on_the_same_world_size(tmp_path):
     torch.manual_seed(99)
     zf.checkpoint.load(tmp_path / "rng", _fresh_step(), rng=False)
     assert not torch.equal(torch.rand(5), expected)
+
+
+# ---------------------------------------------------------------- roles, not names
+
+
+class _Copy(NamedTuple):
+    """A wrapper state of no transform: an fp32 copy of the parameters under a name of its own."""
+
+    copy: Any
+    inner: Any
+
+    def state_parts(self) -> tuple:
+        return (Quantity("fp32_copy", self.copy, precise=True), Inner(self.inner))
+
+
+def _keep_fp32(inner):
+    def init(params):
+        copy = zf.tree.tree_map(lambda p: p.detach().to(torch.float32, copy=True), params)
+        return _Copy(copy, inner.init(copy))
+
+    @torch.no_grad()
+    def update_in_place(grads, state, params, **extra):
+        grads = zf.tree.tree_map(lambda g: g.float(), grads)
+        new_inner = zf.optim.update_params(inner, grads, state.inner, state.copy, **extra)
+        torch._foreach_copy_(zf.tree.tree_leaves(params), zf.tree.tree_leaves(state.copy))
+        return _Copy(state.copy, new_inner)
+
+    return zf.optim.in_place(init, update_in_place, "keep_fp32")
+
+
+def _copy_step(dtype, wrap: bool):
+    torch.manual_seed(0)
+    apply = zf.functional(nn.Linear(8, 4).to(dtype))
+    opt = zf.optim.adamw(1e-2)
+    step = zf.train_step(lambda p, x: apply(p, x.to(dtype)).float().square().mean(), _keep_fp32(opt) if wrap else opt)
+    return step, apply
+
+
+def test_a_declared_quantity_is_loaded_by_its_role_not_its_name(tmp_path):
+    step, apply = _copy_step(torch.bfloat16, wrap=True)
+    state = step.init(apply.params)
+    for i in range(3):
+        state, _ = step(state, _batch(i)[:, :8])
+    zf.checkpoint.save(state, tmp_path / "ck")
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert manifest["quantities"] == {"fp32_copy": {"precise": True, "newer": False}}
+    copies = state.spec.layout.views(tuple(state.opt_state.copy[keys.bucket(i)] for i in range(len(state.params))))
+    assert all(t.dtype == torch.float32 for t in copies.values())
+    # An fp32 step without the wrapper takes the precise copy as its parameters, not their bf16 rounding.
+    plain, plain_apply = _copy_step(torch.float32, wrap=False)
+    loaded = zf.checkpoint.load(tmp_path / "ck", plain, params=plain_apply.params)
+    got = plain.full_params(loaded)
+    assert all(torch.equal(got[n], copies[n].view(got[n].shape)) for n in got)
+    assert any(not torch.equal(got[n], step.full_params(state)[n].float()) for n in got)
+    # The wrapper's step loads its copy from a checkpoint without one: the saved parameters.
+    zf.checkpoint.save(loaded, tmp_path / "plain")
+    again, again_apply = _copy_step(torch.bfloat16, wrap=True)
+    back = zf.checkpoint.load(tmp_path / "plain", again, params=again_apply.params)
+    back_copies = back.spec.layout.views(tuple(back.opt_state.copy[keys.bucket(i)] for i in range(len(back.params))))
+    assert all(torch.equal(back_copies[n].view(got[n].shape), got[n]) for n in got)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 
 import torch
-
-import zerofn as zf
 from helpers import compositions
 from zerofn.transforms import amp
+
+import zerofn as zf
 
 
 def _gpt2():
@@ -30,7 +30,8 @@ def _rank_export(names):
         model = _gpt2()
         fresh = copy.deepcopy(model)
         apply = zf.functional(model)
-        step = compositions()[name](zf.train_step(lambda p, b: apply(p, input_ids=b, labels=b).loss, zf.optim.adamw(1e-2)))
+        loss_fn = lambda p, b: apply(p, input_ids=b, labels=b).loss  # noqa: B023, E731 - used in this iteration
+        step = compositions()[name](zf.train_step(loss_fn, zf.optim.adamw(1e-2)))
         state = step.init(apply.params)
         for _ in range(2):
             state, _ = step(state, torch.randint(64, (2, 16), generator=g))
@@ -42,8 +43,8 @@ def _rank_export(names):
         # amp: the fp32 masters round to the bf16 parameters the state holds
         model = _gpt2()
         apply = zf.functional(model)
-        amp_step = amp(compositions()[name](zf.train_step(lambda p, b: apply(p, input_ids=b, labels=b).loss,
-                                                          zf.optim.adamw(1e-2))))  # fmt: skip
+        loss_fn = lambda p, b: apply(p, input_ids=b, labels=b).loss  # noqa: B023, E731 - used in this iteration
+        amp_step = amp(compositions()[name](zf.train_step(loss_fn, zf.optim.adamw(1e-2))))
         state = amp_step.init(apply.params)
         for _ in range(2):
             state, _ = amp_step(state, torch.randint(64, (2, 16), generator=g))

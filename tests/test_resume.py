@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import torch
-
 from test_examples import ROOT
 
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")

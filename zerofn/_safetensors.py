@@ -21,24 +21,29 @@ import json
 import os
 import struct
 import zlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
+
+from zerofn._io import IntegrityError
 
 __all__ = ["BLOCK", "DTYPES", "IntegrityError", "Reader", "Writer", "dtype_from_name", "tensor_bytes"]
 
 BLOCK = 4 * 2**20  # bytes per checksummed block
 
 DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
-}  # fmt: skip
+}
 _BY_NAME = {v: k for k, v in DTYPES.items()}
-
-
-class IntegrityError(ValueError):
-    """A checkpoint file is missing, short, or its bytes do not match the checksums recorded for it."""
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -113,7 +118,7 @@ class Writer:
         pos = 0
         self._order: list[tuple[str, int]] = []
         for name, dtype, shape in entries:
-            n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            n = _numel(shape) * dtype.itemsize
             header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
             self._order.append((name, n))
             pos += n
@@ -212,7 +217,7 @@ class Reader:
     def close(self) -> None:
         os.close(self._fd)
 
-    def __enter__(self) -> "Reader":
+    def __enter__(self) -> Reader:
         return self
 
     def __exit__(self, *exc) -> None:

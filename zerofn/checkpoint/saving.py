@@ -1,0 +1,411 @@
+"""Saving: snapshot this rank's state, write it on a background thread into ``path.partial``, and
+commit (rank 0 writes the manifest once every rank has recorded its files, then renames the
+directory into place)."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from zerofn import collectives as C
+from zerofn import keys
+from zerofn._io import FileTensor, fsync_dir, write_json
+from zerofn._safetensors import BLOCK, DTYPES, Writer, checksum_file
+from zerofn.checkpoint._format import (
+    FORMAT,
+    MANIFEST,
+    PARTIAL,
+    CheckpointError,
+    data_file,
+    failed_rank,
+    failure_file,
+    layout_json,
+    nvme_file,
+    record_file,
+    signature,
+)
+from zerofn.checkpoint.manifest import complete
+from zerofn.checkpoint.parts import Part, layouts, quantities, state_parts
+from zerofn.state import TrainState
+
+__all__ = ["SPLIT_MIN", "SaveHandle", "save", "wait_saves"]
+
+SPLIT_MIN = 1 << 16  # a replicated bucket smaller than this (elements) is written by rank 0 alone
+
+
+class SaveHandle:
+    """A save in progress: ``wait()`` returns once the checkpoint is complete (committed) on disk.
+
+    Attributes:
+        path: the checkpoint directory.
+        blocked_s: seconds ``save`` held the caller (the snapshot).
+        bytes_written: bytes this rank wrote (after ``wait()``).
+    """
+
+    def __init__(self, path: str, nonce: str, rank: int, world: int):
+        self.path, self.nonce, self.rank, self.world = path, nonce, rank, world
+        self.blocked_s = 0.0
+        self.bytes_written = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._finished = False
+
+    def done(self) -> bool:
+        """True when this rank's part is written and the checkpoint committed (or the save failed)."""
+        return self._finished
+
+    def wait(self, timeout: float | None = None) -> SaveHandle:
+        """Block until the checkpoint is complete on disk; re-raise what went wrong while writing."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"checkpoint.save({self.path!r}): still writing after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __repr__(self) -> str:
+        return f"SaveHandle({self.path!r}, {'done' if self._finished else 'writing'})"
+
+
+_RUNNING: list[SaveHandle] = []
+
+
+def wait_saves() -> None:
+    """Wait for every background save of this process (errors stay with their handles)."""
+    while _RUNNING:
+        h = _RUNNING.pop()
+        try:
+            h.wait()
+        except Exception:  # noqa: BLE001 - reported by the handle's own wait(); the next save goes on
+            pass
+
+
+atexit.register(wait_saves)  # a background save finishes before the interpreter exits
+
+
+def save(state: TrainState, path: str | os.PathLike, *, blocking: bool = True, keep: int | None = None) -> SaveHandle:
+    """Write ``state`` to the checkpoint directory ``path``; each rank writes what it holds.
+
+    Args:
+        state: a TrainState between updates (``state.micro == 0``).
+        path: the checkpoint's directory (for example ``f"ckpt/step_{int(state.count):06d}"``);
+            an existing checkpoint there is replaced when the new one is complete.
+        blocking: False returns once this rank's state is snapshotted and
+            writes on a background thread; the returned handle's ``wait()``
+            blocks until the checkpoint is complete. The next ``save`` waits
+            for the previous one first.
+        keep: after this checkpoint is complete, keep only the newest ``keep``
+            complete checkpoints in ``path``'s parent directory (by update count).
+
+    Returns:
+        A :class:`SaveHandle` (already complete when ``blocking``).
+
+    Collective: every rank calls it with the same path (one small broadcast);
+    a rank that does not makes the others fail after ``ZEROFN_TIMEOUT_S``.
+    """
+    start = time.perf_counter()
+    if not isinstance(state, TrainState):
+        raise TypeError(f"checkpoint.save: state is a {type(state).__name__}, expected a TrainState")
+    if int(state.micro) != 0:
+        raise CheckpointError(
+            f"checkpoint.save: the state is {int(state.micro)} micro-step(s) into an update of accumulated "
+            "gradients; save after the update (when state.micro == 0), as the step counts reach it"
+        )
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"checkpoint.save: keep must be an int >= 1 or None, got {keep!r}")
+    wait_saves()
+    path = os.path.abspath(os.fspath(path))
+    partial = path + PARTIAL
+    rank, world = C.rank(), C.world_size()
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        nonce = uuid.uuid4().hex
+    else:
+        nonce = None
+    nonce = C.broadcast_object(nonce) if world > 1 else nonce  # every rank is saving, and the directory exists
+    handle = SaveHandle(path, nonce, rank, world)
+    job = _snapshot(state, partial, rank, world)
+
+    def run() -> None:
+        try:
+            handle.bytes_written = _write(job, partial, rank, nonce)
+            if rank == 0:
+                _commit(partial, path, world, nonce, keep)
+            else:
+                _await_commit(partial, path, nonce)
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            handle._error = e
+            try:
+                with open(os.path.join(partial, failure_file(rank)), "w") as f:
+                    f.write(f"{type(e).__name__}: {e}")
+            except OSError:
+                pass
+        finally:
+            handle._finished = True
+
+    handle._thread = threading.Thread(target=run, name=f"zerofn-save-{rank}", daemon=True)
+    handle._thread.start()
+    _RUNNING.append(handle)
+    handle.blocked_s = time.perf_counter() - start
+    if blocking:
+        handle.wait()
+        _RUNNING.remove(handle)
+        handle.blocked_s = time.perf_counter() - start
+    return handle
+
+
+class _OpenFile(str):
+    """A source file held open until it is copied."""
+
+    def __new__(cls, path: str):
+        obj = super().__new__(cls, path)
+        obj.fd = os.open(path, os.O_RDONLY)
+        return obj
+
+
+class _Linked(NamedTuple):
+    """A file-held piece in the checkpoint: hard-linked already, or its source held open to be copied."""
+
+    name: str  # in the checkpoint directory
+    source: _OpenFile | None  # None: linked
+
+
+@dataclass
+class _Job:
+    """What a rank's background writer writes: its snapshot, the records of its pieces, linked files."""
+
+    tensors: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)  # manifest records (JSON), their files filled in by _write
+    files: list[_Linked] = field(default_factory=list)
+    named: dict[int, str] = field(default_factory=dict)  # record position -> its tensor's name in the data file
+    head: dict | None = None  # rank 0: the manifest's head
+
+
+def _pieces(part: Part, padded: int, rank: int, world: int) -> list[tuple[int, int]]:
+    """The ranges of ``part`` (of a bucket ``padded`` long) this rank writes: all of it, or (replicated) its
+    1/N piece."""
+    if part.hi - part.lo == 0:
+        return []
+    if (part.lo, part.hi) != (0, padded) or world == 1:  # a shard, or one rank: all of it
+        return [(part.lo, part.hi)]
+    n = part.hi - part.lo  # replicated on every rank
+    if n < SPLIT_MIN:
+        return [(part.lo, part.hi)] if rank == 0 else []
+    k = -(-n // world)
+    lo, hi = part.lo + rank * k, min(part.hi, part.lo + (rank + 1) * k)
+    return [(lo, hi)] if lo < hi else []
+
+
+def _tensor_name(part: Part, lo: int) -> str:
+    """A piece's tensor name in the data file (unique in it; records point at offsets, not names)."""
+    return f"{part.key}|{part.kind}|{part.bucket}|{lo}"
+
+
+def _add(job: _Job, record: dict, name: str, t: torch.Tensor) -> None:
+    job.named[len(job.records)] = name
+    job.records.append(record)
+    job.tensors.append((name, t))
+
+
+def _snapshot(state: TrainState, partial: str, rank: int, world: int) -> _Job:
+    """Copy (or link) what this rank writes, so that the caller may go on changing the state."""
+    lays = layouts(state)
+    held = state_parts(state, rank, lays)
+    cuda = any(isinstance(p.value, torch.Tensor) and p.value.is_cuda for p in held.parts)
+    job = _Job()
+    for part in held.parts:
+        if part.role is not None and part.role.mirror:
+            continue
+        for lo, hi in _pieces(part, lays[part.kind][part.bucket].padded, rank, world):
+            rec = {"key": part.key, "kind": part.kind, "bucket": part.bucket, "lo": lo, "hi": hi}
+            if isinstance(part.value, FileTensor):
+                name = nvme_file(rank, len(job.files))
+                job.files.append(_Linked(name, _link(part.value.path, os.path.join(partial, name))))
+                offset = (lo - part.lo) * part.value.itemsize
+                job.records.append({**rec, "file": name, "offset": offset, "dtype": DTYPES[part.value.dtype]})
+                continue
+            flat = part.value.detach().reshape(-1)[lo - part.lo : hi - part.lo]
+            _add(job, {**rec, "dtype": DTYPES[flat.dtype]}, _tensor_name(part, lo), _copy(flat))
+    if rank == 0:
+        for key, t in held.small.items():
+            _add(job, {"key": key, "dtype": DTYPES[t.dtype], "shape": list(t.shape)}, key, _copy(t.detach()))
+    rng = {keys.rng("torch", rank): torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng[keys.rng("cuda", rank)] = torch.cuda.get_rng_state()
+    for key, t in rng.items():
+        _add(job, {"key": key, "dtype": "U8", "shape": list(t.shape)}, key, t)
+    if cuda:
+        torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+    if rank == 0:
+        lay = layout_json(lays)
+        job.head = {
+            "format": FORMAT,
+            "chain": state.spec.chain,
+            "world_size": world,
+            "count": int(state.count),
+            "layouts": lay,
+            "signature": signature(lay),
+            "quantities": {k: r.to_json() for k, r in quantities(held.parts).items() if not r.mirror},
+            "model": [list(e) for e in state.spec.model],
+            "buffers": list(state.buffers),
+            "time": time.time(),
+        }
+    return job
+
+
+_PINNED: dict[tuple, list[torch.Tensor]] = {}  # pinned host buffers, reused from one save to the next
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy the caller cannot change: pinned and non-blocking from a GPU, a memory copy on the CPU.
+
+    Pinned buffers are kept for the next save (pinning memory costs more than the copy): a run saves
+    the same shapes each time, and a save starts only when the previous one has finished writing.
+    """
+    if not t.is_cuda:
+        return t.clone()
+    free = _PINNED.get((t.dtype, t.numel()))
+    out = free.pop() if free else torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+    out = out.view(t.shape)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def _release(t: torch.Tensor) -> None:
+    if t.is_pinned():
+        _PINNED.setdefault((t.dtype, t.numel()), []).append(t.reshape(-1))
+
+
+def _link(src: str, dst: str) -> _OpenFile | None:
+    """Hard-link ``src`` at ``dst`` (O(1): the offload writes new files rather than changing these);
+    across file systems, keep ``src`` open so the background copy reads these bytes even if it is
+    replaced meanwhile."""
+    try:
+        os.link(src, dst)
+        return None
+    except OSError:
+        return _OpenFile(src)
+
+
+def _write(job: _Job, partial: str, rank: int, nonce: str) -> int:
+    """Write this rank's file(s) and its record of them; returns bytes written."""
+    tensors = job.tensors
+    name = data_file(rank)
+    w = Writer(os.path.join(partial, name), [(n, t.dtype, tuple(t.shape)) for n, t in tensors], {"format": FORMAT})
+    for i, (tname, t) in enumerate(tensors):
+        w.write(t)
+        _release(t)
+        tensors[i] = (tname, None)  # freed as written
+    files = {name: w.close()}
+    for i, tname in job.named.items():
+        job.records[i].update(file=name, offset=w.offsets[tname])
+    for linked in job.files:
+        dst = os.path.join(partial, linked.name)
+        if linked.source is not None:
+            with open(dst, "wb") as out, os.fdopen(linked.source.fd, "rb") as f:
+                shutil.copyfileobj(f, out, BLOCK)
+                out.flush()
+                os.fsync(out.fileno())
+        files[linked.name] = checksum_file(dst)
+    record = {"rank": rank, "nonce": nonce, "records": job.records, "files": files, "head": job.head}
+    write_json(os.path.join(partial, record_file(rank)), record)
+    return sum(f["size"] for f in files.values())
+
+
+class _Late(CheckpointError):
+    """A wait on the file system ran past ZEROFN_TIMEOUT_S."""
+
+
+def _poll(what: str, done, failed) -> None:
+    limit = C.timeout_s()
+    start = time.monotonic()
+    delay = 0.002
+    while not done():
+        err = failed()
+        if err:
+            raise CheckpointError(f"{what}: {err}")
+        if time.monotonic() - start > limit:
+            raise _Late(f"{what}: not done after {limit:.0f} s (ZEROFN_TIMEOUT_S)")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def _failure(partial: str) -> str | None:
+    try:
+        names = os.listdir(partial)
+    except FileNotFoundError:
+        return None
+    for n in names:
+        r = failed_rank(n)
+        if r is not None:
+            with open(os.path.join(partial, n)) as f:
+                return f"rank {r} failed to write its part: {f.read()}"
+    return None
+
+
+def _commit(partial: str, path: str, world: int, nonce: str, keep: int | None) -> None:
+    """Rank 0: once every rank's record is there, write the manifest and rename the directory into place."""
+    names = [os.path.join(partial, record_file(r)) for r in range(world)]
+    try:
+        _poll(
+            f"checkpoint.save({path!r}) waiting for every rank's files",
+            lambda: all(os.path.exists(n) for n in names),
+            lambda: _failure(partial),
+        )
+    except _Late as e:
+        missing = [r for r, n in enumerate(names) if not os.path.exists(n)]
+        raise CheckpointError(
+            f"{e}: rank(s) {missing} did not record their files in {partial}. Every rank must call save, and "
+            "the directory must be on a file system every rank sees (a shared one across machines)."
+        ) from None
+    ranks = []
+    for n in names:
+        with open(n) as f:
+            ranks.append(json.load(f))
+    manifest = dict(ranks[0]["head"], nonce=nonce, records=[], files={})
+    for r in ranks:
+        manifest["records"] += r["records"]
+        manifest["files"].update(r["files"])
+    write_json(os.path.join(partial, MANIFEST), manifest)
+    for n in names:
+        os.remove(n)
+    fsync_dir(partial)
+    old = None
+    if os.path.exists(path):
+        old = f"{path}.old-{nonce[:8]}"
+        os.rename(path, old)
+    os.rename(partial, path)
+    fsync_dir(os.path.dirname(path))
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    if keep is not None:
+        _prune(os.path.dirname(path), keep)
+
+
+def _await_commit(partial: str, path: str, nonce: str) -> None:
+    def committed() -> bool:
+        try:
+            with open(os.path.join(path, MANIFEST)) as f:
+                return json.load(f).get("nonce") == nonce
+        except (OSError, ValueError):
+            return False
+
+    _poll(f"checkpoint.save({path!r}) waiting for rank 0 to commit", committed, lambda: _failure(partial))
+
+
+def _prune(directory: str, keep: int) -> None:
+    for found in complete(directory)[:-keep]:
+        gone = f"{found.path}.deleting"
+        os.rename(found.path, gone)  # never seen half-deleted
+        shutil.rmtree(gone, ignore_errors=True)
