@@ -19,30 +19,66 @@ def _run(*argv: str, timeout: int = 300) -> str:
 
 
 def test_bench_py_prints_every_system_with_the_same_fp32_loss():
-    out = _run("examples/bench.py", "--world", "2", "--dim", "32", "--layers", "1", "--seq-len", "16",
-               "--batch", "2", "--steps", "1", "--rounds", "1", "--warmup", "1")  # fmt: skip
+    out = _run(
+        "examples/bench.py",
+        "--world",
+        "2",
+        "--dim",
+        "32",
+        "--layers",
+        "1",
+        "--seq-len",
+        "16",
+        "--batch",
+        "2",
+        "--steps",
+        "1",
+        "--rounds",
+        "1",
+        "--warmup",
+        "1",
+    )
     rows = {}
     for line in out.splitlines():
         m = re.match(r"^(torch DDP|torch ZeroRedundancyOptimizer|torch FSDP2|\S*train_step\S*)\s+(.*)$", line)
         if m:
             rows[m.group(1)] = [float(x) for x in m.group(2).split()]
-    assert {"torch DDP", "train_step", "shard_optimizer(train_step)", "shard_grads(train_step)",
-            "shard_params(train_step)"} <= set(rows), out  # fmt: skip
+    assert {
+        "torch DDP",
+        "train_step",
+        "shard_optimizer(train_step)",
+        "shard_grads(train_step)",
+        "shard_params(train_step)",
+    } <= set(rows), out
     assert rows["torch DDP"][1] == 1.0  # the ratio column of the reference
     losses = {name: r[-1] for name, r in rows.items()}
     assert max(losses.values()) - min(losses.values()) < 1e-3, losses
 
 
 def test_bench_checkpoint_py_saves_and_loads_against_torch(tmp_path):
-    out = _run("examples/bench_checkpoint.py", "--world", "2", "--models", "32x1", "--rounds", "1",
-               "--warmup-rounds", "0", "--train-steps", "1", "--dir", str(tmp_path))  # fmt: skip
+    out = _run(
+        "examples/bench_checkpoint.py",
+        "--world",
+        "2",
+        "--models",
+        "32x1",
+        "--rounds",
+        "1",
+        "--warmup-rounds",
+        "0",
+        "--train-steps",
+        "1",
+        "--dir",
+        str(tmp_path),
+    )
     assert "zf shard_params (ZeRO-3)" in out and "torch DCP (FSDP2)" in out and "torch.save (DDP, rank 0)" in out, out
     assert os.listdir(tmp_path) == [], "the benchmark removes what it wrote"
 
 
 def test_bench_offload_py_streams_from_files(tmp_path):
-    out = _run("examples/bench_offload.py", "--params", "200000", "--repeat", "1", "--steps", "2",
-               "--path", str(tmp_path))  # fmt: skip
+    out = _run(
+        "examples/bench_offload.py", "--params", "200000", "--repeat", "1", "--steps", "2", "--path", str(tmp_path)
+    )
     m = re.search(r"loss ([\d.]+) and ([\d.]+)", out)
     assert m, out
     assert float(m.group(1)) == float(m.group(2)), out  # offloading changes where the state lives, not the math

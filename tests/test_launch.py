@@ -36,9 +36,7 @@ def _alive(pid):
 def _children():
     """Pids of this process's live children."""
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    return {
-        pid for pid in pids if (s := _proc_stat(pid)) and s[1] == os.getpid() and _alive(pid)
-    }
+    return {pid for pid in pids if (s := _proc_stat(pid)) and s[1] == os.getpid() and _alive(pid)}
 
 
 def _wait_gone(pids, seconds):
@@ -235,7 +233,7 @@ def test_bad_arguments(call, error, match):
 
 
 def test_rank_killed_by_sigabrt_hints_at_a_collective_mismatch():
-    from zerofn._rank_errors import Blame
+    from zerofn.launch._errors import Blame
 
     class Procs:  # a rank that gloo aborted (collectives of different sizes)
         world_size = 2

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 import torch
-
 from test_examples import ROOT
-from zerofn.launch_cli import torchrun_args
+
+from zerofn.launch.cli import torchrun_args
 
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
 SMALL = ["--steps", "6", "--dim", "32", "--layers", "1", "--seq-len", "16", "--quiet"]
@@ -22,12 +22,27 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", ZEROFN_TIMEOUT_S="60")
 
 def test_deepspeed_flag_names_become_torchruns():
     assert torchrun_args(["--num_gpus", "2", "t.py", "--num_gpus", "9"]) == [
-        "--nproc_per_node", "2", "--standalone", "t.py", "--num_gpus", "9",  # the script's own flags untouched
-    ]  # fmt: skip
+        "--nproc_per_node",
+        "2",
+        "--standalone",
+        "t.py",
+        "--num_gpus",
+        "9",  # the script's own flags untouched
+    ]
     assert torchrun_args(["--num_nodes=2", "--node_rank", "1", "--master_addr", "h", "t.py"]) == [
-        "--nnodes=2", "--node_rank", "1", "--master_addr", "h", "t.py",  # a rendezvous given: no --standalone
-    ]  # fmt: skip
-    assert torchrun_args(["--max-restarts", "1", "--standalone", "t.py"]) == ["--max-restarts", "1", "--standalone", "t.py"]
+        "--nnodes=2",
+        "--node_rank",
+        "1",
+        "--master_addr",
+        "h",
+        "t.py",  # a rendezvous given: no --standalone
+    ]
+    assert torchrun_args(["--max-restarts", "1", "--standalone", "t.py"]) == [
+        "--max-restarts",
+        "1",
+        "--standalone",
+        "t.py",
+    ]
     with pytest.raises(SystemExit, match=r"--hostfile .* not supported; run the same command on each machine"):
         torchrun_args(["--hostfile", "hosts", "t.py"])
     with pytest.raises(SystemExit, match=r"unknown flag '--gpus' before the script"):
@@ -62,26 +77,86 @@ def test_two_nodes_over_loopback_equal_one_machine(tmp_path):
     ref = _run([*torchrun, SCRIPT, *SMALL, "--zero", "1", "--out", str(tmp_path / "one.pt")], tmp_path)
     port = str(_free_port())
     nodes = [
-        _run([sys.executable, "-m", "zerofn", "run", "--num_nodes", "2", "--node_rank", str(r), "--nproc_per_node", "1",
-              "--master_addr", "127.0.0.1", "--master_port", port, SCRIPT, *SMALL, "--zero", "1",
-              "--out", str(tmp_path / "two.pt")], tmp_path)
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "zerofn",
+                "run",
+                "--num_nodes",
+                "2",
+                "--node_rank",
+                str(r),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                SCRIPT,
+                *SMALL,
+                "--zero",
+                "1",
+                "--out",
+                str(tmp_path / "two.pt"),
+            ],
+            tmp_path,
+        )
         for r in range(2)
-    ]  # fmt: skip
+    ]
     _wait(ref, *nodes)
     _same(tmp_path / "one.pt", tmp_path / "two.pt")
 
 
 def test_a_deepspeed_config_equals_the_transforms_written_by_hand(tmp_path):
     cfg = {
-        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}},
-        "gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
-    }  # fmt: skip
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2},
+    }
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
-    ds = _run([sys.executable, "-m", "zerofn", "run", "--nproc_per_node", "2", SCRIPT, *SMALL,
-               "--deepspeed", str(tmp_path / "ds.json"), "--out", str(tmp_path / "ds.pt")], tmp_path)  # fmt: skip
+    ds = _run(
+        [
+            sys.executable,
+            "-m",
+            "zerofn",
+            "run",
+            "--nproc_per_node",
+            "2",
+            SCRIPT,
+            *SMALL,
+            "--deepspeed",
+            str(tmp_path / "ds.json"),
+            "--out",
+            str(tmp_path / "ds.pt"),
+        ],
+        tmp_path,
+    )
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    by_hand = _run([*torchrun, SCRIPT, *SMALL, "--zero", "2", "--amp", "bf16", "--batch", "16", "--accumulate", "2",
-                    "--lr", "3e-3", "--constant-lr", "--out", str(tmp_path / "hand.pt")], tmp_path)  # fmt: skip
+    by_hand = _run(
+        [
+            *torchrun,
+            SCRIPT,
+            *SMALL,
+            "--zero",
+            "2",
+            "--amp",
+            "bf16",
+            "--batch",
+            "16",
+            "--accumulate",
+            "2",
+            "--lr",
+            "3e-3",
+            "--constant-lr",
+            "--out",
+            str(tmp_path / "hand.pt"),
+        ],
+        tmp_path,
+    )
     _wait(ds, by_hand)
     _same(tmp_path / "ds.pt", tmp_path / "hand.pt")

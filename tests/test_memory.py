@@ -28,9 +28,7 @@ def grad_bytes(model: torch.nn.Module) -> int:
 
 def mlp() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
 
 
 # -- basics -------------------------------------------------------------------
@@ -282,9 +280,7 @@ def test_tracker_that_dies_first_leaves_no_trace(monkeypatch):
 def _collectives_worker(rank: int, world_size: int, init_file: str) -> None:
     import torch.distributed._functional_collectives as fcol
 
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         x = torch.full((256,), float(rank + 1))  # 1 KiB, made outside
         with memory.track() as t:

@@ -13,18 +13,48 @@ from test_launch_cli import SCRIPT, SMALL, _free_port, _run, _same, _wait
 
 def test_the_documented_loopback_commands_use_torchruns_flags():
     text = open(os.path.join(ROOT, "examples", "multinode.md")).read()
-    assert len(re.findall(r"torchrun --nnodes=2 --node_rank=[01] --nproc_per_node=1 --master_addr=127\.0\.0\.1", text)) == 2
+    assert (
+        len(re.findall(r"torchrun --nnodes=2 --node_rank=[01] --nproc_per_node=1 --master_addr=127\.0\.0\.1", text))
+        == 2
+    )
 
 
 def test_two_torchrun_nodes_over_loopback_equal_one_machine(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    one = _run([*torchrun, "--standalone", "--nproc_per_node=2", SCRIPT, *SMALL, "--zero", "3",
-                "--out", str(tmp_path / "one.pt")], tmp_path)  # fmt: skip
+    one = _run(
+        [
+            *torchrun,
+            "--standalone",
+            "--nproc_per_node=2",
+            SCRIPT,
+            *SMALL,
+            "--zero",
+            "3",
+            "--out",
+            str(tmp_path / "one.pt"),
+        ],
+        tmp_path,
+    )
     port = str(_free_port())
     nodes = [
-        _run([*torchrun, "--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
-              f"--master_port={port}", SCRIPT, *SMALL, "--zero", "3", "--out", str(tmp_path / "two.pt")], tmp_path)
+        _run(
+            [
+                *torchrun,
+                "--nnodes=2",
+                f"--node_rank={r}",
+                "--nproc_per_node=1",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                SCRIPT,
+                *SMALL,
+                "--zero",
+                "3",
+                "--out",
+                str(tmp_path / "two.pt"),
+            ],
+            tmp_path,
+        )
         for r in range(2)
-    ]  # fmt: skip
+    ]
     _wait(one, *nodes)
     _same(tmp_path / "one.pt", tmp_path / "two.pt")

@@ -85,20 +85,29 @@ def _rank_measure(root: str) -> list[dict]:
             peak = t.peak
         out.append(
             dict(
-                combo=(stage, mp, where, host_params, rm), state=held["total"], peak=peak,
+                combo=(stage, mp, where, host_params, rm),
+                state=held["total"],
+                peak=peak,
                 after=zf.memory.state_bytes(state)["total"],
                 nvme=_du(os.path.join(path, f"rank{rank}")) if path else 0,
             )
-        )  # fmt: skip
+        )
         del state, step, apply
     return out
 
 
 def _estimate_for(n: int, stage: int, mp: bool, where, host_params: bool, rm: bool) -> Estimate:
     return estimate(
-        _psi(), gpus=n, stage=stage, mixed_precision=mp, optimizer_offload=where,
-        param_offload="cpu" if host_params else None, remat=rm, device="cpu", **SHAPES,
-    )  # fmt: skip
+        _psi(),
+        gpus=n,
+        stage=stage,
+        mixed_precision=mp,
+        optimizer_offload=where,
+        param_offload="cpu" if host_params else None,
+        remat=rm,
+        device="cpu",
+        **SHAPES,
+    )
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -154,9 +163,17 @@ def test_activations_follow_the_shapes(cfg, micro):
             with zf.memory.track() as t:
                 state, _ = step(state, batch)
             e = estimate(
-                psi, mixed_precision=mp, remat=rm, layers=cfg.layers, hidden=cfg.dim, heads=cfg.heads,
-                vocab=cfg.vocab, seq=cfg.seq_len, micro_batch=micro, device="cpu",
-            )  # fmt: skip
+                psi,
+                mixed_precision=mp,
+                remat=rm,
+                layers=cfg.layers,
+                hidden=cfg.dim,
+                heads=cfg.heads,
+                vocab=cfg.vocab,
+                seq=cfg.seq_len,
+                micro_batch=micro,
+                device="cpu",
+            )
             assert abs(e.activations - t.peak) / t.peak <= ACT_TOL, (cfg, mp, rm, e.activations, t.peak)
             assert t.peak <= 1.05 * (e.grads + max(e.activations, e.update)), (cfg, mp, rm)
 
@@ -200,8 +217,9 @@ def test_the_update_transient(mp):
 def test_constants_are_zerofns():
     import importlib
 
-    from zerofn.step import DEFAULT_BUCKET_BYTES
     from zerofn.transforms import shard_params
+
+    from zerofn.step import DEFAULT_BUCKET_BYTES
 
     offload_module = importlib.import_module("zerofn.transforms.offload")  # the module, not the function
 
@@ -302,13 +320,28 @@ def test_impossible_compositions_are_refused():
 def test_model_shape_counts_hugging_face_models_exactly():
     transformers = pytest.importorskip("transformers")
     configs = [
-        transformers.GPT2Config(vocab_size=101, n_embd=48, n_layer=3, n_head=4, n_positions=40, bos_token_id=0,
-                                eos_token_id=0),
-        transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-        transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
-    ]  # fmt: skip
+        transformers.GPT2Config(
+            vocab_size=101, n_embd=48, n_layer=3, n_head=4, n_positions=40, bos_token_id=0, eos_token_id=0
+        ),
+        transformers.LlamaConfig(
+            vocab_size=101,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        ),
+        transformers.LlamaConfig(
+            vocab_size=101,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+        ),
+    ]
     for cfg in configs:
         model = transformers.AutoModelForCausalLM.from_config(cfg)
         real = sum(p.numel() for p in model.parameters())  # parameters() counts a tied weight once

@@ -22,7 +22,9 @@ def test_close_equal_and_their_messages():
     with pytest.raises(AssertionError, match=r"leaf b\[0\] differs at flat index 1: 0.0 against 0.5"):
         zt.assert_trees_all_close(a, {"w": torch.ones(3), "b": [torch.tensor([0.0, 0.5], dtype=torch.float64)]})
     with pytest.raises(AssertionError, match="leaf w has dtype torch.float32 against torch.float64"):
-        zt.assert_trees_all_equal(a, {"w": torch.ones(3, dtype=torch.float64), "b": [torch.zeros(2, dtype=torch.float64)]})
+        zt.assert_trees_all_equal(
+            a, {"w": torch.ones(3, dtype=torch.float64), "b": [torch.zeros(2, dtype=torch.float64)]}
+        )
     with pytest.raises(AssertionError, match=r"leaf w has shape \[3\] against \[4\]"):
         zt.assert_trees_all_equal_shapes(a, {"w": torch.ones(4), "b": [torch.zeros(2)]})
     with pytest.raises(AssertionError, match="tree structures differ"):

@@ -48,7 +48,9 @@ def test_collective_errors_pickle_and_are_runtime_and_timeout_errors():
 def test_backend_errors_become_errors_that_name_the_call(monkeypatch):
     monkeypatch.setattr(C, "_first_failure", None)  # the process's first failure is quoted by later ones
     started = time.monotonic() - 2.0
-    gloo = RuntimeError("[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation to complete")
+    gloo = RuntimeError(
+        "[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation to complete"
+    )
     err = C._translate(gloo, "all_reduce (8 bytes)", started, rank=1, world=2, limit=2)
     assert type(err) is C.CollectiveTimeoutError and err.call.startswith("all_reduce (8 bytes), called from test_")
     assert re.search(
@@ -61,7 +63,9 @@ def test_backend_errors_become_errors_that_name_the_call(monkeypatch):
     err = C._translate(peer, "barrier", started, rank=0, world=2, limit=2)
     assert type(err) is C.CollectiveError and "failed on rank 0 of world size 2" in str(err)
     assert "the connection to another rank is gone" in str(err) and "Earlier on this rank: all_reduce" in str(err)
-    assert C._translate(RuntimeError("Tensors must be contiguous"), "barrier", started, rank=0, world=2, limit=2) is None
+    assert (
+        C._translate(RuntimeError("Tensors must be contiguous"), "barrier", started, rank=0, world=2, limit=2) is None
+    )
 
 
 def _sharded_state():
@@ -161,7 +165,9 @@ def test_torchrun_every_rank_raises_naming_its_call(tmp_path):
     # torchrun's summary lists both workers with a non-zero exit code.
     codes = dict(re.findall(r"rank\s*: (\d) \(local_rank: \d\)\s*\n\s*exitcode\s*: (-?\d+)", err))
     assert codes.keys() == {"0", "1"} and "0" not in codes.values(), err
-    assert re.search(r"all_gather \([\d,]+ bytes\) in Step\.full_params, called from <module> \(.*alone\.py:\d+\)", err), err
+    assert re.search(
+        r"all_gather \([\d,]+ bytes\) in Step\.full_params, called from <module> \(.*alone\.py:\d+\)", err
+    ), err
     assert "on rank 0 of world size 2 after" in err and "on rank 1 of world size 2 after" in err, err
     assert "barrier, called from <module>" in err and SAME_CALLS in err, err
     assert "zerofn.collectives.CollectiveTimeoutError" in err, err

@@ -1,6 +1,6 @@
 """Command line: ``python -m zerofn {run, plan, consolidate, verify} ...``.
 
-- ``run``: a thin front over torchrun (``zerofn.launch_cli``), with the
+- ``run``: a thin front over torchrun (``zerofn.launch.cli``), with the
   flags DeepSpeed's launcher users know.
 - ``plan``: what fits where (``zerofn.plan``).
 - ``consolidate PATH OUT [--dtype bf16] [--max-shard-size 5GB]``: a
@@ -13,33 +13,52 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zerofn.plan import _size as plan_size
+from zerofn.plan import parse_size
 
-_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-           "fp16": "float16", "float16": "float16"}  # fmt: skip
+_DTYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
 
 
 def _size(text: str) -> int:
-    return int(plan_size(text))  # the planner's parser of sizes (5GB, 500MiB, 1TB)
+    return int(parse_size(text))  # the planner's parser of sizes (5GB, 500MiB, 1TB)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("run", "plan"):  # their own parsers, with torchrun's and the planner's flags
         if argv[0] == "run":
-            from zerofn.launch_cli import main as run
+            from zerofn.launch.cli import main as run
         else:
-            from zerofn.plan import main as run
+            from zerofn.plan.cli import main as run
         return run(argv[1:])
     p = argparse.ArgumentParser(prog="python -m zerofn", description="zerofn's command line tools")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="launch a training script on N ranks (torchrun's flags; --num_gpus, --num_nodes too)")
-    sub.add_parser("plan", help="bytes per GPU, CPU RAM and NVMe for each ZeRO stage, in GPU memory or moved to CPU or NVMe; what fits")
+    sub.add_parser(
+        "plan",
+        help="bytes per GPU, CPU RAM and NVMe for each ZeRO stage, in GPU memory or moved to CPU or NVMe; what fits",
+    )
     c = sub.add_parser("consolidate", help="write a checkpoint's full model as one safetensors file")
     c.add_argument("path", help="a checkpoint directory (made by zf.checkpoint.save)")
     c.add_argument("out", help="the .safetensors file to write (a directory when sharded)")
-    c.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating tensors (default: as saved; fp32 master weights where the checkpoint has them)")
-    c.add_argument("--max-shard-size", type=_size, default=None, help="split into files of at most this size, with an index (e.g. 5GB)")
+    c.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default=None,
+        help="cast floating tensors (default: as saved; fp32 master weights where the checkpoint has them)",
+    )
+    c.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default=None,
+        help="split into files of at most this size, with an index (e.g. 5GB)",
+    )
     v = sub.add_parser("verify", help="check every file of a checkpoint against its manifest")
     v.add_argument("path")
     args = p.parse_args(argv)
@@ -55,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f)
         else:
             m = checkpoint.verify(args.path)
-            print(f"{args.path}: complete, {len(m['files'])} files verified, update count {m['count']}, saved by {m['chain']} on {m['world_size']} rank(s)")
+            print(
+                f"{args.path}: complete, {len(m['files'])} files verified, update count {m['count']}, saved by {m['chain']} on {m['world_size']} rank(s)"
+            )
     except (ValueError, OSError) as e:  # CheckpointError, IntegrityError, a missing file
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -66,7 +66,7 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass,
 )
 
-from zerofn import tree as _T
+from zerofn.placement import held_bytes
 from zerofn.plan import estimate
 
 __all__ = ["Tracker", "estimate", "state_bytes", "track"]
@@ -79,10 +79,7 @@ __all__ = ["Tracker", "estimate", "state_bytes", "track"]
 # Ops whose output storage was made just before them, outside the dispatcher,
 # and is therefore new although it is also their input (``torch.tensor(...)``).
 _FRESH_OPS = frozenset(
-    op
-    for name in ("lift_fresh", "lift_fresh_copy")
-    for op in (getattr(torch.ops.aten, name, None),)
-    if op is not None
+    op for name in ("lift_fresh", "lift_fresh_copy") for op in (getattr(torch.ops.aten, name, None),) if op is not None
 )
 
 
@@ -187,10 +184,7 @@ class Tracker:
             16
         """
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(
-                f"Tracker.add(tensor): expected a torch.Tensor, got "
-                f"{type(tensor).__name__}."
-            )
+            raise TypeError(f"Tracker.add(tensor): expected a torch.Tensor, got {type(tensor).__name__}.")
         before = self.current
         for st in _storages(tensor):
             self._see(st, base=0)
@@ -410,26 +404,6 @@ def _resize_hook_release(tracker: Tracker) -> None:
 # --------------------------------------------------------------------------
 
 
-def _held_bytes(tree: Any) -> dict[str, int]:
-    """Bytes of the distinct storages under ``tree``, by placement."""
-    seen: set[tuple[str, int]] = set()
-    out: dict[str, int] = {}
-    for leaf in _T.tree_leaves(tree):
-        placement = getattr(leaf, "placement", None)
-        if placement is not None and not isinstance(leaf, torch.Tensor):  # a handle: state held elsewhere (files)
-            out[placement] = out.get(placement, 0) + int(leaf.nbytes)
-            continue
-        if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta":
-            continue
-        storage = leaf.untyped_storage()
-        key = (str(leaf.device), storage.data_ptr())
-        if key in seen and storage.data_ptr() != 0:
-            continue
-        seen.add(key)
-        out[leaf.device.type] = out.get(leaf.device.type, 0) + storage.nbytes()
-    return out
-
-
 def state_bytes(state: Any) -> dict[str, int]:
     """Bytes a TrainState holds on this rank between steps.
 
@@ -458,10 +432,10 @@ def state_bytes(state: Any) -> dict[str, int]:
     if not isinstance(state, TrainState):
         raise TypeError(f"state_bytes expects a zerofn TrainState, got {type(state).__name__}")
     groups = {
-        "params": _held_bytes((state.arriving_params(), state.frozen)),
-        "buffers": _held_bytes(state.buffers),
-        "optimizer": _held_bytes(state.opt_state),
-        "grad_accum": _held_bytes(state.grad_accum),
+        "params": held_bytes((state.arriving_params(), state.frozen)),
+        "buffers": held_bytes(state.buffers),
+        "optimizer": held_bytes(state.opt_state),
+        "grad_accum": held_bytes(state.grad_accum),
     }
     out: dict[str, Any] = {k: sum(v.values()) for k, v in groups.items()}
     out["total"] = sum(out.values())

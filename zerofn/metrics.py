@@ -29,7 +29,8 @@ import json
 import numbers
 import os
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from tqdm import tqdm

@@ -49,8 +49,14 @@ def config(args: argparse.Namespace) -> Config:
     for key in ("dim", "layers", "heads", "seq_len", "batch", "steps", "rounds", "warmup"):
         if getattr(args, key) is not None:
             sizes[key] = getattr(args, key)
-    return Config(systems=systems, world=args.world, threads=args.threads, bucket_mb=args.bucket_mb,
-                  progress=not args.no_progress, **sizes)  # fmt: skip
+    return Config(
+        systems=systems,
+        world=args.world,
+        threads=args.threads,
+        bucket_mb=args.bucket_mb,
+        progress=not args.no_progress,
+        **sizes,
+    )
 
 
 def summary(results: Results) -> str:
@@ -58,8 +64,10 @@ def summary(results: Results) -> str:
     lines = [f"{'system':<46}{'step ms':>9}{'vs DDP':>8}{'held MiB':>10}{'peak MiB':>10}{'traffic MiB':>13}{'loss':>9}"]
     for m in results.systems:
         ratio = "n/a" if m.ratio is None else f"{m.ratio:.2f}"
-        lines.append(f"{m.name:<46}{m.ms:>9.1f}{ratio:>8}{m.held / 2**20:>10.2f}"
-                     f"{m.peak / 2**20:>10.2f}{m.traffic / 2**20:>13.2f}{m.loss:>9.4f}")  # fmt: skip
+        lines.append(
+            f"{m.name:<46}{m.ms:>9.1f}{ratio:>8}{m.held / 2**20:>10.2f}"
+            f"{m.peak / 2**20:>10.2f}{m.traffic / 2**20:>13.2f}{m.loss:>9.4f}"
+        )
     lines += [f"{name}: not measured ({why})" for name, why in results.skipped.items()]
     return "\n".join(lines)
 

@@ -198,4 +198,3 @@ def run(cfg: Config) -> Results:
         for n in names
     ]
     return Results(config=cfg, systems=measured, skipped=per_rank[0][1], seconds=time.perf_counter() - start)
-

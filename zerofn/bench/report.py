@@ -35,7 +35,7 @@ PLOTS = {
 
 
 def _deepspeed_version() -> str:
-    """", DeepSpeed <version>" when DeepSpeed is installed (its systems are then in the table)."""
+    """ ", DeepSpeed <version>" when DeepSpeed is installed (its systems are then in the table)."""
     try:
         from importlib.metadata import version
 
@@ -69,8 +69,19 @@ def table(results: Results) -> str:
     """The markdown table, one row per system that ran."""
     unit, scale = _unit(results)
     psi = 4 * results.config.parameters()  # the fp32 parameter bytes: the ZeRO paper's unit of traffic
-    header = ["system", "step ms", "vs DDP", f"params {unit}", f"optimizer {unit}", f"other held {unit}",
-              f"peak in step {unit}", f"peak {unit}", f"traffic {unit}/step", "traffic / Ψ", "loss"]  # fmt: skip
+    header = [
+        "system",
+        "step ms",
+        "vs DDP",
+        f"params {unit}",
+        f"optimizer {unit}",
+        f"other held {unit}",
+        f"peak in step {unit}",
+        f"peak {unit}",
+        f"traffic {unit}/step",
+        "traffic / Ψ",
+        "loss",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     for m in results.systems:
         cells = [
@@ -136,7 +147,7 @@ def markdown(results: Results, command: str, plots: list[str] | None, no_plots: 
         f"ring each rank sends (N-1)/N of that. **traffic / Ψ** is that over the fp32 parameter bytes, "
         f"Ψ = {4 * n / scale:.2f} {unit}: the paper gives 2 for DDP, ZeRO-1 and ZeRO-2, 3 for ZeRO-3. "
         "All of it is counted, none computed from a formula: zerofn's steps count their own "
-        "(`metrics[\"comm_bytes\"]`); for torch (and DeepSpeed) the harness wraps torch.distributed's "
+        '(`metrics["comm_bytes"]`); for torch (and DeepSpeed) the harness wraps torch.distributed\'s '
         "collective functions for one step, on a second instance of the system built only for counting "
         "(DDP's there gets torch's `allreduce_hook`, so that its bucket all-reduces pass through them; "
         "DeepSpeed's on the timed engine itself, with no second engine in the process).",
@@ -199,8 +210,12 @@ def plot(results: Results, out: str) -> list[str]:
 
     fig, ax = figure(PLOTS["memory.png"], unit)
     left = [0.0] * len(names)
-    parts = (("params", lambda m: m.params), ("optimizer state", lambda m: m.optimizer),
-             ("other held", lambda m: m.other_held), ("peak in step", lambda m: m.peak_in_step))  # fmt: skip
+    parts = (
+        ("params", lambda m: m.params),
+        ("optimizer state", lambda m: m.optimizer),
+        ("other held", lambda m: m.other_held),
+        ("peak in step", lambda m: m.peak_in_step),
+    )
     for label, get in parts:
         widths = [get(m) / scale for m in systems]
         ax.barh(range(len(names)), widths, left=left, label=label)
@@ -229,4 +244,3 @@ def write(results: Results, out: str, command: str) -> str:
     with open(path, "w") as f:
         f.write(markdown(results, command, plots, why))
     return path
-

@@ -34,16 +34,17 @@ import importlib.util
 import inspect
 import itertools
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import zerofn as zf
 from zerofn import collectives as C
-from zerofn.memory import _held_bytes
 from zerofn.bench.gpt import GPT, GPTConfig, loss_fn_for
+from zerofn.placement import held_bytes
 
 __all__ = ["ALL", "SYSTEMS", "System", "build", "composition_name", "counting", "deepspeed_installed"]
 
@@ -175,7 +176,7 @@ def _storage_bytes(tensors) -> int:
         partition = getattr(t, "ds_tensor", None)  # DeepSpeed ZeRO-3 keeps this rank's partition there
         t = t if partition is None else partition
         local.append(getattr(t, "_local_tensor", t))  # DTensor
-    return sum(_held_bytes(local).values())
+    return sum(held_bytes(local).values())
 
 
 def _optimizer_state_bytes(opt) -> int:
@@ -301,16 +302,16 @@ def composition_name(stage: str, *, amp: bool = False, offload: bool = False, re
 
 
 def _compose(stage: str, amp: bool, offload: bool, remat: bool) -> Callable:
-    from zerofn import transforms as T
+    from zerofn import transforms
 
     def compose(step):
         if stage != "train_step":
-            step = getattr(T, stage)(step)
+            step = getattr(transforms, stage)(step)
         if amp:
-            step = T.amp(step, torch.bfloat16)
+            step = transforms.amp(step, torch.bfloat16)
         if offload:
-            step = T.offload(step, "cpu")
-        return T.remat(step) if remat else step
+            step = transforms.offload(step, "cpu")
+        return transforms.remat(step) if remat else step
 
     return compose
 
@@ -358,12 +359,14 @@ def deepspeed_installed() -> bool:
 # What ``--all`` runs: the torch peers, every zerofn stage in fp32 and under amp(bf16), the
 # optimizer state offloaded to CPU RAM, and ZeRO-3 with activation checkpointing.
 ALL = (
-    DDP, ZERO, FSDP2,
+    DDP,
+    ZERO,
+    FSDP2,
     *(composition_name(s) for s in STAGES),
     *(composition_name(s, amp=True) for s in STAGES),
     composition_name("shard_optimizer", offload=True),
     composition_name("shard_params", remat=True),
-)  # fmt: skip
+)
 
 
 def build(name: str, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int) -> System:

@@ -1,6 +1,6 @@
 """The rank side of ``zerofn.launch``: what each rank process runs.
 
-:data:`zerofn._rank_procs.BOOTSTRAP` calls :func:`main`, which connects back to
+:data:`zerofn.launch._procs.BOOTSTRAP` calls :func:`main`, which connects back to
 the caller, joins the gloo process group (each collective bounded by
 ``ZEROFN_TIMEOUT_S``, read here from the environment the rank inherits from
 the caller) and then runs the jobs it is sent until it is told to close (or
@@ -21,7 +21,7 @@ from multiprocessing.connection import Client
 
 import cloudpickle
 
-from zerofn._rank_procs import ENV_INFO, flush_std
+from zerofn.launch._procs import ENV_INFO, flush_std
 
 
 def main() -> None:
@@ -40,9 +40,7 @@ def main() -> None:
 
         timeout = collectives.timeout_s()  # ZEROFN_TIMEOUT_S, from the caller's environment
         start = datetime.timedelta(seconds=info["start_timeout"])
-        store = dist.TCPStore(
-            info["host"], int(os.environ["MASTER_PORT"]), world_size, False, timeout=start
-        )
+        store = dist.TCPStore(info["host"], int(os.environ["MASTER_PORT"]), world_size, False, timeout=start)
         # Join with the start timeout (interpreters start unevenly), then bound
         # each collective's wait by ZEROFN_TIMEOUT_S.
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=start)

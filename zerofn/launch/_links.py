@@ -35,9 +35,7 @@ class RankLinks:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.authkey = os.urandom(32)
-        self._server: socket.socket | None = socket.create_server(
-            (HOST, 0), backlog=max(world_size, 8)
-        )
+        self._server: socket.socket | None = socket.create_server((HOST, 0), backlog=max(world_size, 8))
         # Readable only says a connection was there: it may be gone by accept.
         self._server.setblocking(False)
         self.address: tuple[str, int] = self._server.getsockname()[:2]

@@ -12,8 +12,8 @@ import signal
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from zerofn._rank_links import RankLinks
-    from zerofn._rank_procs import RankProcs
+    from zerofn.launch._links import RankLinks
+    from zerofn.launch._procs import RankProcs
 
 # Seconds to look for a dead rank behind another rank's error.
 DEATH_GRACE = 0.1
@@ -49,9 +49,7 @@ class RankError(RuntimeError):
         self.remote_traceback = remote_traceback
 
     def __reduce__(self):
-        kwargs = dict(
-            rank=self.rank, exitcode=self.exitcode, remote_traceback=self.remote_traceback
-        )
+        kwargs = dict(rank=self.rank, exitcode=self.exitcode, remote_traceback=self.remote_traceback)
         return (_make_rank_error, (self.args[0], kwargs))
 
 
@@ -120,7 +118,7 @@ class Blame:
         if code == -signal.SIGABRT:
             hint = (
                 " gloo aborts a rank whose collective receives data of another size than it "
-                "expects (\"Is there a distributed collective mismatch in your code?\" on "
+                'expects ("Is there a distributed collective mismatch in your code?" on '
                 "stderr): every rank must make the same collective calls in the same order."
             )
         return RankError(

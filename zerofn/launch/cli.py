@@ -26,7 +26,7 @@ same command on each machine with ``--nnodes``, ``--node_rank``,
 ``--no_ssh`` mode does.
 
 Example:
-    >>> from zerofn.launch_cli import torchrun_args
+    >>> from zerofn.launch.cli import torchrun_args
     >>> torchrun_args(["--num_gpus", "2", "train.py", "--deepspeed", "ds.json"])
     ['--nproc_per_node', '2', '--standalone', 'train.py', '--deepspeed', 'ds.json']
 """
@@ -39,9 +39,11 @@ import sys
 __all__ = ["main", "torchrun_args"]
 
 ALIASES = {
-    "--num_gpus": "--nproc_per_node", "--num-gpus": "--nproc_per_node",
-    "--num_nodes": "--nnodes", "--num-nodes": "--nnodes",
-}  # fmt: skip
+    "--num_gpus": "--nproc_per_node",
+    "--num-gpus": "--nproc_per_node",
+    "--num_nodes": "--nnodes",
+    "--num-nodes": "--nnodes",
+}
 UNSUPPORTED = {
     "--hostfile": "ssh to the hosts it lists",
     "--include": "select hosts and GPUs from a hostfile",

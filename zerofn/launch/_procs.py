@@ -20,7 +20,7 @@ import sys
 import time
 from multiprocessing.connection import wait
 
-from zerofn._rank_links import HOST
+from zerofn.launch._links import HOST
 
 # Environment variables that carry the rank's start info and the caller's sys.path.
 ENV_INFO = "ZEROFN_LAUNCH_INFO"
@@ -30,7 +30,7 @@ BOOTSTRAP = (
     "import json, os, sys; "
     f"sys.path[:0] = json.loads(os.environ.pop({ENV_PATH!r})); "
     "del json, os, sys; "
-    "from zerofn._rank_main import main; "
+    "from zerofn.launch._rank import main; "
     "main()"
 )
 

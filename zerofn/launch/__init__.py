@@ -37,25 +37,28 @@ How it works, and why:
   ``RankError`` of that rank. It bounds one collective's wait, not a call:
   ``timeout=`` does that.
 
-This module holds the public API. One generation of ranks is
-``_ranks.Ranks``, built from ``_rank_procs`` (start, watch and kill the
-processes), ``_rank_links`` (listening socket, handshake, messages) and
-``_rank_errors`` (``RankError``, and which rank failed and how);
-``_rank_main`` is what each rank runs. With ``collectives.py`` they are the
-only modules that touch ``torch.distributed``, and only to host the store
-(``_rank_procs``) and start the process group (``_rank_main``).
+This package's ``__init__`` holds the public API; ``cli`` is the torchrun
+front (``python -m zerofn run``). One generation of ranks is
+``_ranks.Ranks``, built from ``_procs`` (start, watch and kill the
+processes), ``_links`` (listening socket, handshake, messages) and
+``_errors`` (``RankError``, and which rank failed and how); ``_rank`` is
+what each rank runs (``python -c`` imports ``zerofn.launch._rank``). With
+``collectives.py`` they are the only modules that touch
+``torch.distributed``, and only to host the store (``_procs``) and start
+the process group (``_rank``).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import cloudpickle
 
-from zerofn._rank_errors import RankError
-from zerofn._ranks import Ranks
+from zerofn.launch._errors import RankError
+from zerofn.launch._ranks import Ranks
 
 __all__ = ["RankError", "RankPool", "spawn"]
 
@@ -265,17 +268,13 @@ def _fn_name(fn) -> str:
 def _check_fn(fn, where: str) -> None:
     if not callable(fn):
         raise TypeError(
-            f"{where}: fn must be callable, got {type(fn).__name__} {fn!r}. "
-            f"Pass the function first: {where}(fn, ...)."
+            f"{where}: fn must be callable, got {type(fn).__name__} {fn!r}. Pass the function first: {where}(fn, ...)."
         )
 
 
 def _check_world_size(world_size, where: str) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(
-            f"{where}: world_size must be an int, got {type(world_size).__name__} "
-            f"{world_size!r}."
-        )
+        raise TypeError(f"{where}: world_size must be an int, got {type(world_size).__name__} {world_size!r}.")
     if world_size < 1:
         raise ValueError(f"{where}: world_size must be at least 1, got {world_size}.")
 
@@ -285,8 +284,7 @@ def _check_timeout(timeout, where: str, name: str = "timeout") -> None:
         return
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(
-            f"{where}: {name} must be a number of seconds or None, got "
-            f"{type(timeout).__name__} {timeout!r}."
+            f"{where}: {name} must be a number of seconds or None, got {type(timeout).__name__} {timeout!r}."
         )
     if not timeout > 0:
         raise ValueError(f"{where}: {name} must be positive seconds or None, got {timeout}.")

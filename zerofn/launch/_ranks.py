@@ -1,8 +1,8 @@
 """One generation of ranks for ``zerofn.launch``: start, run jobs, stop.
 
-:class:`Ranks` puts the pieces together: :class:`~zerofn._rank_procs.RankProcs`
-(the processes), :class:`~zerofn._rank_links.RankLinks` (their connections)
-and :class:`~zerofn._rank_errors.Blame` (which rank failed, and how). Every
+:class:`Ranks` puts the pieces together: :class:`~zerofn.launch._procs.RankProcs`
+(the processes), :class:`~zerofn.launch._links.RankLinks` (their connections)
+and :class:`~zerofn.launch._errors.Blame` (which rank failed, and how). Every
 wait is on the rank messages, the listening socket and the process handles at
 once (the socket while some rank has not connected), with a deadline, so a
 rank that raises or dies fails the call at once and nothing hangs.
@@ -11,14 +11,14 @@ rank that raises or dies fails the call at once and nothing hangs.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import Callable
 
 import cloudpickle
 
-from zerofn._rank_errors import Blame, RankError
-from zerofn._rank_links import RankLinks
-from zerofn._rank_procs import RankProcs, flush_std
+from zerofn.launch._errors import Blame, RankError
+from zerofn.launch._links import RankLinks
+from zerofn.launch._procs import RankProcs, flush_std
 
 # Seconds ranks get to exit cleanly on close before they are killed.
 CLOSE_TIMEOUT = 10.0

@@ -1,0 +1,114 @@
+"""Planning: what fits where. Bytes per GPU, CPU RAM and NVMe for each ZeRO stage, offload and remat.
+
+:func:`estimate` (also ``zf.memory.estimate``) is the ZeRO paper's memory
+table as zerofn holds it, plus activations and the transients of a step;
+:func:`model_shape` reads a Hugging Face ``config.json``; :func:`main` is
+``python -m zerofn plan``. Nothing here computes with torch: it is arithmetic
+on shapes, checked against real runs in ``tests/test_plan.py``.
+
+The package, by concern: ``shapes`` (Hugging Face configs: :class:`ModelShape`,
+:func:`model_shape`), ``activations`` (:func:`activation_bytes`), ``estimates``
+(:class:`Estimate`, :func:`estimate`, :func:`compositions`), ``cli``
+(:func:`main`, :func:`parse_size`, :func:`parse_count`), ``text``
+(:func:`plan_text`, :func:`fmt_bytes`) and ``plotting`` (:func:`plot`); every
+name is importable from ``zerofn.plan``.
+
+Notation: Psi trainable parameters, N = GPUs per node x nodes ranks,
+S = Psi / N (padded: each bucket to a multiple of N elements). Mixed
+precision (``amp``, bf16/fp16): 2 bytes of parameter, 2 of gradient, and
+K = 12 of optimizer state (4 fp32 master + 4 + 4 Adam moments); full
+precision: 4 + 4 + K = 8. Either way 16 bytes per parameter under DDP.
+
+Per rank, per composition (docs/design.md's table, as the state holds it):
+
+========================  ==================  ===================  ==================
+stage                     parameters          gradients (in step)  optimizer state
+========================  ==================  ===================  ==================
+DDP (0)                   2 Psi               2 Psi                K Psi
+ZeRO-1                    2 Psi               2 Psi                K S
+ZeRO-2                    2 Psi               2 S + 2 buckets      K S
+ZeRO-3                    2 S                 2 S                  K S
+========================  ==================  ===================  ==================
+
+(4 instead of 2 in full precision), plus the optimizer's 8-byte step count.
+Between steps a :class:`~zerofn.TrainState` holds parameters and optimizer
+state only (``Estimate.state``, what ``zf.memory.state_bytes`` reports);
+gradients exist inside a step. Also inside a step:
+
+- activations (when the shapes are given): see :func:`activation_bytes`;
+- ZeRO-3's gathered units: the root unit's full parameters and gradients
+  (embeddings, head, final norm) and ``prefetch + 2`` blocks' full
+  parameters and gradients;
+- the update's transient: under mixed precision the reduced gradient
+  partition is cast to fp32 for the master weights on the GPU (4 S bytes
+  beside the 2 S partition); in full precision one bucket's temporary.
+  With the optimizer state in CPU RAM there is none: each bucket's
+  gradient is cast and copied to the host as backward lands it, so the
+  GPU holds three buckets of gradient (or two and one's fp32 copy), not
+  all of it.
+
+``Estimate.total`` (per GPU) = parameters + optimizer state on the GPU +
+gradients + max(activations + gathered units, update transient).
+
+Optimizer state in CPU RAM (``"cpu"``): the GPU keeps only parameters and
+the gradients of the buckets backward is landing; the host holds, per
+rank, the optimizer state (K S), an fp32 gradient buffer kept from step
+to step (4 S) and a host copy of the parameters it updates (2 S, or the
+parameters themselves when they rest on the host too:
+``param_offload="cpu"``, ZeRO-3 only): 18 bytes per
+parameter in mixed precision, where write-ups of ZeRO-Offload count 12.
+On NVMe (``"nvme"``): the files hold two generations of the K S state plus
+a staging copy of the parameters, (2 K + 2) S bytes; RAM holds a few
+streamed sub-groups.
+
+Example:
+    >>> from zerofn import memory
+    >>> ddp = memory.estimate(70e9, gpus=8)                       # bf16 + Adam, DDP
+    >>> round(ddp.model_state / 1e12, 2)                            # 16 bytes x 70e9 on every GPU
+    1.12
+    >>> z3 = memory.estimate(70e9, gpus=8, stage=3)
+    >>> round(z3.model_state / 1e9, 1), z3.fits(80e9)               # 1120 GB / 8 > 80 GB
+    (140.0, False)
+    >>> cpu = memory.estimate(70e9, gpus=8, stage=3, optimizer_offload="cpu")
+    >>> round(cpu.model_state / 1e9, 1), round(cpu.cpu_per_node / 1e12, 2)  # GPU: 2 / 8 + buckets; host: 18 bytes
+    (17.6, 1.26)
+    >>> round(memory.estimate(70e9, inference=True).total / 1e9, 1)  # fp16 weights only
+    140.0
+"""
+
+from zerofn.plan.activations import activation_bytes
+from zerofn.plan.cli import main, parse_count, parse_size
+from zerofn.plan.estimates import (
+    ADAM_COUNT_BYTES,
+    BUCKET_BYTES,
+    NVME_SUB_GROUP_BYTES,
+    NVME_SUB_GROUPS_IN_RAM,
+    PREFETCH,
+    Estimate,
+    compositions,
+    estimate,
+)
+from zerofn.plan.plotting import plot
+from zerofn.plan.shapes import ModelShape, model_shape
+from zerofn.plan.text import fmt_bytes, format_count, plan_text
+
+__all__ = [
+    "ADAM_COUNT_BYTES",
+    "BUCKET_BYTES",
+    "NVME_SUB_GROUPS_IN_RAM",
+    "NVME_SUB_GROUP_BYTES",
+    "PREFETCH",
+    "Estimate",
+    "ModelShape",
+    "activation_bytes",
+    "compositions",
+    "estimate",
+    "fmt_bytes",
+    "format_count",
+    "main",
+    "model_shape",
+    "parse_count",
+    "parse_size",
+    "plan_text",
+    "plot",
+]

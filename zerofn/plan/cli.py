@@ -1,0 +1,140 @@
+"""``python -m zerofn plan``: the command line (:func:`main`) and its parsers of sizes and counts."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from zerofn.plan.estimates import compositions
+from zerofn.plan.plotting import plot
+from zerofn.plan.shapes import ModelShape, model_shape
+from zerofn.plan.text import fmt_bytes, format_count, plan_text
+
+__all__ = ["main", "parse_count", "parse_size"]
+
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "PB": 10**15,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+def _parse(text: str, units: dict, what: str) -> float:
+    t = text.strip().upper().replace("_", "")
+    i = len(t)
+    while i > 0 and t[i - 1].isalpha():
+        i -= 1
+    num, unit = t[:i], t[i:]
+    try:
+        value = float(num) * units[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {what}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive {what}")
+    return value
+
+
+def parse_size(text: str) -> float:
+    """Bytes from ``80GB``, ``1.5TB``, ``512GiB`` or ``5e9`` (decimal and binary units); raises
+    ``argparse.ArgumentTypeError`` for anything else, or a size that is not positive.
+
+    Example:
+        >>> from zerofn.plan import parse_size
+        >>> parse_size("80GB"), parse_size("512MiB")
+        (80000000000.0, 536870912.0)
+    """
+    return _parse(text, _SIZE_UNITS, "a size such as 80GB, 1TB or 512GiB")
+
+
+def parse_count(text: str) -> float:
+    """A parameter count from ``70e9``, ``70B`` or ``124M``; raises ``argparse.ArgumentTypeError`` for
+    anything else, or a count that is not positive."""
+    return _parse(text, _COUNT_UNITS, "a parameter count such as 70e9, 70B or 124M")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m zerofn plan",
+        description="Bytes per GPU, CPU RAM and NVMe per node for DDP and ZeRO-1, 2, 3 with the optimizer state "
+        "(and ZeRO-3's parameters) on the GPU, in CPU RAM or on NVMe, with and without remat; what fits, and "
+        "the composition to use.",
+    )
+    p.add_argument("--params", type=parse_count, help="trainable parameters (70e9, 70B, 124M)")
+    p.add_argument("--model", metavar="CONFIG", help="a Hugging Face config.json or its directory: size and shapes")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpu-memory", type=parse_size, required=True, help="memory of one GPU (80GB, 24GB)")
+    p.add_argument("--cpu-memory", type=parse_size, default=None, help="CPU RAM per node (not checked if absent)")
+    p.add_argument("--nvme", type=parse_size, default=None, help="NVMe space per node (not checked if absent)")
+    p.add_argument("--layers", type=int, help="transformer blocks")
+    p.add_argument("--hidden", type=int, help="hidden size")
+    p.add_argument("--heads", type=int, help="attention heads (default hidden / 64)")
+    p.add_argument("--ffn", type=int, help="MLP width (default 4 x hidden)")
+    p.add_argument("--vocab", type=int, help="vocabulary (the logits' activations)")
+    p.add_argument("--seq", type=int, help="sequence length")
+    p.add_argument("--micro-batch", type=int, help="sequences per GPU per micro-step")
+    p.add_argument("--inference", action="store_true", help="weights only, 2 bytes per parameter (fp16/bf16)")
+    p.add_argument("--fp32", action="store_true", help="full precision training (4 + 4 + 8 bytes per parameter)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw bytes per GPU by composition against the GPU memory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m zerofn plan ...``: print the table and the recommendation; returns the exit status."""
+    p = _parser()
+    args = p.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if (args.params is None) == (args.model is None):
+        p.error("give either --params or --model")
+    if args.gpus < 1 or args.nodes < 1:
+        p.error("--gpus and --nodes must be at least 1")
+    if args.fp32 and args.inference:
+        p.error("--inference counts 2-byte weights; --fp32 is for training")
+    if args.plot:
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            print(
+                "error: --plot needs matplotlib, which is not installed: pip install zerofn[plot] (or pip install "
+                "matplotlib)",
+                file=sys.stderr,
+            )
+            return 2
+    try:
+        source: float | ModelShape = model_shape(args.model) if args.model else args.params
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    shape_kw = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq", "micro_batch")}
+    shape_kw = {k: v for k, v in shape_kw.items() if v is not None}
+    kw = dict(gpus=args.gpus, nodes=args.nodes, **shape_kw)
+    if not args.inference:
+        kw["mixed_precision"] = not args.fp32
+    rows = compositions(source, inference=args.inference, **kw)
+    psi = source.params if isinstance(source, ModelShape) else int(round(source))
+    n = args.gpus * args.nodes
+    what = "fp32, Adam" if args.fp32 else "bf16 mixed precision, Adam"
+    what = "inference, fp16/bf16 weights" if args.inference else what
+    name = f" ({source.name})" if isinstance(source, ModelShape) and source.name else ""
+    title = (
+        f"{format_count(psi)} parameters{name} on {n} GPU(s) ({args.nodes} node(s) x {args.gpus}), "
+        f"{fmt_bytes(args.gpu_memory)} each; {what}"
+    )
+    print(plan_text(rows, gpu=args.gpu_memory, cpu=args.cpu_memory, nvme=args.nvme, psi=psi, title=title))
+    if args.plot:
+        try:
+            plot(rows, args.gpu_memory, args.plot, title)
+        except ImportError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"plot written to {args.plot}")
+    return 0

@@ -1,0 +1,383 @@
+"""The estimate: bytes per GPU, CPU RAM and NVMe of one composition (:func:`estimate`), and of all
+that ``python -m zerofn plan`` tabulates (:func:`compositions`). The arithmetic is described in
+:mod:`zerofn.plan`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from zerofn.plan.activations import activation_bytes
+from zerofn.plan.shapes import ModelShape
+
+__all__ = [
+    "ADAM_COUNT_BYTES",
+    "BUCKET_BYTES",
+    "NVME_SUB_GROUPS_IN_RAM",
+    "NVME_SUB_GROUP_BYTES",
+    "PREFETCH",
+    "Estimate",
+    "compositions",
+    "estimate",
+]
+
+# zerofn's defaults, repeated here so that planning depends on no step or transform (tests check they agree):
+BUCKET_BYTES = 25 * 2**20  # zerofn.step.DEFAULT_BUCKET_BYTES
+NVME_SUB_GROUP_BYTES = 64 * 2**20  # the NVMe update's sub-group (transforms/offload.py)
+NVME_SUB_GROUPS_IN_RAM = 5  # the one read ahead, the one updated, two being written, and the copies in
+PREFETCH = 1  # ZeRO-3's default prefetch
+ADAM_COUNT_BYTES = 8  # the optimizer's int64 step count
+
+_DEVICES = (None, "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes for one composition: per GPU (a rank's accelerator), per rank and per node on the host.
+
+    Attributes:
+        label: the composition, e.g. ``"ZeRO-3 + optimizer on CPU + remat"``.
+        stage: ZeRO stage 0-3 (0: DDP; inference: 0 replicated, 3 sharded).
+        optimizer_offload: where the optimizer state lives: None (the GPU), "cpu" or "nvme".
+        param_offload: "cpu" when ZeRO-3's parameter shards rest in CPU RAM.
+        remat: activations recomputed per block.
+        mixed_precision: bf16/fp16 with fp32 master weights (else fp32).
+        inference: weights only.
+        world_size: GPUs in all; gpus_per_node: GPUs per node.
+        params: parameter bytes on the GPU between steps.
+        grads: gradient bytes on the GPU inside a step (the ZeRO table's share).
+        optimizer: optimizer-state bytes on the GPU (0 when held elsewhere).
+        activations: activation bytes at the step's peak (0 without shapes).
+        gathered: ZeRO-3's gathered units inside a step (0 without layer count).
+        update: the update's transient beyond the gradients (fp32 gradient copy under mixed precision).
+        cpu: host RAM per rank for state (0 without offload).
+        nvme: NVMe bytes per rank.
+        state: bytes a TrainState holds per rank between steps, every placement
+            (what ``zf.memory.state_bytes(state)["total"]`` reports).
+        traffic: elements moved per rank per step (the ZeRO paper's count: 2 Psi, 3 Psi for ZeRO-3).
+    """
+
+    label: str
+    stage: int
+    optimizer_offload: str | None
+    param_offload: str | None
+    remat: bool
+    mixed_precision: bool
+    inference: bool
+    world_size: int
+    gpus_per_node: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    gathered: int
+    update: int
+    cpu: int
+    nvme: int
+    state: int
+    traffic: int
+
+    @property
+    def model_state(self) -> int:
+        """Parameters + gradients + optimizer state on the GPU: the ZeRO paper's table, per GPU (with the
+        optimizer state in CPU RAM, the gradients are the few buckets backward is landing)."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        """Peak bytes per GPU in a step: model state + max(activations + gathered units, update transient)."""
+        return self.model_state + max(self.activations + self.gathered, self.update)
+
+    @property
+    def cpu_per_node(self) -> int:
+        return self.cpu * self.gpus_per_node
+
+    @property
+    def nvme_per_node(self) -> int:
+        return self.nvme * self.gpus_per_node
+
+    def fits(self, gpu_memory: float, cpu_memory: float | None = None, nvme: float | None = None) -> bool:
+        """Whether ``total`` fits a GPU and the host needs fit per node (None: not checked)."""
+        return not self.short(gpu_memory, cpu_memory, nvme)
+
+    def short(self, gpu_memory: float | None, cpu_memory: float | None = None, nvme: float | None = None) -> list[str]:
+        """What does not fit: any of ``"GPU"``, ``"CPU"``, ``"NVMe"`` (empty when it fits; None: not checked)."""
+        out = []
+        if gpu_memory is not None and self.total > gpu_memory:
+            out.append("GPU")
+        if cpu_memory is not None and self.cpu_per_node > cpu_memory:
+            out.append("CPU")
+        if nvme is not None and self.nvme_per_node > nvme:
+            out.append("NVMe")
+        return out
+
+    def order(self) -> tuple:
+        """Preference: least traffic, then no offload before CPU before NVMe, then no remat, then lower stage."""
+        level = {None: 0, "cpu": 1, "nvme": 3}[self.optimizer_offload] + (1 if self.param_offload else 0)
+        return (self.traffic, level, self.remat, self.stage)
+
+
+def _label(stage: int, optimizer_offload: str | None, param_offload: str | None, remat: bool, inference: bool) -> str:
+    if inference:
+        text = "replicated" if stage == 0 else f"ZeRO-{stage}"
+    else:
+        text = "DDP" if stage == 0 else f"ZeRO-{stage}"
+    where = {"cpu": "CPU", "nvme": "NVMe"}
+    if optimizer_offload and param_offload:
+        text += f" + optimizer and params on {where[optimizer_offload]}"
+    elif optimizer_offload:
+        text += f" + optimizer on {where[optimizer_offload]}"
+    elif param_offload:
+        text += " + params on CPU"
+    return text + (" + remat" if remat else "")
+
+
+def estimate(
+    params: float | ModelShape,
+    *,
+    gpus: int = 1,
+    nodes: int = 1,
+    stage: int = 0,
+    mixed_precision: bool = True,
+    optimizer_offload: str | None = None,
+    param_offload: str | None = None,
+    remat: bool = False,
+    inference: bool = False,
+    layers: int | None = None,
+    hidden: int | None = None,
+    seq: int | None = None,
+    micro_batch: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    ffn: int | None = None,
+    vocab: int | None = None,
+    gated: bool | None = None,
+    flash: bool = True,
+    device: str = "cuda",
+    bucket_bytes: int = BUCKET_BYTES,
+    prefetch: int = PREFETCH,
+) -> Estimate:
+    """Bytes per GPU, per rank on the host and per node for one zerofn composition (see the module docs).
+
+    Args:
+        params: the trainable parameter count Psi, or a :class:`ModelShape`
+            (from :func:`model_shape`), whose shapes fill the arguments below
+            that are not given.
+        gpus: GPUs per node; nodes: nodes. The world size is their product.
+        stage: ZeRO stage, 0 (DDP) to 3.
+        mixed_precision: bf16/fp16 parameters and gradients with fp32 master
+            weights (``amp``); False: fp32 throughout.
+        optimizer_offload: None, ``"cpu"`` or ``"nvme"`` (``offload``).
+        param_offload: ``"cpu"`` to rest ZeRO-3's parameter shards in CPU RAM
+            (``offload(..., params=True)``: needs stage 3 and ``"cpu"``).
+        remat: activations recomputed per block.
+        inference: 2-byte weights only (no gradients or optimizer state);
+            stage 0 replicates them, stage 3 shards them.
+        layers, hidden, seq, micro_batch: the shapes for activations (per GPU
+            micro-batch); without all four activations count 0. heads,
+            kv_heads, ffn (default 4 x hidden), vocab (default 0: no logits),
+            gated (SwiGLU MLP) refine them; see :func:`activation_bytes`.
+        flash: flash/SDPA attention (no s^2 attention matrix saved).
+        device: ``"cuda"`` (layer norms in fp32 under autocast) or ``"cpu"``.
+        bucket_bytes: zerofn's gradient bucket size (padding, ZeRO-2's buckets).
+        prefetch: ZeRO-3's prefetch.
+
+    Returns:
+        An :class:`Estimate`.
+
+    Raises:
+        ValueError: a stage outside 0-3, an unknown offload device, or a
+            combination zerofn does not run (parameters on the host without
+            stage 3 or without the optimizer on the CPU).
+
+    Example:
+        >>> from zerofn import memory
+        >>> e = memory.estimate(7e9, gpus=8, stage=2)                  # bf16 + Adam over 8 GPUs
+        >>> [round(x / 1e9, 2) for x in (e.params, e.grads, e.optimizer)]  # 2 Psi, 2 Psi / 8 + 2 buckets, 12 Psi / 8
+        [14.0, 1.8, 10.5]
+        >>> round(e.state / 1e9, 2)                                     # what the TrainState holds between steps
+        24.5
+    """
+    shape = params if isinstance(params, ModelShape) else None
+    if shape is not None:
+        layers = shape.layers if layers is None else layers
+        hidden = shape.hidden if hidden is None else hidden
+        heads = shape.heads if heads is None else heads
+        kv_heads = shape.kv_heads if kv_heads is None else kv_heads
+        ffn = shape.ffn if ffn is None else ffn
+        vocab = shape.vocab if vocab is None else vocab
+        gated = shape.gated if gated is None else gated
+        psi = shape.params
+    else:
+        psi = int(round(float(params)))
+    if psi <= 0:
+        raise ValueError(f"estimate: the parameter count must be positive, got {params!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"estimate: stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
+    if optimizer_offload not in _DEVICES:
+        raise ValueError(f'estimate: optimizer_offload must be None, "cpu" or "nvme", got {optimizer_offload!r}')
+    if param_offload not in (None, "cpu"):
+        raise ValueError(f'estimate: param_offload must be None or "cpu", got {param_offload!r}')
+    if inference and (optimizer_offload or remat):
+        raise ValueError("estimate: inference holds no optimizer state and saves no activations")
+    if param_offload and stage != 3:
+        raise ValueError("estimate: parameters rest on the host only under ZeRO-3 (stage=3)")
+    if param_offload and not inference and optimizer_offload != "cpu":
+        raise ValueError(
+            'estimate: parameters on the host come with the optimizer state in CPU RAM (optimizer_offload="cpu")'
+        )
+    gpus, nodes = int(gpus), int(nodes)
+    if gpus < 1 or nodes < 1:
+        raise ValueError(f"estimate: gpus and nodes must be at least 1, got {gpus} and {nodes}")
+    n = gpus * nodes
+
+    pb = 2 if (mixed_precision or inference) else 4  # parameter (and gradient) bytes
+    k = 12 if mixed_precision else 8  # optimizer bytes per parameter: fp32 master + Adam moments, or the moments
+    layer_params = None
+    if layers:
+        if shape is not None and shape.layer_params:
+            layer_params = shape.layer_params
+        elif hidden:
+            f = ffn or 4 * hidden
+            layer_params = 4 * hidden * hidden + (3 if gated else 2) * hidden * f
+        else:
+            layer_params = psi // layers
+        layer_params = min(layer_params, psi // layers)
+    # Buckets, each padded to a multiple of N elements (at most N - 1 each): flat buckets of
+    # bucket_bytes for stages 1-2, one bucket per unit (each block and the root) for ZeRO-3.
+    if stage == 3:
+        buckets = (layers or 0) + 1
+    else:
+        buckets = max(1, math.ceil(psi * pb / bucket_bytes))
+    padded = psi + (buckets * (n - 1) if stage >= 1 and n > 1 else 0)
+    shard = padded // n if stage >= 1 else psi  # what the optimizer updates on this rank
+
+    acts = 0
+    if layers and hidden and seq and micro_batch:
+        acts = activation_bytes(
+            layers=layers,
+            hidden=hidden,
+            seq=seq,
+            micro_batch=micro_batch,
+            heads=heads,
+            kv_heads=kv_heads,
+            ffn=ffn,
+            vocab=vocab or 0,
+            gated=bool(gated),
+            mixed_precision=mixed_precision or inference,
+            remat=remat,
+            inference=inference,
+            flash=flash,
+            device=device,
+        )
+    gathered = 0
+    if stage == 3 and layer_params:
+        root = psi - layers * layer_params
+        per_param = pb if inference else 2 * pb  # full parameters (and, training, their gradients)
+        gathered = root * per_param + min(prefetch + 2, layers) * layer_params * per_param
+
+    label = _label(stage, optimizer_offload, param_offload, remat, inference)
+    common = dict(
+        label=label,
+        stage=stage,
+        optimizer_offload=optimizer_offload,
+        param_offload=param_offload,
+        remat=remat,
+        mixed_precision=mixed_precision and not inference,
+        inference=inference,
+        world_size=n,
+        gpus_per_node=gpus,
+        activations=acts,
+        gathered=gathered,
+    )
+    if inference:
+        held = pb * (padded // n if stage == 3 else psi)
+        return Estimate(
+            **common,
+            params=0 if param_offload else held,
+            grads=0,
+            optimizer=0,
+            update=0,
+            cpu=held if param_offload else 0,
+            nvme=0,
+            state=held,
+            traffic=psi if (stage == 3 and n > 1) else 0,
+        )
+
+    param_bytes = pb * (padded // n if stage == 3 else (padded if stage >= 1 else psi))
+    if stage <= 1:
+        grads = pb * psi  # the whole gradient (stage 1 keeps whole local sums when accumulating)
+    elif stage == 2:
+        grads = min(pb * psi, pb * shard + 2 * bucket_bytes)  # the partition, one bucket filling, one in flight
+    else:
+        grads = pb * shard
+    opt_state = k * shard + ADAM_COUNT_BYTES
+    # The update: mixed precision casts the reduced partition to fp32 on the GPU for the master weights;
+    # full precision makes one bucket-sized temporary.
+    update = 4 * shard if mixed_precision else min(bucket_bytes, 4 * shard)
+    cpu = nvme = 0
+    state = param_bytes + opt_state
+    if optimizer_offload == "cpu":
+        # Each bucket's reduced gradient leaves for the host as backward lands it (cast to fp32 first
+        # under mixed precision), so there is no update transient and the GPU holds a few buckets of
+        # gradient: when a bucket completes, its gradients and its buffer and the bucket before it in
+        # flight; when that one lands, the two buffers and the landing one's fp32 copy.
+        whole = pb * (psi if stage < 3 else shard)
+        bucket = min(bucket_bytes, whole)
+        copy = min(4 * shard, 2 * bucket) if mixed_precision else 0
+        grads = max(3 * bucket, 2 * bucket + copy) if whole > 2 * bucket_bytes else max(2 * whole, whole + copy)
+        update = 0
+        host_params = pb * shard  # a host copy of what the optimizer updates, or the parameters themselves
+        cpu = opt_state + 4 * shard + (0 if param_offload else host_params)  # + the fp32 gradient buffer
+        state += 4 * shard + (0 if param_offload else host_params)
+        if param_offload:
+            cpu += param_bytes
+    elif optimizer_offload == "nvme":
+        nvme = (2 * k + pb) * shard  # two generations of the state files and the parameters' staging copy
+        cpu = NVME_SUB_GROUPS_IN_RAM * min(NVME_SUB_GROUP_BYTES, k * shard)
+    return Estimate(
+        **common,
+        params=0 if param_offload else param_bytes,
+        grads=grads,
+        optimizer=0 if optimizer_offload else opt_state,
+        update=update,
+        cpu=cpu,
+        nvme=nvme,
+        state=state,
+        traffic=0 if n == 1 else (3 if stage == 3 else 2) * psi,
+    )
+
+
+def compositions(
+    params: float | ModelShape, *, inference: bool = False, remat: bool | None = None, **kwargs: Any
+) -> list[Estimate]:
+    """Every composition :func:`main` tabulates, in preference order (see ``Estimate.order``).
+
+    Training: DDP and ZeRO-1, 2, 3, each with the optimizer state on the
+    GPU, in CPU RAM or on NVMe, and ZeRO-3 with its parameters in CPU RAM
+    too; each with and without remat when ``remat`` is None and the shapes
+    for activations are given. Inference: replicated, ZeRO-3, ZeRO-3 with
+    parameters in CPU RAM.
+
+    Example:
+        >>> from zerofn.plan import compositions
+        >>> [e.label for e in compositions(1e9, gpus=2)][:4]
+        ['DDP', 'ZeRO-1', 'ZeRO-2', 'DDP + optimizer on CPU']
+    """
+    if inference:
+        rows = [
+            estimate(params, inference=True, stage=s, param_offload=p, **kwargs)
+            for s, p in ((0, None), (3, None), (3, "cpu"))
+        ]
+        return sorted(rows, key=Estimate.order)
+    shaped = isinstance(params, ModelShape) or all(kwargs.get(x) for x in ("layers", "hidden"))
+    has_acts = shaped and bool(kwargs.get("seq")) and bool(kwargs.get("micro_batch"))
+    remats = (False, True) if (remat is None and has_acts) else (bool(remat),)
+    rows = []
+    for r in remats:
+        for stage in (0, 1, 2, 3):
+            for dev in _DEVICES:
+                rows.append(estimate(params, stage=stage, optimizer_offload=dev, remat=r, **kwargs))
+        rows.append(estimate(params, stage=3, optimizer_offload="cpu", param_offload="cpu", remat=r, **kwargs))
+    return sorted(rows, key=Estimate.order)

@@ -1,0 +1,156 @@
+"""Hugging Face ``config.json`` to a model's size and shapes: :class:`ModelShape`, :func:`model_shape`."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ModelShape", "model_shape"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A transformer's size and shapes, as :func:`estimate` takes them.
+
+    ``params`` counts each tensor once (a tied head adds nothing). Block
+    shapes follow GPT: ``layers`` blocks of attention (``heads`` query
+    heads, ``kv_heads`` key/value heads) and an MLP of width ``ffn``
+    (``gated``: SwiGLU's three matrices, Llama-style).
+    """
+
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    positions: int | None = None
+    gated: bool = False
+    tied: bool = True
+    layer_params: int | None = None  # one block's parameters (a ZeRO-3 unit)
+    name: str = ""
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the blocks (embeddings, head, final norm): ZeRO-3's root unit."""
+        return self.params - self.layers * (self.layer_params or 0)
+
+
+_GATED_TYPES = frozenset(
+    "llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 gemma3_text phi3 olmo olmo2 cohere "
+    "internlm2 granite deepseek_v2 deepseek_v3 starcoder2_gated smollm3 exaone".split()
+)
+_ABSOLUTE_POSITIONS = frozenset("gpt2 gpt_bigcode opt gpt_neo bloom_absolute".split())
+
+
+def _first(cfg: dict, *names: str, default: Any = None) -> Any:
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    return default
+
+
+def model_shape(config: dict | str | os.PathLike) -> ModelShape:
+    """A model's parameter count and shapes from a Hugging Face config.
+
+    Reads ``vocab_size``, ``hidden_size``, ``num_hidden_layers``,
+    ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``,
+    ``head_dim``, ``tie_word_embeddings``, ``attention_bias``/``mlp_bias``
+    and ``num_local_experts`` (Llama, Mistral, Qwen, Gemma-style: gated MLP,
+    RMSNorm, rotary positions), or GPT-2's ``n_embd``, ``n_layer``,
+    ``n_head``, ``n_inner``, ``n_positions`` (biases, LayerNorm, learned
+    positions).
+
+    Args:
+        config: a dict, a ``config.json`` path, or a directory holding one.
+
+    Returns:
+        A :class:`ModelShape`.
+
+    Raises:
+        ValueError: a config without a hidden size, layer count, head count
+            or vocabulary size.
+
+    Example:
+        >>> from zerofn.plan import model_shape
+        >>> gpt2 = {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12,
+        ...         "n_positions": 1024}
+        >>> model_shape(gpt2).params                                   # GPT-2 small: 124 M
+        124439808
+        >>> llama2_70b = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "num_hidden_layers": 80,
+        ...               "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+        ...               "tie_word_embeddings": False}
+        >>> model_shape(llama2_70b).params
+        68976648192
+    """
+    name = ""
+    if not isinstance(config, dict):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    cfg = dict(config)
+    if "text_config" in cfg and _first(cfg, "hidden_size", "n_embd", "d_model") is None:
+        cfg = {**cfg, **cfg["text_config"]}  # a multimodal config: plan for its language model
+    kind = str(cfg.get("model_type", ""))
+    gpt2_names = "n_embd" in cfg
+    hidden = _first(cfg, "hidden_size", "n_embd", "d_model")
+    layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(cfg, "num_attention_heads", "n_head")
+    vocab = _first(cfg, "vocab_size")
+    named = (("hidden size", hidden), ("layers", layers), ("heads", heads), ("vocab_size", vocab))
+    missing = [n for n, v in named if v is None]
+    if missing:
+        raise ValueError(
+            f"model_shape: the config lacks {', '.join(missing)}; expected Hugging Face names (hidden_size, "
+            "num_hidden_layers, num_attention_heads, vocab_size) or GPT-2's (n_embd, n_layer, n_head)"
+        )
+    hidden, layers, heads, vocab = int(hidden), int(layers), int(heads), int(vocab)
+    kv_heads = int(_first(cfg, "num_key_value_heads", default=1 if cfg.get("multi_query") else heads))
+    head_dim = int(_first(cfg, "head_dim", default=hidden // heads))
+    ffn = int(_first(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden))
+    act = str(_first(cfg, "hidden_act", "activation_function", default=""))
+    gated = (kind in _GATED_TYPES or act in ("silu", "swiglu")) and not gpt2_names
+    positions = _first(cfg, "max_position_embeddings", "n_positions", "n_ctx")
+    learned_positions = gpt2_names or kind in _ABSOLUTE_POSITIONS
+    tied = bool(cfg.get("tie_word_embeddings", True))
+    layer_norm = not gated  # GPT-2 style LayerNorm (weight + bias) or RMSNorm (weight)
+    norm = 2 * hidden if layer_norm else hidden
+    q, kv = heads * head_dim, kv_heads * head_dim
+    if gated:  # Llama-style: no biases unless the config says (Qwen2 has q, k, v biases)
+        qkv_bias = bool(cfg.get("attention_bias", False)) or kind.startswith("qwen2")
+        out_bias = bool(cfg.get("attention_bias", False))
+        mlp_bias = bool(cfg.get("mlp_bias", False))
+    else:  # GPT-2 style: biases everywhere
+        qkv_bias = out_bias = mlp_bias = True
+    attn = hidden * (q + 2 * kv) + q * hidden + (q + 2 * kv if qkv_bias else 0) + (hidden if out_bias else 0)
+    if gated:
+        mlp = 3 * hidden * ffn + (2 * ffn + hidden if mlp_bias else 0)
+    else:
+        mlp = 2 * hidden * ffn + (ffn + hidden if mlp_bias else 0)
+    experts = int(_first(cfg, "num_local_experts", "num_experts", default=1) or 1)
+    if experts > 1:
+        mlp = experts * mlp + hidden * experts  # the experts and the router
+    layer = attn + mlp + 2 * norm
+    params = vocab * hidden * (1 if tied else 2) + layers * layer + norm
+    if learned_positions and positions:
+        params += int(positions) * hidden
+    return ModelShape(
+        params=params,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn=ffn,
+        vocab=vocab,
+        positions=int(positions) if positions else None,
+        gated=gated,
+        tied=tied,
+        layer_params=layer,
+        name=name or kind,
+    )
