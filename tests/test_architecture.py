@@ -165,12 +165,34 @@ def test_no_import_cycle():
     assert cycles == []
 
 
+def _module_aliases(tree: ast.AST) -> set[str]:
+    """Local names bound to a zerofn module (``from zerofn import collectives as C``, ``import zerofn.x as y``)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zerofn"):
+            out |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in MODULES}
+        elif isinstance(node, ast.Import):
+            out |= {a.asname for a in node.names if a.asname and a.name.startswith("zerofn")}
+    return out
+
+
 def test_no_private_name_crosses_modules():
-    """``from m import _x`` (a private name of another module) nowhere; a private module only from its own package."""
+    """``from m import _x`` or ``m._x`` (a private name of another module) nowhere; a private module only
+    from its own package."""
     wrong = []
     for module, path in MODULES.items():
         package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        aliases = _module_aliases(tree)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                wrong.append(f"{module}: {node.value.id}.{node.attr}")
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zerofn"):
                 wrong += [f"{module}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
                 private = [p for p in node.module.split(".") if p.startswith("_") and p != "__main__"]

@@ -62,6 +62,7 @@ __all__ = [
     "rank",
     "reduce_scatter",
     "reduce_scatter_tree",
+    "set_group_timeout",
     "timeout_s",
     "world_size",
 ]
@@ -108,7 +109,7 @@ def timeout_s() -> float:
 _group_timeout_s: float | None = None
 
 
-def _set_group_timeout(seconds: float | None = None) -> float:
+def set_group_timeout(seconds: float | None = None) -> float:
     """Bound every later collective of the default group by ``seconds`` (default :func:`timeout_s`).
 
     ``zf.spawn``'s ranks join with the generous start timeout (interpreters
@@ -357,9 +358,7 @@ def _where() -> str:
     entry = caller = None
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if (module == "zerofn" or module.startswith("zerofn.")) and not module.startswith(
-            ("zerofn._rank", "zerofn.launch")
-        ):
+        if (module == "zerofn" or module.startswith("zerofn.")) and not module.startswith("zerofn.launch"):
             entry, caller = frame, frame.f_back
         frame = frame.f_back
     if entry is None:

@@ -44,7 +44,7 @@ def main() -> None:
         # Join with the start timeout (interpreters start unevenly), then bound
         # each collective's wait by ZEROFN_TIMEOUT_S.
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=start)
-        collectives._set_group_timeout(timeout)
+        collectives.set_group_timeout(timeout)
     except BaseException as exc:
         conn.send(("error", (_exc_line(exc), traceback.format_exc())))
         flush_std()
