@@ -55,13 +55,25 @@ def main(argv=None):
     p.add_argument("--amp", action="store_true", help="add every zerofn stage under amp(bf16)")
     p.add_argument("--remat", action="store_true", help="add every zerofn system under remat, and torch checkpoint")
     args = p.parse_args(argv)
-    cfg = Config(systems=systems(args.amp, args.remat), world=args.world, dim=args.dim, layers=args.layers,
-                 seq_len=args.seq_len, batch=args.batch, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
-                 threads=args.threads, bucket_mb=args.bucket_mb)  # fmt: skip
+    cfg = Config(
+        systems=systems(args.amp, args.remat),
+        world=args.world,
+        dim=args.dim,
+        layers=args.layers,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        steps=args.steps,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        threads=args.threads,
+        bucket_mb=args.bucket_mb,
+    )
     results = run(cfg)
     print(f"GPT {cfg.parameters():,} parameters, {cfg.world} gloo ranks, batch {cfg.batch} x {cfg.seq_len} per rank")
-    print(f"{'system':<46}{'step ms':>9}{'vs DDP':>8}{'opt state MiB':>15}{'held MiB':>10}{'peak in step':>14}"
-          f"{'peak MiB':>10}{'traffic MiB':>13}{'loss':>8}")  # fmt: skip
+    print(
+        f"{'system':<46}{'step ms':>9}{'vs DDP':>8}{'opt state MiB':>15}{'held MiB':>10}{'peak in step':>14}"
+        f"{'peak MiB':>10}{'traffic MiB':>13}{'loss':>8}"
+    )
     for m in results.systems:
         print(
             f"{m.name:<46}{m.ms:>9.1f}{m.ratio:>8.3f}{m.optimizer / 2**20:>15.2f}{m.held / 2**20:>10.2f}"
@@ -72,8 +84,10 @@ def main(argv=None):
         ms = {m.name: m.ms for m in results.systems}
         cost = {n[len("remat(") : -1]: ms[n] / ms[n[len("remat(") : -1]] for n in ms if n.startswith("remat(")}
         line = ", ".join(f"{n} {c:.2f}x" for n, c in cost.items())
-        print(f"remat's step time against the same system without it: {line}; "
-              f"torch checkpoint against DDP: {ms[DDP_CHECKPOINT] / ms[DDP]:.2f}x")  # fmt: skip
+        print(
+            f"remat's step time against the same system without it: {line}; "
+            f"torch checkpoint against DDP: {ms[DDP_CHECKPOINT] / ms[DDP]:.2f}x"
+        )
     return results
 
 

@@ -69,9 +69,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import zerofn as zf  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for  # noqa: E402
 from zerofn.transforms import shard_optimizer, shard_params  # noqa: E402
+
+import zerofn as zf  # noqa: E402
 
 LR, WD = 1e-3, 0.1
 VOCAB = 32
@@ -330,14 +331,17 @@ def bench_rank(args, root):
     for spec in args.models:
         dim, layers = (int(x) for x in spec.split("x"))
         cfg = GPTConfig(vocab=VOCAB, seq_len=args.seq_len, dim=dim, heads=4, layers=layers)
-        batches = [corpus.sample(args.batch * world, args.seq_len + 1, seed=i)[rank * args.batch :][: args.batch]
-                   for i in range(2)]  # fmt: skip
+        batches = [
+            corpus.sample(args.batch * world, args.seq_len + 1, seed=i)[rank * args.batch :][: args.batch]
+            for i in range(2)
+        ]
         systems = {}
         for name, make in chosen.items():
             systems[name] = make(cfg)
             systems[name].train(batches[0], args.train_steps)
-        times = {name: {k: [] for k in ("blocking", "blocked", "total", "load", "load_into", "reported")}
-                 for name in systems}  # fmt: skip
+        times = {
+            name: {k: [] for k in ("blocking", "blocked", "total", "load", "load_into", "reported")} for name in systems
+        }
         written = {name: 0 for name in systems}
         for r in range(-args.warmup_rounds, args.rounds):
             for name, sysm in systems.items():
@@ -356,20 +360,29 @@ def bench_rank(args, root):
                 source = "async" if sysm.has_async and r % 2 else "blocking"
                 load = sysm.load(os.path.join(where, source))
                 if sysm.digest() != want:
-                    raise AssertionError(f"{name} {spec}: round {r}: loading the {source} checkpoint did not "
-                                         f"restore the saved state")  # fmt: skip
+                    raise AssertionError(
+                        f"{name} {spec}: round {r}: loading the {source} checkpoint did not restore the saved state"
+                    )
                 if hasattr(sysm, "load_into"):  # zerofn: again, into the live state
                     sysm.train(batches[1])
                     _settle()
                     load_into = sysm.load_into(os.path.join(where, source))
                     if sysm.digest() != want:
-                        raise AssertionError(f"{name} {spec}: round {r}: loading the {source} checkpoint into "
-                                             f"the live state did not restore the saved state")  # fmt: skip
+                        raise AssertionError(
+                            f"{name} {spec}: round {r}: loading the {source} checkpoint into "
+                            f"the live state did not restore the saved state"
+                        )
                 else:
                     load_into = float("nan")
                 if r >= 0:
-                    for k, v in (("blocking", blocking), ("blocked", blocked), ("total", total), ("load", load),
-                                 ("load_into", load_into), ("reported", reported)):  # fmt: skip
+                    for k, v in (
+                        ("blocking", blocking),
+                        ("blocked", blocked),
+                        ("total", total),
+                        ("load", load),
+                        ("load_into", load_into),
+                        ("reported", reported),
+                    ):
                         times[name][k].append(v)
                 written[name] = nbytes
                 zf.collectives.barrier()
@@ -397,16 +410,20 @@ def _fmt(x: float, anchor: float) -> str:
 
 def report(results: list, args) -> list[str]:
     """The table, one block per model: each figure the median over rounds of the slowest rank's time."""
-    lines = [f"{args.world} gloo ranks, {args.threads} thread(s) each, AdamW, median of {args.rounds} rounds "
-             f"(after {args.warmup_rounds} warm-up); times in s, each with its ratio to DCP's"]  # fmt: skip
+    lines = [
+        f"{args.world} gloo ranks, {args.threads} thread(s) each, AdamW, median of {args.rounds} rounds "
+        f"(after {args.warmup_rounds} warm-up); times in s, each with its ratio to DCP's"
+    ]
     for spec in args.models:
         dim, layers = (int(x) for x in spec.split("x"))
         model = GPT(GPTConfig(vocab=VOCAB, seq_len=args.seq_len, dim=dim, heads=4, layers=layers))
         n = sum(p.numel() for p in model.parameters())
         lines.append("")
         lines.append(f"GPT dim {dim}, {layers} layers: {n:,} parameters")
-        lines.append(f"{'system':<30}{'blocking save':>17}{'async blocked':>17}{'async total':>17}{'load':>17}"
-                     f"{'written MiB/rank':>18}{'held MiB/rank':>15}")  # fmt: skip
+        lines.append(
+            f"{'system':<30}{'blocking save':>17}{'async blocked':>17}{'async total':>17}{'load':>17}"
+            f"{'written MiB/rank':>18}{'held MiB/rank':>15}"
+        )
         per = results[0][spec]
         med = {}
         for name in per:
@@ -424,8 +441,10 @@ def report(results: list, args) -> list[str]:
         for name in per:
             if name.startswith("zf"):
                 m = med[name]
-                lines.append(f"  {name}: async h.blocked_s {m['reported']:.4f} s; load into the live state "
-                             f"(state=) {m['load_into']:.4f} s, {m['load_into'] / anchor['load']:.2f}x DCP's load")
+                lines.append(
+                    f"  {name}: async h.blocked_s {m['reported']:.4f} s; load into the live state "
+                    f"(state=) {m['load_into']:.4f} s, {m['load_into'] / anchor['load']:.2f}x DCP's load"
+                )
     return lines
 
 

@@ -74,8 +74,17 @@ sys.path.insert(0, HERE)
 LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 TORCH_SYSTEMS = ("torch-amp", "fsdp2")
 DEEPSPEED_SYSTEMS = ("deepspeed-z2", "deepspeed-z3", "deepspeed-z2-offload")
-ZF_SYSTEMS = ("zf-amp", "zf-z1-amp", "zf-z2-amp", "zf-z3-amp", "zf-z2-amp-offload", "zf-z2-amp-offload-sync",
-              "zf-z2-amp-offload-early", "zf-z2-amp-offload-delay", "zf-z3-amp-remat")  # fmt: skip
+ZF_SYSTEMS = (
+    "zf-amp",
+    "zf-z1-amp",
+    "zf-z2-amp",
+    "zf-z3-amp",
+    "zf-z2-amp-offload",
+    "zf-z2-amp-offload-sync",
+    "zf-z2-amp-offload-early",
+    "zf-z2-amp-offload-delay",
+    "zf-z3-amp-remat",
+)
 SYSTEMS = TORCH_SYSTEMS + DEEPSPEED_SYSTEMS + ZF_SYSTEMS
 RESULT_TAG = "BENCH_GPU_RESULT "
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) by a pattern in torch.cuda.get_device_name().
@@ -86,14 +95,24 @@ def zf_composition(name: str):
     """``step -> step`` for a zerofn system name (``zf-...``)."""
     from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params
 
-    shard = {"zf-amp": lambda s: s, "zf-z1-amp": shard_optimizer, "zf-z2-amp": shard_grads, "zf-z3-amp": shard_params,
-             "zf-z3-amp-remat": shard_params}.get(name, shard_grads)  # fmt: skip
+    shard = {
+        "zf-amp": lambda s: s,
+        "zf-z1-amp": shard_optimizer,
+        "zf-z2-amp": shard_grads,
+        "zf-z3-amp": shard_params,
+        "zf-z3-amp-remat": shard_params,
+    }.get(name, shard_grads)
 
     def compose(step):
         step = amp(shard(step), torch.bfloat16)
         if "-offload" in name:  # overlapped (the default), updated first, started during backward, one step late
-            step = offload(step, "cpu", overlap=not name.endswith("-sync"), delay=int(name.endswith("-delay")),
-                           early=name.endswith("-early"))  # fmt: skip
+            step = offload(
+                step,
+                "cpu",
+                overlap=not name.endswith("-sync"),
+                delay=int(name.endswith("-delay")),
+                early=name.endswith("-early"),
+            )
         if name.endswith("-remat"):
             step = remat(step)
         return step
@@ -206,8 +225,9 @@ def _build_deepspeed(system, cfg, device, batch_per_rank):
 
 
 def _build_zf(system, cfg, device):
-    import zerofn as zf
     from gpt import GPT, loss_fn_for
+
+    import zerofn as zf
 
     torch.manual_seed(0)
     apply = zf.functional(GPT(cfg).to(device))
@@ -320,10 +340,27 @@ def run_one(args) -> dict | None:
 def _child_argv(args, system: str) -> list[str]:
     script = os.path.abspath(__file__)
     flags = [
-        "--one", system, "--device", args.device, "--dim", str(args.dim), "--layers", str(args.layers),
-        "--heads", str(args.heads), "--vocab", str(args.vocab), "--seq-len", str(args.seq_len),
-        "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-    ]  # fmt: skip
+        "--one",
+        system,
+        "--device",
+        args.device,
+        "--dim",
+        str(args.dim),
+        "--layers",
+        str(args.layers),
+        "--heads",
+        str(args.heads),
+        "--vocab",
+        str(args.vocab),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+    ]
     if args.nproc == 1:
         return [sys.executable, script, *flags]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
@@ -364,8 +401,19 @@ def _mib(b: float) -> str:
 
 
 def rows(results: list[dict], peak_tflops: float | None) -> tuple[list[str], list[list[str]]]:
-    header = ["system", "ranks", "step ms", "tokens/s", "TFLOP/s/rank", "of peak", "peak MiB", "held MiB", "loss",
-              "speed vs torch-amp", "peak vs torch-amp"]  # fmt: skip
+    header = [
+        "system",
+        "ranks",
+        "step ms",
+        "tokens/s",
+        "TFLOP/s/rank",
+        "of peak",
+        "peak MiB",
+        "held MiB",
+        "loss",
+        "speed vs torch-amp",
+        "peak vs torch-amp",
+    ]
     base = next((r for r in results if r["system"] == "torch-amp" and "skipped" not in r), None)
     out = []
     for r in results:
@@ -376,17 +424,30 @@ def rows(results: list[dict], peak_tflops: float | None) -> tuple[list[str], lis
         frac = f"{100 * per_rank / peak_tflops:.1f}%" if peak_tflops else "n/a"
         speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
         mem = f"{r['peak_bytes'] / base['peak_bytes']:.2f}x" if base and base["peak_bytes"] else ""
-        out.append([
-            r["system"], str(r["world"]), f"{1e3 * r['step_s']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{per_rank:.3g}",
-            frac, _mib(r["peak_bytes"]), _mib(r["held_bytes"]), f"{r['loss']:.4f}", speed, mem,
-        ])  # fmt: skip
+        out.append(
+            [
+                r["system"],
+                str(r["world"]),
+                f"{1e3 * r['step_s']:.1f}",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{per_rank:.3g}",
+                frac,
+                _mib(r["peak_bytes"]),
+                _mib(r["held_bytes"]),
+                f"{r['loss']:.4f}",
+                speed,
+                mem,
+            ]
+        )
     return header, out
 
 
 def format_table(header: list[str], body: list[list[str]]) -> str:
     widths = [max(len(c) for c in col) for col in zip(header, *body)]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in [header, *body]]  # fmt: skip
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in [header, *body]
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -430,12 +491,21 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8, help="sequences per step per rank")
     p.add_argument("--steps", type=int, default=20, help="timed steps (the median is reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, metavar="SYSTEM",
-                   help=f"a subset of: {' '.join(SYSTEMS)} (default: all)")  # fmt: skip
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        default=list(SYSTEMS),
+        choices=SYSTEMS,
+        metavar="SYSTEM",
+        help=f"a subset of: {' '.join(SYSTEMS)} (default: all)",
+    )
     p.add_argument("--nproc", type=int, default=1, help="ranks (processes, one GPU each) per system")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="the GPU's dense bf16 peak (TFLOP/s); known: H100/H200 SXM 989, H100 PCIe 756, "
-                   "A100 312, L4 121")  # fmt: skip
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the GPU's dense bf16 peak (TFLOP/s); known: H100/H200 SXM 989, H100 PCIe 756, A100 312, L4 121",
+    )
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run (fraction of peak n/a)")
     p.add_argument("--out", default=None, metavar="FILE.md", help="also write the table as markdown")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per system before it is given up")
@@ -472,10 +542,12 @@ def main(argv=None) -> list[dict] | None:
     with torch.device("meta"):
         n_params = sum(p.numel() for p in GPT(cfg).parameters())
     fpt = flops_per_token(n_params, args.layers, args.seq_len, args.dim)
-    print(f"GPT {n_params / 1e6:,.1f} M parameters (dim {args.dim}, {args.layers} layers, {args.heads} heads, "
-          f"vocab {args.vocab}), {fpt / 1e9:.3g} GFLOP/token; {args.nproc} rank(s) x batch {args.batch} x seq "
-          f"{args.seq_len}; {gpu}" + (f", bf16 peak {peak:g} TFLOP/s per rank" if peak else ""),
-          flush=True)  # fmt: skip
+    print(
+        f"GPT {n_params / 1e6:,.1f} M parameters (dim {args.dim}, {args.layers} layers, {args.heads} heads, "
+        f"vocab {args.vocab}), {fpt / 1e9:.3g} GFLOP/token; {args.nproc} rank(s) x batch {args.batch} x seq "
+        f"{args.seq_len}; {gpu}" + (f", bf16 peak {peak:g} TFLOP/s per rank" if peak else ""),
+        flush=True,
+    )
     results = []
     for system in args.systems:
         t0 = time.perf_counter()
@@ -494,9 +566,13 @@ def main(argv=None) -> list[dict] | None:
             f"{args.nproc} rank(s)",
             f"median of {args.steps} steps after {args.warmup} warm-up steps; model FLOPs per token "
             f"6 N + 12 L T d = {fpt:,}" + (f"; bf16 peak {peak:g} TFLOP/s per rank" if peak else "; peak: n/a on cpu"),
-            "peak memory: " + ("torch.cuda.max_memory_allocated, largest rank" if args.device == "cuda"
-                               else "zf.memory.track() over set-up and warm-up (live tensor bytes)"),
-        ]  # fmt: skip
+            "peak memory: "
+            + (
+                "torch.cuda.max_memory_allocated, largest rank"
+                if args.device == "cuda"
+                else "zf.memory.track() over set-up and warm-up (live tensor bytes)"
+            ),
+        ]
         with open(args.out, "w") as f:
             f.write(format_markdown(header, body, gpu=gpu, command=command, notes=notes))
         print(f"wrote {args.out}")

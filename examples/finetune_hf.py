@@ -33,19 +33,29 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import zerofn as zf  # noqa: E402
 from gpt import MarkovCorpus  # noqa: E402
 from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params  # noqa: E402
 
+import zerofn as zf  # noqa: E402
+
 STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, metavar="DIR_OR_CONFIG_JSON",
-                   help="a local model directory (config.json, with or without weights) or a config JSON file; "
-                   "default: a tiny Llama config built in code")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR_OR_CONFIG_JSON",
+        help="a local model directory (config.json, with or without weights) or a config JSON file; "
+        "default: a tiny Llama config built in code",
+    )
     p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank on q_proj, v_proj (0: full fine-tuning)")
     p.add_argument("--zero", type=int, default=0, choices=sorted(STAGES), help="ZeRO stage (0 = plain data parallel)")
     p.add_argument("--amp", choices=["bf16", "fp16"], default=None, help="mixed precision (fp32 master weights)")
@@ -66,8 +76,12 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=8, help="tokens to generate (with --export)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary lines are still printed)")
     p.add_argument("--jsonl", default=None, metavar="FILE", help="append rank 0's metrics here, one JSON line per step")
-    p.add_argument("--tensorboard", default=None, metavar="DIR", help="write rank 0's metrics to TensorBoard here "
-                   "(needs pip install tensorboard)")  # fmt: skip
+    p.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="write rank 0's metrics to TensorBoard here (needs pip install tensorboard)",
+    )
     args = p.parse_args(argv)
     if args.save_every is not None and args.ckpt_dir is None:
         p.error("--save-every needs --ckpt-dir")
@@ -84,9 +98,16 @@ def load_config(spec: str | None):
     from transformers import AutoConfig, LlamaConfig
 
     if spec is None:
-        cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                          tie_word_embeddings=True)  # fmt: skip
+        cfg = LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            tie_word_embeddings=True,
+        )
         return cfg, None
     cfg = AutoConfig.from_pretrained(spec)
     weights = os.path.isdir(spec) and any(os.path.exists(os.path.join(spec, f)) for f in WEIGHT_FILES)
@@ -108,7 +129,9 @@ def build_model(cfg, weights: str | None, seed: int):
 def lora_config(r: int):
     from peft import LoraConfig
 
-    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+    )
 
 
 def build_step(args, apply):
@@ -163,7 +186,7 @@ def export(args, step, state, cfg, weights, rank: int, vocab: int) -> None:
     # weights sums in another order; under amp both sides run in bf16 (the masters round to the step's weights).
     tol = 0.0 if not (args.lora or args.amp) else (1e-4 if not args.amp else 5e-2) * max(1.0, scale)
     print(f"exported to {args.export}")
-    print(f"generated: prompt {prompt[0].tolist()} -> {out[0, args.prompt_len:].tolist()}")
+    print(f"generated: prompt {prompt[0].tolist()} -> {out[0, args.prompt_len :].tolist()}")
     print(f"logits max |reloaded - step.apply| {diff:.3g} (tolerance {tol:.3g}, logits up to {scale:.3g})")
     if not diff <= tol:
         raise SystemExit(f"the exported model's logits differ from step.apply's by {diff} > {tol}")
@@ -207,14 +230,24 @@ def main(argv=None) -> None:
     if rank == 0:
         trainable = sum(p.numel() for p in apply.params.values() if p.requires_grad)
         total = sum(p.numel() for p in apply.params.values())
-        print(f"{step.name} on {world} rank(s): {cfg.model_type}, {trainable:,} of {total:,} parameters trained"
-              f"{f' (LoRA r={args.lora})' if args.lora else ''}, global batch {args.batch} x {args.seq_len} tokens")  # fmt: skip
+        print(
+            f"{step.name} on {world} rank(s): {cfg.model_type}, {trainable:,} of {total:,} parameters trained"
+            f"{f' (LoRA r={args.lora})' if args.lora else ''}, global batch {args.batch} x {args.seq_len} tokens"
+        )
         if latest is not None:
             print(f"resumed from {latest} at step {first}")
         if loud:
             print(state)
-    log = zf.metrics.Logger(args.steps, start=first, tokens_per_step=args.batch * args.seq_len, every=1,
-                            jsonl=args.jsonl, tensorboard=args.tensorboard, desc="train", bar=loud)  # fmt: skip
+    log = zf.metrics.Logger(
+        args.steps,
+        start=first,
+        tokens_per_step=args.batch * args.seq_len,
+        every=1,
+        jsonl=args.jsonl,
+        tensorboard=args.tensorboard,
+        desc="train",
+        bar=loud,
+    )
     tokens, losses, saving = 0, [], None
     start = time.perf_counter()
     for i in range(first, args.steps):

@@ -50,9 +50,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import zerofn as zf  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for, unigram_entropy  # noqa: E402
 from zerofn.transforms import amp, remat, shard_grads, shard_optimizer, shard_params  # noqa: E402
+
+import zerofn as zf  # noqa: E402
 
 STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
 DEFAULT_SAVE_EVERY = 50
@@ -75,29 +76,48 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="no progress bar or report (returns the held-out loss)")
     p.add_argument("--constant-lr", action="store_true", help="--lr throughout, no warmup or decay")
     p.add_argument(
-        "--schedule-steps", type=int, default=None, metavar="N",
+        "--schedule-steps",
+        type=int,
+        default=None,
+        metavar="N",
         help="length of the learning-rate schedule (default: --steps); set it to the whole run's length when "
         "training in parts with --ckpt-dir and a growing --steps",
     )
     p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="save checkpoints here and resume from the newest")
     p.add_argument(
-        "--save-every", type=int, default=None, metavar="K",
+        "--save-every",
+        type=int,
+        default=None,
+        metavar="K",
         help=f"steps between checkpoints (default {DEFAULT_SAVE_EVERY}; the last step is always saved)",
     )
     p.add_argument("--keep", type=int, default=2, metavar="N", help="checkpoints to keep (the newest N)")
     p.add_argument(
-        "--deepspeed", default=None, metavar="JSON",
+        "--deepspeed",
+        default=None,
+        metavar="JSON",
         help="build the step from this DeepSpeed config (zf.from_deepspeed): its ZeRO stage, fp16/bf16, "
         "activation checkpointing, optimizer, scheduler, clipping and batch sizes win over --zero, --amp, --remat, "
         "--accumulate, --batch, --lr and --schedule-steps, which are then ignored (e.g. examples/ds_config.json)",
     )
     p.add_argument("--out", default=None, metavar="FILE", help="write the final state_dict here (torch.save)")
-    p.add_argument("--jsonl", default=None, metavar="FILE",
-                   help="append rank 0's metrics here, one JSON line every 10 steps and on the last")  # fmt: skip
-    p.add_argument("--tensorboard", default=None, metavar="DIR", help="write rank 0's metrics to TensorBoard here "
-                   "(needs pip install tensorboard)")  # fmt: skip
     p.add_argument(
-        "--die-at-step", type=int, default=None, metavar="S",
+        "--jsonl",
+        default=None,
+        metavar="FILE",
+        help="append rank 0's metrics here, one JSON line every 10 steps and on the last",
+    )
+    p.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="write rank 0's metrics to TensorBoard here (needs pip install tensorboard)",
+    )
+    p.add_argument(
+        "--die-at-step",
+        type=int,
+        default=None,
+        metavar="S",
         help="test hook: on torchrun's first attempt, rank 1 (rank 0 alone) kills itself (SIGKILL) after step S",
     )
     args = p.parse_args(argv)
@@ -121,7 +141,9 @@ def build_step(args, apply):
     """The step the command-line flags ask for."""
     total = args.schedule_steps
     schedule = (
-        args.lr if args.constant_lr else zf.optim.warmup_cosine_decay_schedule(0.0, args.lr, total // 10, total, args.lr / 10)
+        args.lr
+        if args.constant_lr
+        else zf.optim.warmup_cosine_decay_schedule(0.0, args.lr, total // 10, total, args.lr / 10)
     )
     optimizer = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(schedule, weight_decay=0.1))
     step = STAGES[args.zero](zf.train_step(loss_fn_for(apply), optimizer, args.accumulate))
@@ -168,9 +190,15 @@ def main(argv=None) -> float:
             print(f"resumed from {latest} at step {first}")
         print(state)
     log = zf.metrics.Logger(
-        args.steps, start=first, tokens_per_step=args.batch * args.seq_len, every=10,
-        jsonl=args.jsonl, tensorboard=args.tensorboard, desc="train", bar=loud,
-    )  # fmt: skip
+        args.steps,
+        start=first,
+        tokens_per_step=args.batch * args.seq_len,
+        every=10,
+        jsonl=args.jsonl,
+        tensorboard=args.tensorboard,
+        desc="train",
+        bar=loud,
+    )
     tokens = 0
     metrics = None
     saving = None  # the checkpoint being written in the background

@@ -150,4 +150,3 @@ def compositions() -> dict:
         "amp": amp,
         "offload": lambda s: offload(s, "cpu"),
     }
-

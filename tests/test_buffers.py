@@ -6,10 +6,10 @@ import pickle
 
 import pytest
 import torch
+from helpers import compositions, rank_slice
 from torch import nn
 
 import zerofn as zf
-from helpers import compositions, rank_slice
 
 
 class Normed(nn.Module):
@@ -53,8 +53,14 @@ def test_buffers_are_equal_on_every_rank_and_average_the_local_updates(ranks):
     per_rank = ranks(2).run(_rank_buffers, names)
     for name in names:
         (b0, out0, first0), (b1, out1, _) = per_rank[0][name], per_rank[1][name]
-        assert sorted(b0) == ["blocks.0.1.num_batches_tracked", "blocks.0.1.running_mean", "blocks.0.1.running_var",
-                              "blocks.1.1.num_batches_tracked", "blocks.1.1.running_mean", "blocks.1.1.running_var"]
+        assert sorted(b0) == [
+            "blocks.0.1.num_batches_tracked",
+            "blocks.0.1.running_mean",
+            "blocks.0.1.running_var",
+            "blocks.1.1.num_batches_tracked",
+            "blocks.1.1.running_mean",
+            "blocks.1.1.running_var",
+        ]
         for k in b0:
             assert torch.equal(b0[k], b1[k]), (name, k)  # every rank holds the same statistics
         torch.testing.assert_close(out0, out1, rtol=0, atol=0)  # so evaluation agrees

@@ -7,9 +7,9 @@ import importlib
 import pkgutil
 
 import pytest
+import zerofn.transforms
 
 import zerofn
-import zerofn.transforms
 
 
 def _raise(name):

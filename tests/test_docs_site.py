@@ -27,9 +27,12 @@ def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return out
 
@@ -63,7 +66,9 @@ def _patterns(text: str | None) -> list[str]:
 def _doc_pages() -> list[str]:
     pages = []
     for folder, _, names in os.walk(DOCS):
-        pages += [os.path.relpath(os.path.join(folder, n), DOCS).replace(os.sep, "/") for n in names if n.endswith(".md")]
+        pages += [
+            os.path.relpath(os.path.join(folder, n), DOCS).replace(os.sep, "/") for n in names if n.endswith(".md")
+        ]
     return sorted(pages)
 
 
@@ -77,20 +82,28 @@ def test_every_page_is_in_the_nav():
     left_out = _patterns(config.get("exclude_docs")) + _patterns(config.get("not_in_nav"))
     pages = _doc_pages()
     missing = [p for p in pages if p not in in_nav and not any(fnmatch.fnmatch(p, pat) for pat in left_out)]
-    assert not missing, f"pages in docs/ but not in mkdocs.yml's nav (add them, or list them under not_in_nav): {missing}"
+    assert not missing, (
+        f"pages in docs/ but not in mkdocs.yml's nav (add them, or list them under not_in_nav): {missing}"
+    )
     gone = sorted(p for p in in_nav if p not in pages)
     assert not gone, f"mkdocs.yml's nav names pages that docs/ does not have: {gone}"
 
 
 def test_the_api_reference_is_generated(site):
     html = (site / "api" / "zerofn" / "index.html").read_text()
-    for name in ("zerofn.train_step", "zerofn.Step", "zerofn.TrainState", "zerofn.functional.functional", "zerofn.spawn"):
+    for name in (
+        "zerofn.train_step",
+        "zerofn.Step",
+        "zerofn.TrainState",
+        "zerofn.functional.functional",
+        "zerofn.spawn",
+    ):
         assert f'id="{name}"' in html, f"{name} is missing from the API page"
     html = (site / "api" / "transforms" / "index.html").read_text()
     for name in ("shard_optimizer", "shard_grads", "shard_params", "amp", "offload", "remat"):
         assert f'id="zerofn.transforms.{name}.{name}"' in html, f"zerofn.transforms.{name} is missing from the API page"
     # Docstring examples render as code, not as Markdown text.
-    assert "&gt;&gt;&gt;" in html or "<span class=\"gp\">&gt;&gt;&gt;</span>" in html
+    assert "&gt;&gt;&gt;" in html or '<span class="gp">&gt;&gt;&gt;</span>' in html
     html = (site / "api" / "deepspeed" / "index.html").read_text()
     assert 'id="zerofn.deepspeed.from_deepspeed"' in html
 
@@ -117,4 +130,6 @@ def test_every_deepspeed_key_is_in_the_migration_table():
     keys = _deepspeed_keys()
     assert len(keys) > 50
     missing = sorted(k for k in keys if f"`{k}`" not in text and f"`zero_optimization.{k}`" not in text)
-    assert not missing, f"keys zerofn/deepspeed/_keys.py handles but docs/migrating/deepspeed.md does not list: {missing}"
+    assert not missing, (
+        f"keys zerofn/deepspeed/_keys.py handles but docs/migrating/deepspeed.md does not list: {missing}"
+    )

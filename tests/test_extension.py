@@ -8,12 +8,12 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from helpers import make_transformer, max_abs_diff, train, transformer_batch
+from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_params
 
 import zerofn as zf
-from helpers import make_transformer, max_abs_diff, train, transformer_batch
 from zerofn.extension import Extension
 from zerofn.step import Step, transform
-from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_params
 
 
 class CountState(NamedTuple):
@@ -68,8 +68,11 @@ def test_an_outside_transform_composes_and_changes_no_number(order):
     hook = _backward_sees_context(model, seen)
     log: list = []
     base = amp(shard_grads(zf.train_step(loss_fn, zf.optim.adamw(1e-2), accumulate_steps=2)))
-    step = watch(base, log=log) if order == "outside" else amp(shard_grads(watch(
-        zf.train_step(loss_fn, zf.optim.adamw(1e-2), accumulate_steps=2), log=log)))  # fmt: skip
+    step = (
+        watch(base, log=log)
+        if order == "outside"
+        else amp(shard_grads(watch(zf.train_step(loss_fn, zf.optim.adamw(1e-2), accumulate_steps=2), log=log)))
+    )
     assert step.name == "watch(amp(shard_grads(train_step)))"
 
     state = step.init(apply.params, keep_module=True)  # the reference below starts from the same module
@@ -101,16 +104,18 @@ def test_an_outside_transform_checks_at_init_and_reapplies_like_the_five():
 
 def _rank_watch(world):
     from helpers import make_transformer, train, transformer_batch
+    from zerofn.transforms import shard_params
 
     import zerofn as zf
-    from zerofn.transforms import shard_params
 
     model, apply, loss_fn = make_transformer(extras=False)
     model.active = False
     log: list = []
     base = shard_params(zf.train_step(loss_fn, zf.optim.adamw(1e-2)))
     step = watch(base, log=log)
-    state, _ = train(step, step.init(apply.params, keep_module=True), transformer_batch, 2, 8, world, zf.collectives.rank())
+    state, _ = train(
+        step, step.init(apply.params, keep_module=True), transformer_batch, 2, 8, world, zf.collectives.rank()
+    )
     ref, _ = train(base, base.init(apply.params), transformer_batch, 2, 8, world, zf.collectives.rank())
     return step.full_params(state), base.full_params(ref), len(log), sorted(state.extra)
 

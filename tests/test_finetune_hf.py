@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_examples import ROOT
 
 pytest.importorskip("transformers")

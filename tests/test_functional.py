@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from helpers import make_transformer
 
 import zerofn as zf
-from helpers import make_transformer
 
 
 def test_params_are_the_modules_own_keyed_like_named_parameters():

@@ -29,17 +29,17 @@ def test_notebook_runs():
     nb = _read()
     # Runs in the notebook's directory (it imports gpt.py from there); a failing cell raises
     # CellExecutionError, which names the cell and carries its traceback.
-    client = NotebookClient(
-        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": EXAMPLES}}
-    )
+    client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": EXAMPLES}})
     client.execute()
     errors = [
-        out for cell in nb.cells if cell.cell_type == "code"
-        for out in cell.outputs if out.get("output_type") == "error"
+        out
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.outputs
+        if out.get("output_type") == "error"
     ]
     assert not errors, errors
     # the plot rendered inline
     assert any(
-        "image/png" in out.get("data", {})
-        for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
+        "image/png" in out.get("data", {}) for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
     ), "no figure was displayed"

@@ -32,10 +32,7 @@ def make_params(seed: int = 0) -> dict[str, torch.Tensor]:
 def make_grads(params: dict[str, torch.Tensor], step: int, gain: float = 1.0) -> dict[str, torch.Tensor]:
     """Deterministic pseudo-random gradients that also depend on the params."""
     gen = torch.Generator().manual_seed(1000 + step)
-    return {
-        k: gain * (torch.randn(p.shape, generator=gen, dtype=p.dtype) + 0.1 * p)
-        for k, p in params.items()
-    }
+    return {k: gain * (torch.randn(p.shape, generator=gen, dtype=p.dtype) + 0.1 * p) for k, p in params.items()}
 
 
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start=None) -> float:
@@ -131,9 +128,7 @@ ADAM_CASES = {
 @pytest.mark.parametrize("case", ADAM_CASES.values(), ids=ADAM_CASES.keys())
 def test_adam_matches_torch(case):
     ours_fn, torch_cls, kw = case
-    ours, theirs, torch_opt, state, p0 = run_pair(
-        ours_fn(**kw), lambda ps: (torch_cls(ps, foreach=True, **kw), None)
-    )
+    ours, theirs, torch_opt, state, p0 = run_pair(ours_fn(**kw), lambda ps: (torch_cls(ps, foreach=True, **kw), None))
     assert_matches(ours, theirs, p0)
     (adam_state,) = [s for s in state if isinstance(s, optim.ScaleByAdamState)]
     assert int(adam_state.count) == STEPS
@@ -345,14 +340,19 @@ def test_error_mismatched_structure():
 def test_error_mismatched_shape():
     opt = optim.sgd(0.1, momentum=0.9)
     state = opt.init({"a": torch.zeros(2)})
-    with pytest.raises(ValueError, match=r"updates at a is float32\[3\] but state.trace there is float32\[2\]; shapes must match"):
+    with pytest.raises(
+        ValueError, match=r"updates at a is float32\[3\] but state.trace there is float32\[2\]; shapes must match"
+    ):
         opt.update({"a": torch.ones(3)}, state)
 
 
 def test_error_mismatched_dtype():
     opt = optim.adamw(1e-3)
     params = {"w": torch.zeros(4)}
-    with pytest.raises(ValueError, match=r"updates at w is bfloat16\[4\] but state.mu there is float32\[4\]; dtypes must match.*cast the gradients first"):
+    with pytest.raises(
+        ValueError,
+        match=r"updates at w is bfloat16\[4\] but state.mu there is float32\[4\]; dtypes must match.*cast the gradients first",
+    ):
         opt.update({"w": torch.ones(4, dtype=torch.bfloat16)}, opt.init(params), params)
 
 
@@ -375,12 +375,25 @@ def test_error_apply_updates_mismatch():
         (lambda: optim.clip_by_global_norm(0.0), ValueError, r"max_norm must be in \(0, inf\]"),
         (lambda: optim.chain(optim.scale_by_adam), TypeError, r"did you forget to call it"),
         (lambda: optim.cosine_decay_schedule(1.0, 0), ValueError, r"decay_steps must be an int > 0"),
-        (lambda: optim.warmup_cosine_decay_schedule(0.0, 1.0, 10, 5), ValueError, r"decay_steps must be an int > warmup_steps=10"),
+        (
+            lambda: optim.warmup_cosine_decay_schedule(0.0, 1.0, 10, 5),
+            ValueError,
+            r"decay_steps must be an int > warmup_steps=10",
+        ),
     ],
     ids=[
-        "negative-lr", "negative-eps", "beta-one", "betas-not-pair", "negative-wd",
-        "negative-momentum", "nesterov-no-momentum", "lr-string", "zero-max-norm",
-        "uncalled-transform", "zero-decay-steps", "decay-before-warmup",
+        "negative-lr",
+        "negative-eps",
+        "beta-one",
+        "betas-not-pair",
+        "negative-wd",
+        "negative-momentum",
+        "nesterov-no-momentum",
+        "lr-string",
+        "zero-max-norm",
+        "uncalled-transform",
+        "zero-decay-steps",
+        "decay-before-warmup",
     ],
 )
 def test_error_bad_hyperparameters(build, exc, match):
@@ -390,7 +403,9 @@ def test_error_bad_hyperparameters(build, exc, match):
 
 def test_error_chain_state_length():
     opt = optim.adamw(1e-3)
-    with pytest.raises(ValueError, match=r"expected a tuple of 3 states \(one per transform\), got a tuple of length 1"):
+    with pytest.raises(
+        ValueError, match=r"expected a tuple of 3 states \(one per transform\), got a tuple of length 1"
+    ):
         opt.update({"w": torch.ones(1)}, (optim.EmptyState(),), {"w": torch.ones(1)})
 
 

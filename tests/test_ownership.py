@@ -9,11 +9,11 @@ import copy
 
 import pytest
 import torch
+from helpers import compositions
 from torch import nn
+from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_params
 
 import zerofn as zf
-from helpers import compositions
-from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_params
 
 COMPOSITIONS = {
     **compositions(),
@@ -88,7 +88,7 @@ def test_the_module_reads_the_state_or_says_what_to_use():
         torch.manual_seed(0)
         model = Blocks()
         apply = zf.functional(model)
-        step = make(zf.train_step(lambda p, x: apply(p, x).square().mean(), zf.optim.adamw(1e-2)))
+        step = make(zf.train_step(lambda p, x: apply(p, x).square().mean(), zf.optim.adamw(1e-2)))  # noqa: B023 (used in this iteration; the closure is how the step finds apply)
         state = step.init(apply.params)
         state, _ = step(state, x)
         with pytest.raises(RuntimeError, match=r"(?s)held by a zerofn TrainState.*step.apply\(state"):
@@ -105,7 +105,9 @@ def test_a_second_init_from_taken_parameters_is_refused():
     step = amp(zf.train_step(lambda p, x: apply(p, x).square().mean(), zf.optim.adamw(1e-2)))
     state = step.init(apply.params)
     for other in (step, shard_params(step)):  # shard_params would otherwise re-initialise the placeholders
-        with pytest.raises(ValueError, match=r"(?s)init\(apply.params\): the module's parameters are held.*full_params"):
+        with pytest.raises(
+            ValueError, match=r"(?s)init\(apply.params\): the module's parameters are held.*full_params"
+        ):
             other.init(apply.params)
     again = shard_params(step).init(step.full_params(state, requires_grad=True))  # the way to build another state
     assert again.spec.layout.trainable_numel == state.spec.layout.trainable_numel > 0  # trains the same ones
@@ -151,9 +153,15 @@ def _llama(reentrant: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})

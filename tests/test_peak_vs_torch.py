@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from zerofn.transforms import amp, remat
 
 import zerofn as zf
-from zerofn.transforms import amp, remat
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for  # noqa: E402

@@ -10,11 +10,11 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import make_transformer, max_abs_diff, rank_slice, transformer_batch
+from zerofn.transforms import shard_grads, shard_optimizer
 
 import zerofn as zf
 import zerofn.storage as S
-from helpers import make_transformer, max_abs_diff, rank_slice, transformer_batch
-from zerofn.transforms import shard_grads, shard_optimizer
 
 BATCH = 8
 
@@ -87,7 +87,7 @@ def _direct_reads(stage):
         _, apply, loss_fn = make_transformer()
 
         def penalised(params, batch):
-            return loss_fn(params, batch) + 1e-2 * sum(p.float().square().sum() for p in params.values())
+            return loss_fn(params, batch) + 1e-2 * sum(p.float().square().sum() for p in params.values())  # noqa: B023
 
         step = _step(stage, penalised, defer)
         state = step.init(apply.params)
@@ -116,8 +116,12 @@ def _not_donated():
 
 
 def _cases():
-    return dict(order=_waits_in_forward_order(), readers=_readers(), direct={s: _direct_reads(s) for s in (1, 2)},
-                not_donated=_not_donated())  # fmt: skip
+    return dict(
+        order=_waits_in_forward_order(),
+        readers=_readers(),
+        direct={s: _direct_reads(s) for s in (1, 2)},
+        not_donated=_not_donated(),
+    )
 
 
 @pytest.fixture(scope="module")

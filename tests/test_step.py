@@ -6,10 +6,10 @@ import chex
 import pytest
 import torch
 import torch.distributed as dist
-
-import zerofn as zf
 from helpers import MODELS, make_mlp, make_transformer, max_abs_diff, mlp_batch, rank_slice, train, transformer_batch
 from zerofn.transforms import shard_optimizer
+
+import zerofn as zf
 
 TRANSFORMS = {"plain": lambda s: s, "shard_optimizer": shard_optimizer}
 GLOBAL_BATCH = 24
@@ -29,7 +29,7 @@ def _train(model_name, transform, world, rank, *, accumulate=1, clip=None, sched
     state = step.init(apply.params)
     losses = []
     for i in range(steps):
-        state, metrics = train(step, state, lambda _, n: batch_fn(i, n), 1, GLOBAL_BATCH, world, rank)
+        state, metrics = train(step, state, lambda _, n: batch_fn(i, n), 1, GLOBAL_BATCH, world, rank)  # noqa: B023 (called in this iteration)
         losses.append(float(metrics["loss"]))
     return step.full_params(state), losses, metrics
 
@@ -143,7 +143,7 @@ def test_state_bytes_and_comm_bytes_formulas(ranks, world):
     _, apply, _ = make_transformer()
     trainable = [p for p in apply.params.values() if p.requires_grad]
     psi_bytes = sum(p.numel() * p.element_size() for p in trainable)
-    for rank, r in enumerate(results):
+    for r in results:
         plain, sharded = r["plain"], r["shard_optimizer"]
         assert plain["param_bytes"] == psi_bytes
         # adamw holds two moments per element; sharded: 1/N of them, plus padding per bucket
@@ -190,7 +190,7 @@ def test_donated_state_raises():
     with pytest.raises(zf.DonatedStateError, match="donated to a step"):
         step(state, mlp_batch(1, 8))
     with pytest.raises(zf.DonatedStateError, match="donate=False"):
-        state.params
+        state.params  # noqa: B018 (the read is what raises)
     with pytest.raises(zf.DonatedStateError):
         zf.tree.tree_leaves(state)
     assert "donated" in repr(state)
@@ -201,7 +201,9 @@ def test_donated_state_raises():
     assert params_in and len(opt_in) >= 2  # adamw: a first and a second moment per bucket
     new2, _ = step(new, mlp_batch(1, 8))
     assert [t.data_ptr() for t in zf.tree.tree_leaves(new2.params)] == params_in
-    assert [t.data_ptr() for t in zf.tree.tree_leaves(new2.opt_state) if isinstance(t, torch.Tensor) and t.dim()] == opt_in
+    assert [
+        t.data_ptr() for t in zf.tree.tree_leaves(new2.opt_state) if isinstance(t, torch.Tensor) and t.dim()
+    ] == opt_in
     assert int(new2.count) == 2  # and it did update them
 
 

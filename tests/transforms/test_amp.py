@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
-import zerofn as zf
 from helpers import make_transformer, rank_slice, train, transformer_batch
 from zerofn.transforms import amp, shard_grads, shard_optimizer, shard_params
 from zerofn.transforms.amp import DynamicLossScale
+
+import zerofn as zf
 
 SHARDS = {"plain": lambda s: s, "zero1": shard_optimizer, "zero2": shard_grads, "zero3": shard_params}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
-import zerofn as zf
 from helpers import make_transformer, train, transformer_batch
+from torch import nn
 from zerofn.transforms import amp, remat, shard_grads, shard_params
 from zerofn.transforms.amp import FP32_MODULES
+
+import zerofn as zf
 
 BF16 = torch.bfloat16
 LR, WD = 3e-3, 0.1

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import compositions, max_abs_diff, train
 from torch import nn
+from zerofn.transforms import amp, remat, shard_params
 
 import zerofn as zf
-from helpers import compositions, max_abs_diff, train
-from zerofn.transforms import amp, remat, shard_params
 
 COMPOSITIONS = compositions()
 

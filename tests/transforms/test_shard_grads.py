@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
-import zerofn as zf
 from helpers import make_transformer, max_abs_diff, rank_slice, train, transformer_batch
 from zerofn.transforms import shard_grads, shard_optimizer
+
+import zerofn as zf
 
 GLOBAL_BATCH = 24
 STEPS = 10

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import max_abs_diff, train
 from torch import nn
+from zerofn.transforms import shard_grads, shard_optimizer, shard_params
 
 import zerofn as zf
-from helpers import max_abs_diff, train
-from zerofn.transforms import shard_grads, shard_optimizer, shard_params
 
 GLOBAL_BATCH = 24
 STEPS = 10
@@ -266,7 +266,9 @@ class Plain(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, 2 * DIM + 1), nn.LayerNorm(2 * DIM + 1)) for _ in range(3))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(DIM, 2 * DIM + 1), nn.LayerNorm(2 * DIM + 1)) for _ in range(3)
+        )
         self.head = nn.Linear(2 * DIM + 1, VOCAB)
 
     def forward(self, idx):
@@ -309,7 +311,7 @@ def test_meta_init_equals_full_init_sliced(ranks):
         reference_loss = float(reference_model(_meta_batch()).square().mean())
     world = 3
     results = ranks(world).run(_rank_meta_init)
-    for rank, (full, shards, peak, shard_bytes, largest, loss) in enumerate(results):
+    for full, _shards, peak, shard_bytes, largest, loss in results:
         assert max_abs_diff(full, reference) == 0
         # one module's parameters at a time: the shards + the largest module's parameters (+ its clone)
         assert peak <= shard_bytes + 3 * largest + 4096, (peak, shard_bytes, largest)

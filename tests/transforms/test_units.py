@@ -11,12 +11,12 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
-import zerofn as zf
 from helpers import MLP, TinyTransformer, max_abs_diff, rank_slice
+from torch import nn
 from zerofn.transforms import shard_params
 from zerofn.transforms._units import ROOT, MinUnitBytes, assign_units, materialise_device, natural_blocks, unit_names
+
+import zerofn as zf
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 
@@ -75,9 +75,13 @@ def _llama_config():
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=64,
         intermediate_size=64,
-    )  # fmt: skip
+    )
 
 
 def _llama():
@@ -171,8 +175,10 @@ def test_min_unit_bytes_is_the_finest_cut_of_at_least_that_size():
     ]
     # a block (two Linears) is the smallest module holding 2 Linears' bytes; a stage's down Linear is smaller
     assert unit_names(model, MinUnitBytes(2 * linear)) == [
-        "stages.0.blocks.0", "stages.1.blocks.0", *_n("stages.2.blocks.", 6)
-    ]  # fmt: skip
+        "stages.0.blocks.0",
+        "stages.1.blocks.0",
+        *_n("stages.2.blocks.", 6),
+    ]
     assert unit_names(model, MinUnitBytes(3 * linear)) == ["stages.0", "stages.1", "stages.2.blocks"]
     assert MinUnitBytes(64) == MinUnitBytes(64) and hash(MinUnitBytes(64)) == hash(MinUnitBytes(64))
     for bad in (0, -1, 1.5, True):
