@@ -35,8 +35,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import zerofn as zf  # noqa: E402
 from zerofn.transforms import offload  # noqa: E402
+
+import zerofn as zf  # noqa: E402
 
 
 def _median_time(fn, repeat):
@@ -76,9 +77,11 @@ def cpu_update(n: int, repeat: int) -> None:
         for f in runs:
             runs[f].append(_median_time(f, 1))
     a, b, c = (statistics.median(runs[f]) for f in (zf_step, torch_step, host_update))
-    print(f"1. CPU update, {n:,} parameters: torch AdamW(fused) {n / b / 1e6:,.0f} M params/s; offloaded AdamW's "
-          f"host update {n / c / 1e6:,.0f} M params/s (ratio {b / c:.2f}); with the copies of gradients in and "
-          f"parameters out {n / a / 1e6:,.0f} M params/s (ratio {b / a:.2f})")  # fmt: skip
+    print(
+        f"1. CPU update, {n:,} parameters: torch AdamW(fused) {n / b / 1e6:,.0f} M params/s; offloaded AdamW's "
+        f"host update {n / c / 1e6:,.0f} M params/s (ratio {b / c:.2f}); with the copies of gradients in and "
+        f"parameters out {n / a / 1e6:,.0f} M params/s (ratio {b / a:.2f})"
+    )
 
 
 def nvme_stream(n: int, path: str, repeat: int) -> None:
@@ -105,9 +108,11 @@ def nvme_stream(n: int, path: str, repeat: int) -> None:
     plain()
     t_up = statistics.median(_median_time(update, 1) for _ in range(repeat))
     t_raw = statistics.median(_median_time(plain, 1) for _ in range(repeat))
-    print(f"2. NVMe streaming, {moved / 2**20:,.0f} MiB moved per update: offloaded update "
-          f"{moved / t_up / 2**20:,.0f} MiB/s, plain sequential write+read {moved / t_raw / 2**20:,.0f} MiB/s: "
-          f"ratio {t_raw / t_up:.2f}")  # fmt: skip
+    print(
+        f"2. NVMe streaming, {moved / 2**20:,.0f} MiB moved per update: offloaded update "
+        f"{moved / t_up / 2**20:,.0f} MiB/s, plain sequential write+read {moved / t_raw / 2**20:,.0f} MiB/s: "
+        f"ratio {t_raw / t_up:.2f}"
+    )
 
 
 def _gpt_rank(where, path, steps):
@@ -132,9 +137,11 @@ def _gpt_rank(where, path, steps):
 def gpt(path: str, steps: int) -> None:
     base = zf.spawn(_gpt_rank, 1, None, path, steps)[0]
     nvme = zf.spawn(_gpt_rank, 1, "nvme", path, steps)[0]
-    print(f"3. GPT (3.2 M parameters): step {1e3 * base[0]:.1f} ms without offload, {1e3 * nvme[0]:.1f} ms with "
-          f"offload(nvme) (ratio {nvme[0] / base[0]:.2f}); peak RSS {base[1] / 2**20:.0f} MiB against "
-          f"{nvme[1] / 2**20:.0f} MiB; loss {base[2]:.4f} and {nvme[2]:.4f}")  # fmt: skip
+    print(
+        f"3. GPT (3.2 M parameters): step {1e3 * base[0]:.1f} ms without offload, {1e3 * nvme[0]:.1f} ms with "
+        f"offload(nvme) (ratio {nvme[0] / base[0]:.2f}); peak RSS {base[1] / 2**20:.0f} MiB against "
+        f"{nvme[1] / 2**20:.0f} MiB; loss {base[2]:.4f} and {nvme[2]:.4f}"
+    )
 
 
 OVERLAP_SYSTEMS = {
@@ -161,12 +168,12 @@ def _overlap_rank(rounds, per_round, bucket_bytes, batch_size):
     times: dict = {name: [] for name in systems}
     names = list(systems)
     for r in range(rounds + 1):  # round 0 warms up
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             step, state = systems[name]
             t0 = time.perf_counter()
             for _ in range(per_round):
                 state, m = step(state, batch)
-            state.opt_state  # the round ends when its last update has
+            _ = state.opt_state  # reading it waits: the round ends when its last update has
             if r:
                 times[name].append((time.perf_counter() - t0) / per_round)
             systems[name][1] = state
@@ -178,8 +185,10 @@ def overlap(rounds: int, bucket_bytes: int, batch_size: int = 8, per_round: int 
     t = zf.spawn(_overlap_rank, 1, rounds, per_round, bucket_bytes, batch_size)[0]
     first = t["offload, update first"]
     cells = ", ".join(f"{name} {1e3 * v:.1f} ms ({v / first:.2f})" for name, v in t.items())
-    print(f"4. The host update alongside the forward (GPT 3.2 M, batch {batch_size} x 64 tokens, one compute "
-          f"thread; ratio to updating first): {cells}")  # fmt: skip
+    print(
+        f"4. The host update alongside the forward (GPT 3.2 M, batch {batch_size} x 64 tokens, one compute "
+        f"thread; ratio to updating first): {cells}"
+    )
 
 
 def main(argv=None):

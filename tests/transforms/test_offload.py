@@ -5,18 +5,19 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import os
-import sys
+import re
 
 import pytest
 import torch
-
-import zerofn as zf
 from helpers import make_transformer, train, transformer_batch
 from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_params
 
+import zerofn as zf
+from zerofn import roles
+from zerofn._io import FileTensor, IntegrityError
+
 SHARDS = {"plain": lambda s: s, "zero1": shard_optimizer, "zero2": shard_grads, "zero3": shard_params}
 STEPS, GLOBAL_BATCH = 4, 8
-OFFLOAD = sys.modules["zerofn.transforms.offload"]
 
 
 def _train(shard, where, use_amp, world, rank, root):
@@ -69,8 +70,10 @@ def _big_state(path, sub_group_bytes, width=512, depth=6):
     apply = zf.functional(model)
     step = offload(
         zf.train_step(lambda p, x: apply(p, x).square().mean(), zf.optim.adamw(1e-3)),
-        "nvme", path=path, sub_group_bytes=sub_group_bytes,
-    )  # fmt: skip
+        "nvme",
+        path=path,
+        sub_group_bytes=sub_group_bytes,
+    )
     return step, step.init(apply.params), torch.randn(2, width)
 
 
@@ -186,8 +189,9 @@ def test_files_of_another_model_are_refused(tmp_path):
 
 def test_a_full_disk_during_the_update_loses_nothing(tmp_path, monkeypatch):
     _, apply, loss_fn = make_transformer(extras=False)
-    step = offload(shard_grads(zf.train_step(loss_fn, zf.optim.adamw(3e-3))), "nvme", path=str(tmp_path),
-                   sub_group_bytes=4096)  # fmt: skip
+    step = offload(
+        shard_grads(zf.train_step(loss_fn, zf.optim.adamw(3e-3))), "nvme", path=str(tmp_path), sub_group_bytes=4096
+    )
     ref = shard_grads(zf.train_step(loss_fn, zf.optim.adamw(3e-3)))
     state, ref_state = step.init(apply.params), ref.init(apply.params)
     state, _ = step(state, transformer_batch(0, 8))
@@ -202,13 +206,73 @@ def test_a_full_disk_during_the_update_loses_nothing(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data, offset)
 
-    monkeypatch.setattr(OFFLOAD.os, "pwrite", full_disk)
+    monkeypatch.setattr(os, "pwrite", full_disk)
     with pytest.raises(OSError, match="Nothing was changed: the state from before this step is intact"):
         step(state, transformer_batch(1, 8))
-    monkeypatch.setattr(OFFLOAD.os, "pwrite", real)
+    monkeypatch.setattr(os, "pwrite", real)
     after = step.full_params(state)  # the state is not donated: the failed step raised before that
     assert all(torch.equal(before[k], after[k]) for k in before)
     state, _ = step(state, transformer_batch(1, 8))  # and it trains on, as if nothing had happened
     ref_state, _ = ref(ref_state, transformer_batch(1, 8))
     new, want = step.full_params(state), ref.full_params(ref_state)
     assert all(torch.equal(new[k], want[k]) for k in new)
+
+
+def test_a_short_state_file_is_an_integrity_error_naming_it(tmp_path):
+    _, apply, loss_fn = make_transformer(extras=False)
+    step = offload(zf.train_step(loss_fn, zf.optim.adamw(1e-3)), "nvme", path=str(tmp_path), sub_group_bytes=4096)
+    state = step.init(apply.params)
+    entry = state.opt_state.files.entries[0]
+    name = state.opt_state.files.file(entry.stem)
+    os.truncate(name, entry.nbytes // 2)  # cut outside zerofn
+    with pytest.raises(IntegrityError, match=re.escape(name) + r": \d+ bytes where \d+ were expected"):
+        step(state, transformer_batch(0, 8))
+    assert issubclass(IntegrityError, ValueError)
+
+
+# ---------------------------------------------------------------- what the states declare
+
+
+def test_each_state_declares_its_parts_and_placement(tmp_path):
+    def parts(transform):
+        _, apply, loss_fn = make_transformer(extras=False)
+        step = transform(zf.train_step(loss_fn, zf.optim.adamw(1e-3)))
+        state = step.init(apply.params)
+        return state, roles.parts_of(state.opt_state), roles.placement_of(state.opt_state)
+
+    state, declared, where = parts(lambda s: offload(s, "cpu"))
+    assert where == "cpu" and [type(p) for p in declared] == [roles.Inner, roles.Quantity]
+    inner, host = declared
+    assert inner.tree is state.opt_state.inner
+    assert host.tree is state.opt_state.params and host.mirror and not (host.newer or host.precise)
+
+    state, declared, where = parts(lambda s: offload(s, "cpu", delay=1))
+    assert where == "cpu" and [type(p) for p in declared] == [roles.Inner, roles.Quantity]
+    pending = declared[1]
+    assert pending.name == "pending" and pending.newer and not pending.mirror
+    assert pending.tree is state.opt_state.params
+
+    state, declared, where = parts(lambda s: offload(shard_params(s), "cpu", params=True))
+    assert where == "cpu" and [type(p) for p in declared] == [roles.Inner]  # the parameters are on the host
+
+    state, declared, where = parts(lambda s: offload(s, "nvme", path=str(tmp_path)))
+    assert where == "nvme" and [type(p) for p in declared] == [roles.Inner]
+    files = state.opt_state.files
+    on_disk = [t for t in zf.tree.tree_leaves(declared[0].tree) if isinstance(t, FileTensor)]
+    assert len(on_disk) == len(files.entries) == 2 * len(state.params)  # Adam's two moments per bucket
+    assert {t.path for t in on_disk} == {files.file(e.stem) for e in files.entries}
+    assert all(os.path.getsize(t.path) == t.numel() * t.itemsize for t in on_disk)
+    assert sum(isinstance(r, type(files.entries[0])) for r in files.roles) == len(on_disk)  # the rest in memory
+    assert all(r.stem in {e.stem for e in files.entries} for r in files.roles if hasattr(r, "stem"))
+
+
+def test_the_options_are_a_record_compared_by_value(tmp_path):
+    base = zf.train_step(lambda p, b: p["w"].sum(), zf.optim.adamw(1e-3))
+    cpu = offload(base, "cpu", delay=1)
+    assert offload(cpu, "cpu", delay=1) is cpu  # equal settings, built anew: the same step
+    with pytest.raises(ValueError, match=r"already offloads \(device and settings\): HostOptions\(.*delay=1"):
+        offload(cpu, "cpu")
+    nvme = offload(base, "nvme", path=str(tmp_path))
+    assert offload(nvme, "nvme", path=str(tmp_path)) is nvme
+    with pytest.raises(ValueError, match=r"NvmeOptions\(.*sub_group_bytes=8192"):
+        offload(nvme, "nvme", path=str(tmp_path), sub_group_bytes=8192)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import max_abs_diff
+from zerofn.transforms import amp, offload, shard_grads
 
 import zerofn as zf
-from helpers import max_abs_diff
 from zerofn.bench.gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for
-from zerofn.transforms import amp, offload, shard_grads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -55,7 +55,7 @@ def _train(options, *, stage=0, clip=None, nan_at=None, steps=4, device="cuda"):
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         state, m = step(state, batch)
-        state.opt_state  # the update done
+        _ = state.opt_state  # the update done
         if cuda:
             torch.cuda.synchronize()
             growth.append(torch.cuda.max_memory_allocated() - before)

@@ -7,19 +7,18 @@ bucket while backward goes on."""
 from __future__ import annotations
 
 import sys
-import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-
-import zerofn as zf
 from helpers import make_transformer, max_abs_diff, rank_slice, transformer_batch
-from zerofn.reduction import GradSink
 from zerofn.transforms import amp, offload, shard_grads, shard_optimizer
 
-OFFLOAD = sys.modules["zerofn.transforms.offload"]
+import zerofn as zf
+from zerofn.reduction import GradSink
+
+PENDING = sys.modules["zerofn.transforms.offload._pending"]  # pending updates and the worker
 LR, WD = 3e-3, 0.1
 STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads}
 
@@ -49,7 +48,9 @@ def _run(steps=4, world=1, rank=0, loss_wrap=None, **kw):
 
 def _equal(a, b) -> bool:
     """Parameters, optimizer state and metrics alike (a skipped step's NaN loss equal to itself)."""
-    return max_abs_diff(a[0], b[0]) == 0 and all(torch.equal(x, y) for x, y in zip(a[1], b[1])) and str(a[2]) == str(b[2])
+    return (
+        max_abs_diff(a[0], b[0]) == 0 and all(torch.equal(x, y) for x, y in zip(a[1], b[1])) and str(a[2]) == str(b[2])
+    )
 
 
 class _Spy:
@@ -59,7 +60,7 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.spec = self.plain = self.restored = 0
-        update, restore, decide = OFFLOAD._BucketRun.update, OFFLOAD._BucketRun.restore, OFFLOAD._Speculation.decide
+        update, restore, decide = PENDING.BucketRun.update, PENDING.BucketRun.restore, PENDING.Speculation.decide
         spy = self
 
         def counted_update(run, k, extra, speculative=False):
@@ -80,9 +81,9 @@ class _Spy:
                 time.sleep(0.001)
             return decide(pending, decision)
 
-        monkeypatch.setattr(OFFLOAD._BucketRun, "update", counted_update)
-        monkeypatch.setattr(OFFLOAD._BucketRun, "restore", counted_restore)
-        monkeypatch.setattr(OFFLOAD._Speculation, "decide", patient_decide)
+        monkeypatch.setattr(PENDING.BucketRun, "update", counted_update)
+        monkeypatch.setattr(PENDING.BucketRun, "restore", counted_restore)
+        monkeypatch.setattr(PENDING.Speculation, "decide", patient_decide)
 
 
 # ---------------------------------------------------------------- the same numbers
@@ -191,8 +192,10 @@ def _early_on_ranks():
     for stage in (0, 1, 2):
         for use_amp in (False, True):
             for clip in (None, 2e-2):
-                runs = [_run(world=world, rank=rank, stage=stage, use_amp=use_amp, clip=clip, overlap=True, early=e)
-                        for e in (False, True)]  # fmt: skip
+                runs = [
+                    _run(world=world, rank=rank, stage=stage, use_amp=use_amp, clip=clip, overlap=True, early=e)
+                    for e in (False, True)
+                ]
                 out[stage, use_amp, clip] = _equal(*runs)
     return out
 
@@ -235,7 +238,7 @@ def test_every_offloaded_step_copies_gradients_to_the_host_during_backward(monke
     """Without early too: each bucket's gradient goes to the host as soon as it is reduced, before the
     step's sink is finished (DeepSpeed's overlap of the gradient copy with backward)."""
     seen = []
-    grad, finish = OFFLOAD._Landing.grad, GradSink.finish
+    grad, finish = PENDING.Landing.grad, GradSink.finish
 
     def spy_grad(pending, key, g):
         seen.append(key)
@@ -245,7 +248,7 @@ def test_every_offloaded_step_copies_gradients_to_the_host_during_backward(monke
         seen.append("finish")
         return finish(sink)
 
-    monkeypatch.setattr(OFFLOAD._Landing, "grad", spy_grad)
+    monkeypatch.setattr(PENDING.Landing, "grad", spy_grad)
     monkeypatch.setattr(GradSink, "finish", spy_finish)
     _, apply, loss_fn = make_transformer(extras=False)
     step = _step(loss_fn, stage=2, overlap=False)
@@ -264,7 +267,7 @@ def test_a_landed_gradient_leaves_the_device_before_the_next_lands(stage, use_am
     import weakref
 
     alive_at_landing, refs = [], []
-    grad, commit = OFFLOAD._Landing.grad, OFFLOAD._Landing.commit
+    grad, commit = PENDING.Landing.grad, PENDING.Landing.commit
 
     def spy_grad(pending, key, g):
         gc.collect()
@@ -277,8 +280,8 @@ def test_a_landed_gradient_leaves_the_device_before_the_next_lands(stage, use_am
         assert all(r() is None for r in refs), "a landed gradient is still held at the update"
         return commit(pending, **extra)
 
-    monkeypatch.setattr(OFFLOAD._Landing, "grad", spy_grad)
-    monkeypatch.setattr(OFFLOAD._Landing, "commit", spy_commit)
+    monkeypatch.setattr(PENDING.Landing, "grad", spy_grad)
+    monkeypatch.setattr(PENDING.Landing, "commit", spy_commit)
     _, apply, loss_fn = make_transformer(extras=False)
     step = _step(loss_fn, stage=stage, use_amp=use_amp, overlap=False)
     state = step.init(apply.params)

@@ -1,0 +1,195 @@
+"""The host-RAM engine of ``offload("cpu")``: the optimizer state, host copies of the parameters it
+updates and host gradient buffers in CPU memory, the update run there.
+
+:class:`HostEngine` wraps the inner optimizer. Each step's gradients reach the
+host bucket by bucket as backward lands them (``start_update``, a
+:class:`~zerofn.transforms.offload._pending.Landing`), or all at once
+(``update_in_place``); the update then runs here and now, or on the worker
+thread after the step returns (:func:`runs_late` decides which), bucket by
+bucket, the updated parameters copied back as each is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from zerofn.transforms.offload._pending import Landing, PerBucket, Speculation, launch, mark
+
+from zerofn import optim as O
+from zerofn import tree as T
+from zerofn.roles import Inner, Quantity
+from zerofn.storage import to_host
+
+__all__ = ["DelayedHostState", "HostEngine", "HostOptions", "HostState", "host_optimizer", "runs_late"]
+
+
+def runs_late(device_type: str, *, delay: int, overlap: bool | None) -> bool:
+    """Whether the host update may run on after the step returns, for parameters on ``device_type``:
+    delayed, or overlapped (by default where the forward runs on an accelerator).
+
+    The one predicate of it: the transform's ``Extension.updates_late`` and the engine's run-time
+    choice (:meth:`HostEngine.later`) both ask it."""
+    return bool(delay) or bool(overlap) or (overlap is None and device_type != "cpu")
+
+
+@dataclass(frozen=True)
+class HostOptions:
+    """What ``offload("cpu", ...)`` was asked for (compared by value when it is applied again).
+
+    Attributes:
+        params: the parameter shards themselves live on the host (``params=True``).
+        pin: host buffers are pinned (``pin_memory`` and CUDA present).
+        overlap: run the update on the worker after the step returns (None: where the forward runs
+            on an accelerator).
+        delay: ``1``: each update one step late.
+        early: start each bucket's update during backward, speculatively.
+    """
+
+    params: bool = False
+    pin: bool = False
+    overlap: bool | None = None
+    delay: int = 0
+    early: bool = False
+
+
+class HostState(NamedTuple):
+    """Optimizer state in host memory: host copies of the parameters it updates and of their gradients
+    (buffers kept from step to step, as DeepSpeed keeps its fp32 gradient partition on the host), and
+    the inner optimizer's state."""
+
+    params: Any  # None when the parameters already live on the host (params=True)
+    grads: Any
+    inner: Any
+    spare: Any = None  # early=True: room to save each bucket's state before a speculative update
+
+    placement = "cpu"  # where the optimizer state lives (the state's printout shows it)
+
+    def state_parts(self) -> tuple:
+        """The inner state; the host parameters mirror the parameters (filled from them on load, never
+        saved); the gradient buffers and the spare are scratch."""
+        if self.params is None:
+            return (Inner(self.inner),)
+        return (Inner(self.inner), Quantity("host_params", self.params, mirror=True))
+
+
+class DelayedHostState(HostState):
+    """:class:`HostState` of a delayed update (``delay=1``): the host parameters are one update ahead
+    of the parameters the forward uses, so a checkpoint saves them as a quantity of their own."""
+
+    __slots__ = ()
+
+    def state_parts(self) -> tuple:
+        return (Inner(self.inner), Quantity("pending", self.params, newer=True))
+
+
+class HostEngine:
+    """The inner optimizer run on the host (see the module docs), as a :class:`~zerofn.optim.GradientTransformation`
+    (:meth:`transformation`)."""
+
+    def __init__(self, inner: O.GradientTransformation, options: HostOptions) -> None:
+        self.inner, self.options = inner, options
+        self.pin = options.pin
+        self.params_on_host = options.params
+        self.kind = DelayedHostState if options.delay else HostState
+        self.split = PerBucket(inner)
+        self.speculating = options.early  # off for good once the optimizer cannot run before the norm is known
+
+    def transformation(self) -> O.GradientTransformation:
+        pure = O.in_place(self.init, self.update_now, "offload")  # the pure update() waits for its result
+        if self.options.delay:  # the gradient buffers are read by the update of the step before until its update phase
+            return O.GradientTransformation(self.init, pure.update, self.update_in_place)
+        return O.GradientTransformation(self.init, pure.update, self.update_in_place, self.start_update)
+
+    # ---- the state
+
+    def init(self, params: dict) -> HostState:
+        pin = self.pin
+        host = None if self.params_on_host else T.tree_map(lambda p: to_host(p.detach(), pin), params)
+        # fp32 (amp's gradients reach the optimizer in fp32), or wider for a wider parameter
+        grads = T.tree_map(
+            lambda p: torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pin), params
+        )
+        state = self.kind(host, grads, self.inner.init(params if self.params_on_host else host))
+        return state._replace(spare=self.split.spare(state.inner, host)) if self.options.early else state
+
+    def target(self, state: HostState, params: dict) -> dict:
+        """The parameters the host update writes: the host copies, or the parameters themselves."""
+        return params if self.params_on_host else state.params
+
+    # ---- when
+
+    def later(self, params: dict) -> bool:
+        """Whether the update may run on after the step returns (see :func:`runs_late`)."""
+        o = self.options
+        return any(runs_late(p.device.type, delay=o.delay, overlap=o.overlap) for p in params.values())
+
+    def stop_speculating(self) -> None:
+        self.speculating = False
+
+    # ---- copies
+
+    def to_host_grads(self, grads: dict, state: HostState) -> None:
+        torch._foreach_copy_(T.tree_leaves(state.grads), T.tree_leaves(grads), non_blocking=self.pin)
+        if self.pin:
+            torch.cuda.current_stream().synchronize()
+
+    def copy_out(self, params: dict, state: HostState) -> None:
+        torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.params), non_blocking=self.pin)
+
+    # ---- the update
+
+    def on_host(self, state: HostState, target: dict, extra: dict) -> HostState:
+        """The whole update, here and now."""
+        return state._replace(inner=O.update_params(self.inner, state.grads, state.inner, target, **extra))
+
+    def update_host(self, state: HostState, params: dict, extra: dict, run_later: bool) -> HostState:
+        """The update, the gradients on the host: here and now, or launched on the worker (the state
+        marked as arriving)."""
+        target = self.target(state, params)
+        if not run_later:
+            new = self.on_host(state, target, extra)
+            if not self.params_on_host:
+                self.copy_out(params, state)
+            return new
+        if self.options.delay:  # the parameters the last update made, for the next forward; then this update
+            self.copy_out(params, state)
+            if self.pin:
+                torch.cuda.current_stream().synchronize()
+        device = None if (self.options.delay or self.params_on_host) else params
+        launched = launch(self.split, state, target, device, extra, self.pin)
+        if launched is None:  # an optimizer state the update cannot be split over buckets for: update here
+            new = self.on_host(state, target, extra)
+            if device is not None:
+                self.copy_out(params, state)
+            return new
+        mark(launched, state, params, device is not None or self.params_on_host)
+        return state
+
+    @torch.no_grad()
+    def update_now(self, grads: dict, state: HostState, params: dict, **extra) -> HostState:
+        """The update before it returns (the pure ``update``)."""
+        self.to_host_grads(grads, state)
+        return self.update_host(state, params, extra, run_later=False)
+
+    @torch.no_grad()
+    def update_in_place(self, grads: dict, state: HostState, params: dict, **extra) -> HostState:
+        """The update, on after the step returns where :meth:`later` says so."""
+        # Reading state.opt_state waited for the update before this one: its buffers are free.
+        self.to_host_grads(grads, state)
+        return self.update_host(state, params, extra, run_later=self.later(params))
+
+    def start_update(self, state: HostState, params: dict) -> Landing:
+        """The gradients landed bucket by bucket during backward; each bucket's update started as it
+        lands when ``early`` (and the state can be taken apart by bucket)."""
+        target, run_later = self.target(state, params), self.later(params)
+        plan = self.split.plan(state.inner, target) if self.speculating and state.spare is not None else None
+        if plan is None:
+            return Landing(state, params, self.pin, lambda extra: self.update_host(state, params, extra, run_later))
+        return Speculation(self.split, plan, state, target, params, self.pin, run_later, self.stop_speculating)
+
+
+def host_optimizer(inner: O.GradientTransformation, *, options: HostOptions) -> O.GradientTransformation:
+    """``inner`` with its state in host memory, updated there (see :class:`HostEngine`)."""
+    return HostEngine(inner, options).transformation()
