@@ -65,6 +65,17 @@ class Quantity(NamedTuple):
     newer: bool = False
     mirror: bool = False
 
+    def by_bucket(self) -> dict[int, Any]:
+        """Bucket index -> this rank's piece; raises a ValueError for a leaf not keyed by bucket."""
+        out = {}
+        paths, leaves, _ = T.tree_flatten_with_path(self.tree)
+        for path, leaf in zip(paths, leaves):
+            i = keys.bucket_index(path[-1]) if path else None
+            if i is None:
+                raise ValueError(f"{self.name}: a declared quantity's leaf at {path} is not keyed by bucket")
+            out[i] = leaf
+        return out
+
 
 def parts_of(node: Any) -> tuple | None:
     """The records ``node`` declares (None: it declares none, an ordinary subtree)."""
@@ -92,10 +103,5 @@ def find_quantity(tree: Any, name: str) -> dict[int, Any]:
             if isinstance(part, Inner):
                 found.update(find_quantity(part.tree, name))
             elif part.name == name:
-                paths, leaves, _ = T.tree_flatten_with_path(part.tree)
-                for path, leaf in zip(paths, leaves):
-                    i = keys.bucket_index(path[-1]) if path else None
-                    if i is None:
-                        raise ValueError(f"{name}: a declared quantity's leaf at {path} is not keyed by bucket")
-                    found[i] = leaf
+                found.update(part.by_bucket())
     return found

@@ -11,7 +11,6 @@ name, and carries its :class:`Role`. Wrapper states are read through the records
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -92,7 +91,7 @@ def _walk_opt(tree: Any, path: tuple, buckets: tuple[Bucket, ...], rank: int, he
                     _walk_opt(record.tree, full, buckets, rank, held)
                 elif isinstance(record, Quantity):
                     role = Role(record.precise, record.newer, record.mirror)
-                    for value, i in _bucket_leaves(record.tree):
+                    for i, value in record.by_bucket().items():
                         held.parts.append(_bucket_part(record.name, i, value, buckets, rank, role))
             continue
         i = keys.opt_bucket(full)
@@ -101,15 +100,6 @@ def _walk_opt(tree: Any, path: tuple, buckets: tuple[Bucket, ...], rank: int, he
                 held.small[keys.opt(full)] = leaf
             continue
         held.parts.append(_bucket_part(keys.opt(full), i, leaf, buckets, rank, None))
-
-
-def _bucket_leaves(tree: Any) -> Iterator[tuple[Any, int]]:
-    paths, leaves, _ = T.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, FileTensor))
-    for p, leaf in zip(paths, leaves):
-        i = keys.bucket_index(p[-1]) if p else None
-        if i is None:
-            raise CheckpointError(f"checkpoint: a parameter-shaped optimizer entry at {p} is not keyed by bucket")
-        yield leaf, i
 
 
 def _bucket_part(key: str, i: int, value: Any, buckets, rank: int, role: Role | None) -> Part:
