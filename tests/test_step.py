@@ -164,7 +164,8 @@ def test_state_bytes_and_comm_bytes_formulas(ranks, world):
         if world == 1:
             assert plain["comm"] == 0 and sharded["comm"] == 0
         else:
-            scalars = 2 * 16 + 2 * 16  # the batch-shape probe (2 x int64) and stats (loss, sumsq) all-reduces
+            # the batch-shape probe (2 x int64) and the stats all-reduce (loss, sumsq, ranks lacking a gradient)
+            scalars = 2 * 16 + 2 * 24
             assert plain["comm"] == 2 * psi_bytes + scalars
             assert sharded["comm"] == 2 * sharded["padded_bytes"] + scalars
 

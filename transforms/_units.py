@@ -40,11 +40,12 @@ class Unit:
     frozen: tuple[int, ...]  # its frozen buckets (indices into layout.frozen_buckets)
 
 
-def unit_buckets(params: dict, world: int) -> tuple[Bucket, ...]:
-    """One bucket per dtype for a unit's parameters, placed where they will be materialised."""
+def unit_buckets(params: dict, world: int, labels: dict | None = None) -> tuple[Bucket, ...]:
+    """One bucket per dtype (and optimizer label) for a unit's parameters, placed where they will be
+    materialised."""
     if not params:
         return ()
-    buckets = Layout.build(params, shards=world, bucket_bytes=1 << 62).buckets
+    buckets = Layout.build(params, shards=world, bucket_bytes=1 << 62, labels=labels).buckets
     return tuple(dataclasses.replace(b, device=str(materialise_device())) if b.device == "meta" else b for b in buckets)
 
 

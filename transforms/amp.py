@@ -242,7 +242,10 @@ def master_weights(inner: O.GradientTransformation) -> O.GradientTransformation:
         torch._foreach_copy_(T.tree_leaves(params), T.tree_leaves(state.master))
         return MasterState(state.master, new_inner)
 
-    return O.in_place(init, update_in_place, "master_weights")
+    # Bound to a view, the inner optimizer is: the masters hold the same pieces as the parameters.
+    return O.in_place(init, update_in_place, "master_weights")._replace(
+        bind=lambda view: master_weights(O.bind(inner, view))
+    )
 
 
 # ---------------------------------------------------------------- the policy

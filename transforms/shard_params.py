@@ -187,7 +187,7 @@ class UnitStorage(Storage):
         for uname in list(reversed(names)) + [ROOT]:
             mine_t = {k: v for k, v in trainable.items() if unit_of[k] == uname}
             mine_f = {k: v for k, v in named.items() if unit_of[k] == uname and k not in trainable}
-            tb = unit_buckets(mine_t, world)
+            tb = unit_buckets(mine_t, world, split.labels)
             fb = unit_buckets(mine_f, world)
             units.append(
                 Unit(

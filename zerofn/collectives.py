@@ -58,6 +58,7 @@ __all__ = [
     "counting",
     "ensure_initialized",
     "gather_objects",
+    "any_of",
     "max_min",
     "rank",
     "reduce_scatter",
@@ -414,7 +415,7 @@ def _done(result: Any) -> Handle:
     return Handle(None, result)
 
 
-_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN", "bor": "BOR"}
 
 
 def _reduce_op(op: str):
@@ -427,7 +428,8 @@ def _reduce_op(op: str):
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum", *, async_op: bool = False, control: bool = False):
-    """Reduce ``t`` in place across ranks (``op``: sum, mean, max, min).
+    """Reduce ``t`` in place across ranks (``op``: sum, mean, max, min; bor, bitwise or, for integer
+    tensors on the control group).
 
     Returns ``t`` (or a Handle whose ``wait()`` returns it with ``async_op``).
     Counts 2 x bytes(t). ``control``: a small check on a CPU tensor, sent on
@@ -462,6 +464,21 @@ def _control_group():
         seconds = _group_timeout_s or timeout_s()
         _CONTROL[world] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
     return _CONTROL[world]
+
+
+def any_of(flags: torch.Tensor) -> torch.Tensor:
+    """The elementwise OR over the ranks of ``flags`` (a 1-D uint8 tensor of 0s and 1s), sent as bits:
+    one all-reduce (bitwise OR) of ``ceil(n / 8)`` bytes on the control group. Returns a new uint8 tensor."""
+    n = flags.numel()
+    if world_size() == 1 or n == 0:
+        return flags.clone()
+    pad = (-n) % 8
+    bits = torch.cat([flags.to(torch.uint8).cpu(), torch.zeros(pad, dtype=torch.uint8)]).view(-1, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    packed = (bits * weights).sum(1, dtype=torch.int64).to(torch.uint8)
+    all_reduce(packed, "bor", control=True)
+    unpacked = (packed.view(-1, 1) & weights).ne(0).to(torch.uint8).reshape(-1)
+    return unpacked[:n]
 
 
 def max_min(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -141,6 +141,7 @@ class GradSink:
         self.results: list[torch.Tensor | None] = [None] * n
         self.launched = 0
         self.received = 0  # gradients handed over in this micro-step
+        self.got: set[str] = set()  # the parameters they were for
         self.release = not reduction.replicated
         self.on_result = on_result
         # fp16 gradients are divided by the world size before the reduction, so that
@@ -187,6 +188,7 @@ class GradSink:
                 self._add(name, leaf.grad)
             leaf.grad = None
             self.received += 1
+            self.got.add(name)
             self.remaining[i] -= 1
             if self.reduce and self.remaining[i] == 0:
                 j = self.launched
@@ -226,6 +228,17 @@ class GradSink:
                 self.buffers[i] = None
                 for s in self.layout.buckets[i].slots:
                     self.views.pop(s.name, None)
+
+    def seen(self, before: torch.Tensor | None) -> torch.Tensor | None:
+        """Which trainable parameters (``layout.trainable_names`` order, uint8) got a gradient in this
+        micro-step or the ones ``before`` covers; None when every one did (the usual case)."""
+        names = self.layout.trainable_names
+        if before is None and len(self.got) == len(names):
+            return None
+        now = torch.tensor([n in self.got for n in names], dtype=torch.uint8)
+        if before is not None:
+            now |= before
+        return None if bool(now.all()) else now
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Reduce what is left (a bucket with an unused parameter keeps zeros there); return every result."""

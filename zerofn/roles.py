@@ -38,9 +38,17 @@ __all__ = ["Inner", "Quantity", "find_quantity", "parts_of", "placement_of"]
 
 
 class Inner(NamedTuple):
-    """The wrapped optimizer's state: saved and loaded under the optimizer's own path."""
+    """The wrapped optimizer's state: saved and loaded under the optimizer's own path.
+
+    Attributes:
+        tree: the state.
+        scope: for one of several inner states side by side (a group's, under ``multi_transform``):
+            its small leaves (counts) are saved under the scope, its parameter-shaped leaves without it,
+            so that the latter load under another grouping of the same parameters.
+    """
 
     tree: Any
+    scope: str | None = None
 
 
 class Quantity(NamedTuple):

@@ -101,6 +101,7 @@ class Layout:
         names: tuple[str, ...] | None = None,
         frozen: tuple[str, ...] = (),
         first_bucket_bytes: int | None = None,
+        labels: Mapping[str, Any] | None = None,
     ) -> Layout:
         """Group ``trainable`` into buckets, last-registered first (backward order).
 
@@ -108,14 +109,23 @@ class Layout:
         backward fills first), as DDP's 1 MiB first bucket does: its
         gradient buffer is allocated while the forward's activations are
         all alive, and its reduction starts early.
+
+        ``labels`` (name -> a hashable, the optimizer's groups) keeps
+        parameters of different labels in different buckets; the buckets of
+        all labels are then ordered by when backward completes them (the
+        position of their last parameter in backward order), so that a
+        group spread over the whole model (biases, norms) does not hold the
+        reductions of the others back.
         """
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        groups: dict[tuple[torch.dtype, str], list[tuple[str, torch.Tensor]]] = {}
+        groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+        order = {name: i for i, name in enumerate(reversed(list(trainable)))}
         for name, p in reversed(list(trainable.items())):
-            groups.setdefault((p.dtype, str(p.device)), []).append((name, p))
+            label = labels.get(name) if labels else None
+            groups.setdefault((p.dtype, str(p.device), label), []).append((name, p))
         buckets: list[Bucket] = []
-        for (dtype, device), items in groups.items():
+        for (dtype, device, _), items in groups.items():
             limit = max(1, min(bucket_bytes, first_bucket_bytes or bucket_bytes) // dtype.itemsize)
             run: list[Slot] = []
             size = 0
@@ -129,7 +139,15 @@ class Layout:
                 size += n
             if run:
                 buckets.append(_bucket(dtype, device, run, size, shards))
+        if labels and len({k[2] for k in groups}) > 1:
+            buckets.sort(key=lambda b: (max(order[s.name] for s in b.slots), str(b.dtype)))
         return Layout(tuple(buckets), tuple(names or trainable), tuple(frozen))
+
+    @functools.cached_property
+    def trainable_names(self) -> tuple[str, ...]:
+        """The trainable parameters' names, in the params tree's leaf order (whatever the buckets)."""
+        where = self.bucket_of
+        return tuple(n for n in self.names if n in where)
 
     @functools.cached_property
     def bucket_of(self) -> dict[str, int]:
@@ -260,6 +278,12 @@ class TrainState:
         count: number of optimizer updates applied (int64).
         micro: micro-steps accumulated towards the next update (int64).
         grad_accum: per-bucket gradient sums between micro-steps, or None.
+        seen: between micro-steps, which trainable parameters (in
+            ``layout.trainable_names`` order) got a gradient so far (uint8), or None.
+        param_steps: the number of updates each trainable parameter received
+            (int64, ``layout.trainable_names`` order): torch's per-parameter
+            ``state["step"]``, which a parameter that got no gradient on a step
+            does not advance.
         loss_scale: the loss scale (``amp``), a pytree with ``scale`` and
             ``adjust(finite)``, or None.
         extra: key -> pytree: entries the step's parts and extensions keep
@@ -275,6 +299,8 @@ class TrainState:
     count: torch.Tensor
     micro: torch.Tensor
     grad_accum: Any
+    seen: Any
+    param_steps: torch.Tensor
     loss_scale: Any
     extra: dict
     spec: StateSpec = T.field(static=True)

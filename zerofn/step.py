@@ -180,7 +180,12 @@ class Step:
             raise ValueError(ADOPTED_HELP.format(what=f"{self.name}.init(apply.params)"))
         owner = functional.owner if functional is not None else (lambda name: None)
         named = {k: self.precision.cast(v, owner(k)) for k, v in split.named.items()}  # held (and run) so
-        split = split._replace(named=named, trainable={k: named[k] for k in split.trainable})
+        groups = O.labels(self.optimizer, _names_view(split.treedef, named))  # its masks and groups, if any
+        split = split._replace(
+            named=named,
+            trainable={k: named[k] for k in split.trainable},
+            labels={k: groups[k] for k in split.trainable} if groups else {},
+        )
         world, rank = C.world_size(), C.rank()
         if world > 1 and not structure_only:
             _check_same_params(split.named, self.name)
@@ -190,7 +195,9 @@ class Step:
             bucket_bytes=self.bucket_bytes,
             model=lambda: functional or self.model(),
         )
-        opt_state = self.effective_optimizer.init(self._opt_params(held.params, held.layout, rank))
+        opt_state = self.bound_optimizer(held.layout, rank, split.treedef).init(
+            self._opt_params(held.params, held.layout, rank)
+        )
         extra = dict(held.extra)
         for e in self.extensions:
             extra.update((key, init()) for key, init in e.entries)
@@ -207,6 +214,8 @@ class Step:
             count=torch.zeros((), dtype=torch.int64),
             micro=torch.zeros((), dtype=torch.int64),
             grad_accum=None,
+            seen=None,
+            param_steps=torch.zeros(len(held.layout.trainable_names), dtype=torch.int64),
             loss_scale=self.precision.new_loss_scale(),
             extra=extra,
             spec=StateSpec(
@@ -218,6 +227,15 @@ class Step:
             late = any(e.updates_late(device) for e in self.extensions if e.updates_late is not None)
             self.storage.adopt(functional, state, share=self.donate, updates_late=late)
         return state
+
+    def bound_optimizer(self, layout: Layout, rank: int, treedef: Any) -> O.GradientTransformation:
+        """The effective optimizer bound to what each bucket this rank updates holds (its
+        :class:`~zerofn.optim.ParamView`; ``treedef``: the params tree's structure): once per layout."""
+        cache = self._found.setdefault("bound", {})
+        key = (layout, rank, treedef)
+        if key not in cache:
+            cache[key] = O.bind(self.effective_optimizer, param_view(layout, rank, treedef))
+        return cache[key]
 
     def _opt_params(self, flats: tuple, layout: Layout, rank: int) -> dict[str, torch.Tensor]:
         return {
@@ -328,7 +346,7 @@ class Step:
         reduce_now = last or every_micro
         carried = state.grad_accum
         scale = precision.loss_scale_factor(ls)
-        optimizer = self.effective_optimizer
+        optimizer = self.bound_optimizer(layout, rank, state.spec.treedef)
         # An optimizer that can start before backward ends gets each bucket's gradient as it is final.
         pending = None
         if last and optimizer.start_update is not None:
@@ -361,6 +379,9 @@ class Step:
             loss, aux, extra = self._forward_backward(state, batch, sink, scale)
             after = {"micro": state.micro + 1, "extra": extra}
 
+            seen = sink.seen(state.seen)  # None: every parameter got a gradient here so far
+            after["seen"] = seen
+
             # 3. Carry the gradient to the next micro-step.
             if not reduce_now:
                 stats = _stats(loss, aux, None, world, rank, self.reduction.replicated)
@@ -373,14 +394,20 @@ class Step:
             # 4. Average over ranks and micro-steps and undo the loss scale: one fused multiply.
             if pending is None:
                 reduced, norms = _unscale(precision, reduced, factors)
-            stats = _stats(loss, aux, norms, world, rank, self.reduction.replicated)
+            stats = _stats(loss, aux, norms, world, rank, self.reduction.replicated, seen is not None)
+            info = _step_info(state, layout, seen, stats["unseen"])
         except BaseException:
             if pending is not None:  # nothing it started may stay: the state is as it was
                 pending.cancel()
             raise
         grad_norm = math.sqrt(stats["sumsq"]) if stats["sumsq"] >= 0 else math.nan
         finite = math.isfinite(stats["loss"]) and math.isfinite(stats["sumsq"])
-        after.update(micro=torch.zeros((), dtype=torch.int64), grad_accum=None, loss_scale=precision.adjust(ls, finite))
+        after.update(
+            micro=torch.zeros((), dtype=torch.int64),
+            grad_accum=None,
+            seen=None,
+            loss_scale=precision.adjust(ls, finite),
+        )
         if not finite:
             if pending is not None:
                 pending.cancel()
@@ -390,13 +417,14 @@ class Step:
         with torch.no_grad():
             norm = torch.tensor(grad_norm)
             if pending is not None:
-                opt_state = pending.commit(grad_norm=norm)
+                opt_state = pending.commit(grad_norm=norm, info=info)
             else:
                 opt_params = self._opt_params(state.arriving_params(), layout, rank)
-                opt_state = O.update_params(optimizer, reduced, state.opt_state, opt_params, grad_norm=norm)
+                opt_state = O.update_params(optimizer, reduced, state.opt_state, opt_params, grad_norm=norm, info=info)
             del reduced
             self.storage.publish(state.arriving_params(), layout, rank)
-        new = state.replace(opt_state=opt_state, count=state.count + 1, **after)
+        steps = _advance_steps(state.param_steps, layout, info)
+        new = state.replace(opt_state=opt_state, count=state.count + 1, param_steps=steps, **after)
         return new, _metrics(precision, after["loss_scale"], stats, aux, False, grad_norm)
 
     def _forward_backward(self, state: TrainState, batch: Any, sink: GradSink, scale: float):
@@ -534,20 +562,87 @@ def _split_loss(where: str, out: Any) -> tuple[torch.Tensor, dict]:
     return out, aux
 
 
-def _stats(loss, aux, norms, world: int, rank: int, replicated: bool) -> dict[str, Any]:
+def _stats(loss, aux, norms, world: int, rank: int, replicated: bool, unseen: bool = False) -> dict[str, Any]:
     """One small all-reduce: loss (mean over ranks), gradient sum of squares (from each bucket's
-    norm; None: no gradient), scalar aux values."""
+    norm; None: no gradient), how many ranks gave some parameter no gradient (``unseen`` here), scalar
+    aux values."""
     scalars = {k: v for k, v in sorted(aux.items()) if _is_scalar(v)}
     if norms is None or (replicated and rank != 0):  # replicated: rank 0's norm is everyone's
         sumsq = torch.zeros((), dtype=torch.float64)
     else:
         sumsq = sum((n.double() ** 2 for n in norms), torch.zeros((), dtype=torch.float64))
+    flag = torch.tensor(1.0 if unseen else 0.0, dtype=torch.float64)
     vec = torch.stack(
-        [loss.double().cpu(), sumsq.cpu()] + [torch.as_tensor(v, dtype=torch.float64).cpu() for v in scalars.values()]
+        [loss.double().cpu(), sumsq.cpu(), flag]
+        + [torch.as_tensor(v, dtype=torch.float64).cpu() for v in scalars.values()]
     )
     C.all_reduce(vec, "sum")
     vals = vec.tolist()
-    return {"loss": vals[0] / world, "sumsq": vals[1], "aux": {k: v / world for k, v in zip(scalars, vals[2:])}}
+    return {
+        "loss": vals[0] / world,
+        "sumsq": vals[1],
+        "unseen": vals[2] > 0,
+        "aux": {k: v / world for k, v in zip(scalars, vals[3:])},
+    }
+
+
+def _names_view(treedef: Any, named: dict) -> O.ParamView:
+    """The parameters as the optimizer's labels see them: names, full shapes and dtypes (no leaves yet)."""
+    shapes = tuple(tuple(t.shape) for t in named.values())
+    return O.ParamView({}, treedef, tuple(named), shapes, tuple(t.dtype for t in named.values()))
+
+
+def param_view(layout: Layout, rank: int, treedef: Any) -> O.ParamView:
+    """What each bucket this rank's optimizer updates holds: the whole bucket, or its shard."""
+    leaves = {}
+    for i, b in enumerate(layout.buckets):
+        lo, hi = b.shard_range(rank) if b.shards > 1 else (0, b.padded)
+        pieces = []
+        for s in b.slots:
+            a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < z:
+                pieces.append(O.Piece(s.name, s.shape, a - s.offset, a - lo, z - a))
+        leaves[keys.bucket(i)] = O.LeafView(tuple(pieces), hi - lo, b.shards > 1)
+    shapes = {s.name: s.shape for b in layout.buckets for s in b.slots}
+    dtypes = {s.name: b.dtype for b in layout.buckets for s in b.slots}
+    for b in layout.frozen_buckets:
+        for s in b.slots:
+            shapes.setdefault(s.name, s.shape)
+            dtypes.setdefault(s.name, b.dtype)
+    names = layout.names
+    return O.ParamView(
+        leaves,
+        treedef,
+        names,
+        tuple(shapes.get(n, ()) for n in names),
+        tuple(dtypes.get(n, torch.float32) for n in names),
+    )
+
+
+def _step_info(state: TrainState, layout: Layout, seen: torch.Tensor | None, unseen_anywhere: bool) -> O.StepInfo:
+    """What the optimizer is told about the parameters on this update: which got no gradient on any rank
+    (one more small all-reduce, of a bit per parameter, only when some rank lacks one), and how many
+    updates each received."""
+    names = layout.trainable_names
+    missing: frozenset = frozenset()
+    if unseen_anywhere:
+        if seen is None:
+            seen = torch.ones(len(names), dtype=torch.uint8)
+        if C.world_size() > 1:
+            seen = C.any_of(seen)
+        missing = frozenset(n for n, s in zip(names, seen.tolist()) if not s)
+    steps = state.param_steps
+    lo, hi = (int(steps.min()), int(steps.max())) if steps.numel() else (int(state.count), int(state.count))
+    per = None if lo == hi else dict(zip(names, steps.tolist()))
+    return O.StepInfo(missing, per, lo if lo == hi else int(state.count))
+
+
+def _advance_steps(steps: torch.Tensor, layout: Layout, info: O.StepInfo) -> torch.Tensor:
+    """Each updated parameter's count plus one (not those that got no gradient)."""
+    if not info.missing:
+        return steps + 1
+    live = torch.tensor([n not in info.missing for n in layout.trainable_names], dtype=torch.int64)
+    return steps + live
 
 
 def _metrics(precision: Precision, loss_scale: Any, stats, aux, skipped: bool, grad_norm: float) -> dict[str, Any]:

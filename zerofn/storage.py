@@ -69,11 +69,14 @@ class ParamSplit(NamedTuple):
         named: key path -> tensor, every leaf, in the tree's leaf order.
         trainable: the leaves that get gradients, in registration order.
         treedef: the tree's structure, to rebuild it for ``loss_fn``.
+        labels: trainable name -> the optimizer's label for it (its masks and groups; empty: none):
+            parameters of different labels go into different buckets.
     """
 
     named: dict
     trainable: dict
     treedef: Any
+    labels: dict = {}
 
 
 class Held(NamedTuple):
@@ -166,6 +169,7 @@ class Storage:
             names=tuple(split.named),
             frozen=tuple(frozen),
             first_bucket_bytes=FIRST_BUCKET_BYTES,
+            labels=split.labels,
         )
         flats = []
         for b in layout.buckets:

@@ -150,7 +150,7 @@ def _rank_traffic(accumulate):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_traffic_is_two_gradients_per_step(ranks, accumulate):
-    scalars = 2 * 16 + 2 * 16  # batch-shape probe and stats all-reduce
+    scalars = 2 * 16 + 2 * 24  # batch-shape probe and stats all-reduce (loss, sumsq, ranks lacking a gradient)
     for comms, padded in ranks(3).run(_rank_traffic, accumulate):
         assert comms[-1] == 2 * padded + scalars  # reduce-scatter + all-gather
         for c in comms[:-1]:

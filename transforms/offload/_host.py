@@ -98,9 +98,11 @@ class HostEngine:
 
     def transformation(self) -> O.GradientTransformation:
         pure = O.in_place(self.init, self.update_now, "offload")  # the pure update() waits for its result
+        # Bound to a view, the inner optimizer is: the host copies hold the same pieces as the parameters.
+        rebind = lambda view: host_optimizer(O.bind(self.inner, view), options=self.options)  # noqa: E731
         if self.options.delay:  # the gradient buffers are read by the update of the step before until its update phase
-            return O.GradientTransformation(self.init, pure.update, self.update_in_place)
-        return O.GradientTransformation(self.init, pure.update, self.update_in_place, self.start_update)
+            return O.GradientTransformation(self.init, pure.update, self.update_in_place, bind=rebind)
+        return O.GradientTransformation(self.init, pure.update, self.update_in_place, self.start_update, bind=rebind)
 
     # ---- the state
 

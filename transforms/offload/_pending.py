@@ -194,7 +194,11 @@ class Speculation(Landing):
                     self.failed = True
                     self.give_up()
             kind, extra = self.decision
-            if kind == "cancel" or self.failed or not norm.holds(float(extra["grad_norm"])):
+            # A parameter that got no gradient, or parameters updated unequally often: the update needs to
+            # know which (the speculative one did not), so it runs again.
+            info = extra.get("info") if extra else None
+            uneven = info is not None and (info.missing or info.uniform is None)
+            if kind == "cancel" or self.failed or uneven or not norm.holds(float(extra["grad_norm"])):
                 for key in run.updated:
                     run.restore(key)
                 run.updated = []

@@ -18,7 +18,7 @@ from zerofn import keys
 from zerofn._io import FileTensor
 from zerofn.checkpoint._format import CheckpointError, layout_json, signature
 from zerofn.checkpoint.manifest import Saved, Source
-from zerofn.checkpoint.parts import BUFFERS, FROZEN, PARAMS, Part, layouts, state_parts
+from zerofn.checkpoint.parts import BUFFERS, FROZEN, PARAM_STEPS, PARAMS, Part, layouts, state_parts
 from zerofn.functional import owner_of
 from zerofn.state import TrainState
 
@@ -248,6 +248,12 @@ def load(
                 src = saved.read_small(key)
                 if src.shape == t.shape:
                     t.copy_(src)
+            if PARAM_STEPS not in saved.small or tuple(saved.small[PARAM_STEPS].shape) != tuple(
+                state.param_steps.shape
+            ):
+                # saved before parameters kept their own counts (or with other parameters trainable): every
+                # parameter updated as often as the step
+                state.param_steps.fill_(int(state.count))
         if rng and saved.m["world_size"] == C.world_size():
             r = C.rank()
             if keys.rng("torch", r) in saved.small:

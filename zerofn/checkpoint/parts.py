@@ -22,9 +22,21 @@ from zerofn.checkpoint._format import CheckpointError, Role
 from zerofn.roles import Inner, Quantity, parts_of
 from zerofn.state import Bucket, Slot, TrainState
 
-__all__ = ["BUFFERS", "FROZEN", "PARAMS", "Held", "Part", "held_range", "layouts", "quantities", "state_parts"]
+__all__ = [
+    "BUFFERS",
+    "FROZEN",
+    "PARAMS",
+    "PARAM_STEPS",
+    "Held",
+    "Part",
+    "held_range",
+    "layouts",
+    "quantities",
+    "state_parts",
+]
 
 PARAMS, FROZEN, BUFFERS = "params", "frozen", "buffers"  # the state's own quantities, and their layouts
+PARAM_STEPS = "param_steps"  # each trainable parameter's update count, in the params tree's order
 
 
 class Part(NamedTuple):
@@ -110,7 +122,7 @@ def _bucket_part(key: str, i: int, value: Any, buckets, rank: int, role: Role | 
 def state_parts(state: TrainState, rank: int, lays: dict) -> Held:
     """Every bucket range this rank holds (``lays``: the state's :func:`layouts`), and the small tensors
     (counts, loss scale, optimizer scalars, ``state.extra``)."""
-    held = Held([], {"count": state.count})
+    held = Held([], {"count": state.count, PARAM_STEPS: state.param_steps})
     for i, (t, b) in enumerate(zip(state.params, lays[PARAMS])):
         held.parts.append(Part(PARAMS, PARAMS, i, *held_range(t.numel(), b, rank, f"params bucket {i}"), t))
     frozen = state.frozen if isinstance(state.frozen, tuple) else tuple(state.frozen.values())

@@ -51,10 +51,13 @@ from zerofn.optim.base import (
     Schedule,
     TraceState,
     apply_updates,
+    bind,
     chain,
     in_place,
+    labels,
     update_params,
 )
+from zerofn.optim.groups import MaskedState, MultiTransformState, decay_mask, masked, multi_transform
 from zerofn.optim.probe import StateProbe, probe_state
 from zerofn.optim.schedules import (
     constant_schedule,
@@ -76,12 +79,19 @@ from zerofn.optim.transforms import (
     scale_by_schedule,
     trace,
 )
+from zerofn.optim.view import LeafView, ParamView, Piece, StepInfo
 
 __all__ = [
     "AddDecayedWeightsState",
     "ClipByGlobalNormState",
     "EmptyState",
     "GradientTransformation",
+    "LeafView",
+    "MaskedState",
+    "MultiTransformState",
+    "ParamView",
+    "Piece",
+    "StepInfo",
     "PendingNorm",
     "PendingUpdate",
     "ScaleByAdamState",
@@ -94,6 +104,11 @@ __all__ = [
     "adamw",
     "add_decayed_weights",
     "apply_updates",
+    "bind",
+    "decay_mask",
+    "labels",
+    "masked",
+    "multi_transform",
     "in_place",
     "chain",
     "clip_by_global_norm",

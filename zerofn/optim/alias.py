@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from zerofn.optim._checks import check_number, schedule_value
-from zerofn.optim.base import GradientTransformation, ScalarOrSchedule, chain
+from zerofn.optim.base import GradientTransformation, ScalarOrSchedule, bind, chain
 from zerofn.optim.fused import fused_adam
+from zerofn.optim.groups import masked
 from zerofn.optim.transforms import (
     add_decayed_weights,
     decay_weights,
@@ -18,6 +21,7 @@ from zerofn.optim.transforms import (
     scale_by_learning_rate,
     trace,
 )
+from zerofn.optim.view import ParamView
 
 
 def _check_lr(where: str, lr: Any) -> None:
@@ -36,6 +40,8 @@ def sgd(
     momentum: float = 0.0,
     nesterov: bool = False,
     weight_decay: float = 0.0,
+    *,
+    mask: Any = None,
 ) -> GradientTransformation:
     """Stochastic gradient descent, equal to ``torch.optim.SGD`` (no dampening).
 
@@ -48,6 +54,7 @@ def sgd(
         momentum: momentum factor >= 0.
         nesterov: Nesterov momentum (needs ``momentum > 0``).
         weight_decay: L2 coefficient >= 0.
+        mask: which parameters decay (see :func:`~zerofn.optim.masked`; None: all of them).
 
     Returns:
         A ``GradientTransformation``.
@@ -69,11 +76,46 @@ def sgd(
         raise ValueError(f"{where}: Nesterov momentum needs momentum > 0; pass momentum=0.9, say.")
     parts = []
     if weight_decay:
-        parts.append(add_decayed_weights(weight_decay))
+        parts.append(_decaying(add_decayed_weights(weight_decay), mask))
     if momentum:
         parts.append(trace(momentum, nesterov=nesterov))
     parts.append(scale_by_learning_rate(lr))
     return chain(*parts)
+
+
+def _decaying(decay: GradientTransformation, mask: Any) -> GradientTransformation:
+    return decay if mask is None else masked(decay, mask)
+
+
+def _mask_keys(mask: Any, view: ParamView | None) -> set | None:
+    """The keys of ``view`` whose parameters decay under ``mask`` (None: all of them)."""
+    if mask is None or view is None:
+        return None
+    values = {n: bool(v) for n, v in view.resolve(mask, "the mask", "adam").items()}
+    return {k for k, on in view.keys_where(values, "adam", "masks").items() if on}
+
+
+def _with_fused(parts: list, adam_at: int, lr, b1, b2, eps, weight_decay, mask, *, decoupled: bool, view=None):
+    """``chain(*parts)`` with the fused kernel as its in-place path, bound to ``view`` (None: unbound)."""
+    base = chain(*parts)
+    if view is not None:
+        base = bind(base, view)
+    fused = fused_adam(
+        base, adam_at, lr, b1, b2, eps, weight_decay, decoupled=decoupled, view=view, decayed=_mask_keys(mask, view)
+    )
+    if mask is not None and view is None:  # unbound with a mask: the keys are known only from the tree
+        fused = _bind_on_call(parts, adam_at, lr, b1, b2, eps, weight_decay, mask, decoupled)
+    binder = lambda v: _with_fused(parts, adam_at, lr, b1, b2, eps, weight_decay, mask, decoupled=decoupled, view=v)  # noqa: E731
+    return base._replace(update_in_place=fused, bind=binder)
+
+
+def _bind_on_call(parts, adam_at, lr, b1, b2, eps, weight_decay, mask, decoupled):
+    def update_in_place(grads, state, params, **extra):
+        view = ParamView.of_tree(grads)
+        bound = _with_fused(parts, adam_at, lr, b1, b2, eps, weight_decay, mask, decoupled=decoupled, view=view)
+        return bound.update_in_place(grads, state, params, **extra)
+
+    return update_in_place
 
 
 def adam(
@@ -81,6 +123,10 @@ def adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    *,
+    mask: Any = None,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Adam, equal to ``torch.optim.Adam`` (L2 weight decay added to the gradient).
 
@@ -92,6 +138,9 @@ def adam(
         betas: ``(b1, b2)``, each in [0, 1).
         eps: added to the denominator, >= 0.
         weight_decay: L2 coefficient >= 0.
+        mask: which parameters decay (see :func:`~zerofn.optim.masked`; None: all of them).
+        mu_dtype: the first moment's dtype (None: the parameters'; ``torch.bfloat16`` halves it).
+        nu_dtype: the second moment's dtype, likewise.
 
     Returns:
         A ``GradientTransformation``.
@@ -111,12 +160,11 @@ def adam(
     weight_decay = check_number(where, "weight_decay", weight_decay, low=0.0)
     parts = []
     if weight_decay:
-        parts.append(add_decayed_weights(weight_decay))
-    parts.append(scale_by_adam(b1, b2, eps))
+        parts.append(_decaying(add_decayed_weights(weight_decay), mask))
+    parts.append(scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype))
     parts.append(scale_by_learning_rate(lr))
-    base = chain(*parts)
     adam_at = 1 if weight_decay else 0
-    return base._replace(update_in_place=fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, decoupled=False))
+    return _with_fused(parts, adam_at, lr, b1, b2, eps, weight_decay, mask, decoupled=False)
 
 
 def adamw(
@@ -124,6 +172,10 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.01,
+    *,
+    mask: Any = None,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """AdamW, equal to ``torch.optim.AdamW`` (decoupled: ``p *= 1 - lr * weight_decay``).
 
@@ -137,6 +189,10 @@ def adamw(
         betas: ``(b1, b2)``, each in [0, 1).
         eps: added to the denominator, >= 0.
         weight_decay: decoupled decay coefficient >= 0.
+        mask: which parameters decay: a tree of bools over the parameters or a function of the params
+            tree returning one, such as :func:`~zerofn.optim.decay_mask` (None: all of them).
+        mu_dtype: the first moment's dtype (None: the parameters'; ``torch.bfloat16`` halves it).
+        nu_dtype: the second moment's dtype, likewise.
 
     Returns:
         A ``GradientTransformation``.
@@ -154,7 +210,7 @@ def adamw(
     _check_lr(where, lr)
     b1, b2 = _check_betas(where, betas)
     weight_decay = check_number(where, "weight_decay", weight_decay, low=0.0)
-    parts = [scale_by_adam(b1, b2, eps), scale_by_learning_rate(lr)]
+    parts = [scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype), scale_by_learning_rate(lr)]
     if weight_decay:
         if callable(lr):
             schedule = lr
@@ -162,8 +218,7 @@ def adamw(
             def rate(count: int) -> float:
                 return schedule_value("adamw.update", schedule, count) * weight_decay
 
-            parts.append(decay_weights(rate))
+            parts.append(_decaying(decay_weights(rate), mask))
         else:
-            parts.append(decay_weights(lr * weight_decay))
-    base = chain(*parts)
-    return base._replace(update_in_place=fused_adam(base, 0, lr, b1, b2, eps, weight_decay, decoupled=True))
+            parts.append(_decaying(decay_weights(lr * weight_decay), mask))
+    return _with_fused(parts, 0, lr, b1, b2, eps, weight_decay, mask, decoupled=True)

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zerofn.optim._checks import Schedule, check_same, flat
+from zerofn.optim.view import ParamView
 from zerofn.tree import Tree, tree_map
 
 Params = Tree
@@ -40,6 +41,12 @@ class GradientTransformation(NamedTuple):
     # Optional: start_update(state, params) -> a PendingUpdate, for an update that starts before the
     # gradients are all known (each handed over as it is final); see PendingUpdate.
     start_update: Callable[..., PendingUpdate] | None = None
+    # Optional: bind(view) -> the same transformation for the leaves a ParamView describes (which
+    # parameters each leaf holds); a step binds its optimizer once per layout. See zerofn.optim.view.
+    bind: Callable[[ParamView], GradientTransformation] | None = None
+    # Optional: partition(view) -> name -> a hashable label per parameter: parameters of different labels
+    # must be in different leaves (a step keeps them in different buckets). Masks and groups declare it.
+    partition: Callable[[ParamView], dict] | None = None
 
 
 class PendingUpdate(abc.ABC):
@@ -194,9 +201,11 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
+    binder = bind_all(transforms, chain)
+    part = partition_all(transforms)
     last = transforms[-1] if transforms else None
     if last is None or last.update_in_place is None:
-        return GradientTransformation(init, update)
+        return GradientTransformation(init, update, bind=binder, partition=part)
 
     def update_in_place(grads, state, params, **extra):
         # The members before the last transform the gradients; the last one
@@ -207,7 +216,40 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             head.append(s)
         return tuple(head) + (last.update_in_place(grads, state[-1], params, **extra),)
 
-    return GradientTransformation(init, update, update_in_place)
+    return GradientTransformation(init, update, update_in_place, bind=binder, partition=part)
+
+
+def bind(optimizer: GradientTransformation, view: ParamView) -> GradientTransformation:
+    """``optimizer`` for the leaves ``view`` describes: its ``bind(view)``, or itself when it has none
+    (it treats every element alike)."""
+    return optimizer.bind(view) if optimizer.bind is not None else optimizer
+
+
+def labels(optimizer: GradientTransformation, view: ParamView) -> dict | None:
+    """name -> the label of each parameter under ``optimizer``'s masks and groups (None: it has none)."""
+    return optimizer.partition(view) if optimizer.partition is not None else None
+
+
+def bind_all(members: tuple, rebuild: Callable) -> Callable | None:
+    """A ``bind`` for a transformation made of ``members``: ``rebuild`` of each member bound (None when no
+    member binds)."""
+    if not any(m.bind is not None for m in members):
+        return None
+    return lambda view: rebuild(*(bind(m, view) for m in members))
+
+
+def partition_all(members: tuple) -> Callable | None:
+    """A ``partition`` for a transformation made of ``members``: each parameter's labels under every member
+    that has one, as a tuple (None when none has)."""
+    parts = [m for m in members if m.partition is not None]
+    if not parts:
+        return None
+
+    def partition(view: ParamView) -> dict:
+        each = [m.partition(view) for m in parts]
+        return {n: tuple(e[n] for e in each) for n in view.names}
+
+    return partition
 
 
 @torch.no_grad()

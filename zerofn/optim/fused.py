@@ -12,18 +12,23 @@ import torch
 
 from zerofn.optim._checks import check_count, flat, schedule_value
 from zerofn.optim.base import apply_updates, foreach_groups
+from zerofn.optim.view import by_step, info_of, keys_of
 
 _FUSED_DEVICES = ("cpu", "cuda")
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool):
+def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool, view=None, decayed=None):
     """In-place Adam/AdamW through torch's fused kernel, one pass over memory.
 
     ``base`` is the same optimizer as a chain of primitives: its state layout
     is shared, and it runs instead wherever the kernel does not apply
-    (another device, mixed dtypes within a group). Every count in the chain's
-    state advances exactly as ``base.update`` would advance it.
+    (another device, mixed dtypes within a group, narrow moments). Every count
+    in the chain's state advances exactly as ``base.update`` would advance it.
+    ``view`` is the :class:`~zerofn.optim.view.ParamView` it is bound to (None:
+    unbound); ``decayed``, the keys weight decay applies to (None: every key).
+    Parameters that got no gradient are left out of the kernel's lists, and
+    parameters with different update numbers go in separate calls.
     """
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
@@ -44,30 +49,45 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool)
             raise ValueError(
                 f"adam.update_in_place: the learning-rate schedule returned {lr_value} at count {count}; it must be >= 0"
             )
-        for sub in state:  # the counts of adam, the lr schedule and the decay schedule
-            c = getattr(sub, "count", None)
-            if isinstance(c, torch.Tensor):
-                c.add_(1)
-        for p_, g_, mu_, nu_ in foreach_groups(p, g, mu, nu):
-            step = torch.full((), float(count + 1), dtype=torch.float32, device=p_[0].device)
-            kernel(
-                p_,
-                g_,
-                mu_,
-                nu_,
-                [],
-                [step] * len(p_),
-                lr=lr_value,
-                beta1=b1,
-                beta2=b2,
-                weight_decay=weight_decay,
-                eps=eps,
-                amsgrad=False,
-                maximize=False,
-            )
+        _advance_counts(state)  # of adam, the lr schedule and the decay schedule (masked or not)
+        keys = keys_of(spec)
+        info = info_of(extra)
+        wd = [weight_decay if decayed is None or k in decayed else 0.0 for k in keys]
+        for decay in sorted(set(wd)):
+            pick = [i for i, w in enumerate(wd) if w == decay]
+            cols = ([k for i, k in enumerate(keys) if i in pick],) + tuple([c[i] for i in pick] for c in (p, g, mu, nu))
+            for t, (p_, g_, mu_, nu_) in by_step(view, cols[0], info, count, *cols[1:]):
+                for p2, g2, mu2, nu2 in foreach_groups(p_, g_, mu_, nu_):
+                    step = torch.full((), float(t), dtype=torch.float32, device=p2[0].device)
+                    kernel(
+                        p2,
+                        g2,
+                        mu2,
+                        nu2,
+                        [],
+                        [step] * len(p2),
+                        lr=lr_value,
+                        beta1=b1,
+                        beta2=b2,
+                        weight_decay=decay,
+                        eps=eps,
+                        amsgrad=False,
+                        maximize=False,
+                    )
         return state
 
     return update_in_place
+
+
+def _advance_counts(node) -> None:
+    """Add one to every ``count`` of the chain's states, nested ones (a masked decay schedule's) included."""
+    if not isinstance(node, tuple):
+        return
+    c = getattr(node, "count", None) if hasattr(node, "_fields") else None
+    if isinstance(c, torch.Tensor):
+        c.add_(1)
+    for child in node:
+        _advance_counts(child)
 
 
 def _fusable(*tensors: torch.Tensor) -> bool:

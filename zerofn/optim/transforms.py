@@ -35,6 +35,7 @@ from zerofn.optim.base import (
     Tree,
     foreach_groups,
 )
+from zerofn.optim.view import ParamView, by_step, info_of, keys_of, live_columns
 from zerofn.tree import describe_leaf, tree_map
 
 
@@ -156,21 +157,36 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> GradientTransform
     return scale(-lr)
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
     """Rescale updates by Adam's bias-corrected moment estimates.
 
     ``mu = lerp(mu, g, 1-b1)``, ``nu = b2*nu + (1-b2)*g*g``, and the update is
     ``mu / (sqrt(nu)/sqrt(1-b2**t) + eps) / (1-b1**t)``, in torch.optim.Adam's
     order of operations. Allocates one temporary (the denominator) per step.
 
+    Under a step, ``t`` is each parameter's own update number (torch's
+    ``state["step"]``), and a parameter that got no gradient is skipped: its
+    moments stay and its update is zero (see :class:`~zerofn.optim.view.StepInfo`).
+
     Args:
         b1: decay of the first moment, in [0, 1).
         b2: decay of the second moment, in [0, 1).
         eps: added to the denominator, >= 0.
+        mu_dtype: the first moment's dtype (None: the parameters'); ``torch.bfloat16``
+            halves its bytes. The moments are updated in the gradient's dtype and
+            stored rounded to their own.
+        nu_dtype: the second moment's dtype, likewise.
 
     Returns:
         A ``GradientTransformation`` with ``ScaleByAdamState(count, mu, nu)``;
-        ``mu`` and ``nu`` are like params (same dtypes and shapes).
+        ``mu`` and ``nu`` are shaped like params.
 
     Example:
         >>> import torch
@@ -185,14 +201,28 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     b1 = check_number(where, "b1", b1, low=0.0, high=1.0, high_open=True, hint="Typically 0.9.")
     b2 = check_number(where, "b2", b2, low=0.0, high=1.0, high_open=True, hint="Typically 0.999.")
     eps = check_number(where, "eps", eps, low=0.0, hint="Typically 1e-8.")
+    for name, dt in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype)):
+        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+            raise TypeError(
+                f"{where}: {name} must be a floating torch.dtype such as torch.bfloat16, or None; got {dt!r}"
+            )
+    return _scale_by_adam(b1, b2, eps, mu_dtype, nu_dtype, None)
+
+
+def moments_like(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A zero moment for parameter (or bucket) ``p``, in ``dtype`` (None: ``p``'s)."""
+    return torch.zeros_like(p, dtype=dtype or p.dtype, memory_format=torch.preserve_format)
+
+
+def _scale_by_adam(b1, b2, eps, mu_dtype, nu_dtype, view: ParamView | None) -> GradientTransformation:
     where = "scale_by_adam.update"
 
     def init(params):
-        leaves, _ = flat("scale_by_adam.init", "params", params)
+        flat("scale_by_adam.init", "params", params)
         return ScaleByAdamState(
             count=_new_count(),
-            mu=tree_map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params),
-            nu=tree_map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params),
+            mu=tree_map(lambda p: moments_like(p, mu_dtype), params),
+            nu=tree_map(lambda p: moments_like(p, nu_dtype), params),
         )
 
     @torch.no_grad()
@@ -201,26 +231,40 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         g, spec = flat(where, "updates", updates)
         mu, mu_spec = flat(where, "state.mu", state.mu)
         nu, nu_spec = flat(where, "state.nu", state.nu)
-        check_same(where, "updates", spec, "state.mu", mu_spec, mu, g, dtypes=True)
-        check_same(where, "state.nu", nu_spec, "state.mu", mu_spec, mu, nu, dtypes=True)
-        t = check_count(where, state.count) + 1
+        check_same(where, "updates", spec, "state.mu", mu_spec, mu, g, dtypes=mu_dtype is None)
+        check_same(where, "state.nu", nu_spec, "state.mu", mu_spec, mu, nu, dtypes=mu_dtype == nu_dtype)
+        count = check_count(where, state.count)
         state.count.add_(1)
-        bias_correction1 = 1 - b1**t
-        bias_correction2_sqrt = (1 - b2**t) ** 0.5
-        for g_, mu_, nu_ in foreach_groups(g, mu, nu):
-            torch._foreach_lerp_(mu_, g_, 1 - b1)
-            torch._foreach_mul_(nu_, b2)
-            torch._foreach_addcmul_(nu_, g_, g_, 1 - b2)
-            denom = torch._foreach_sqrt(nu_)
-            torch._foreach_div_(denom, bias_correction2_sqrt)
-            torch._foreach_add_(denom, eps)
-            # The gradient is spent: write the update into its (donated) buffers.
-            torch._foreach_zero_(g_)
-            torch._foreach_addcdiv_(g_, mu_, denom, 1 / bias_correction1)
-            del denom
+        for t, cols in by_step(view, keys_of(spec), info_of(extra), count, g, mu, nu):
+            for g_, mu_, nu_ in foreach_groups(*cols):
+                _adam_moments(g_, mu_, nu_, t, b1, b2, eps)
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, bind=lambda v: _scale_by_adam(b1, b2, eps, mu_dtype, nu_dtype, v))
+
+
+def _adam_moments(g_: list, mu_: list, nu_: list, t: int, b1: float, b2: float, eps: float) -> None:
+    """One Adam step on lists of one device and dtype each: the moments in place, the update into ``g_``."""
+    bias_correction1 = 1 - b1**t
+    bias_correction2_sqrt = (1 - b2**t) ** 0.5
+    narrow = mu_[0].dtype != g_[0].dtype or nu_[0].dtype != g_[0].dtype
+    stored = (mu_, nu_)
+    if narrow:  # bf16 moments: updated in the gradient's dtype, stored rounded
+        mu_ = [m.to(g_[0].dtype) for m in mu_]
+        nu_ = [n.to(g_[0].dtype) for n in nu_]
+    torch._foreach_lerp_(mu_, g_, 1 - b1)
+    torch._foreach_mul_(nu_, b2)
+    torch._foreach_addcmul_(nu_, g_, g_, 1 - b2)
+    denom = torch._foreach_sqrt(nu_)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    # The gradient is spent: write the update into its (donated) buffers.
+    torch._foreach_zero_(g_)
+    torch._foreach_addcdiv_(g_, mu_, denom, 1 / bias_correction1)
+    del denom
+    if narrow:
+        torch._foreach_copy_(stored[0], mu_)
+        torch._foreach_copy_(stored[1], nu_)
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
@@ -249,6 +293,10 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     decay = check_number("trace", "decay", decay, low=0.0, hint="Typically 0.9.")
     if not isinstance(nesterov, bool):
         raise TypeError(f"trace: nesterov must be a bool, got {type(nesterov).__name__}.")
+    return _trace(decay, nesterov, None)
+
+
+def _trace(decay: float, nesterov: bool, view: ParamView | None) -> GradientTransformation:
     where = "trace.update"
 
     def init(params):
@@ -261,6 +309,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         g, spec = flat(where, "updates", updates)
         buf, buf_spec = flat(where, "state.trace", state.trace)
         check_same(where, "updates", spec, "state.trace", buf_spec, buf, g, dtypes=True)
+        g, buf = live_columns(view, keys_of(spec), info_of(extra), g, buf)  # no gradient: the trace stays
         # A zero-initialised trace makes the first step trace = g exactly, as torch's clone.
         for g_, buf_ in foreach_groups(g, buf):
             torch._foreach_mul_(buf_, decay)
@@ -271,7 +320,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
                 torch._foreach_copy_(g_, buf_)
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, bind=lambda v: _trace(decay, nesterov, v))
 
 
 def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
@@ -293,6 +342,10 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         2.0
     """
     weight_decay = check_number("add_decayed_weights", "weight_decay", weight_decay, low=0.0, hint="Typically 0.01.")
+    return _add_decayed_weights(weight_decay, None)
+
+
+def _add_decayed_weights(weight_decay: float, view: ParamView | None) -> GradientTransformation:
     where = "add_decayed_weights.update"
 
     def init(params):
@@ -309,11 +362,12 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         g, spec = flat(where, "updates", updates)
         p, p_spec = flat(where, "params", params)
         check_same(where, "updates", spec, "params", p_spec, p, g, fix=FIX_PARAMS)
+        g, p = live_columns(view, keys_of(spec), info_of(extra), g, p)  # no gradient: no decay either
         for g_, p_ in foreach_groups(g, p):
             torch._foreach_add_(g_, p_, alpha=weight_decay)
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, bind=lambda v: _add_decayed_weights(weight_decay, v))
 
 
 def _round_like_torch_scalar(x: float, dtype: torch.dtype) -> float:
@@ -352,9 +406,13 @@ def decay_weights(rate: ScalarOrSchedule) -> GradientTransformation:
         >>> u["w"].item()
         -0.5
     """
-    where = "decay_weights.update"
     if not callable(rate):
         rate = check_number("decay_weights", "rate", rate, low=0.0)
+    return _decay_weights(rate, None)
+
+
+def _decay_weights(rate: ScalarOrSchedule, view: ParamView | None) -> GradientTransformation:
+    where = "decay_weights.update"
 
     def init(params):
         return ScaleByScheduleState(count=_new_count()) if callable(rate) else EmptyState()
@@ -378,13 +436,14 @@ def decay_weights(rate: ScalarOrSchedule) -> GradientTransformation:
         g, spec = flat(where, "updates", updates)
         p, p_spec = flat(where, "params", params)
         check_same(where, "updates", spec, "params", p_spec, p, g, fix=FIX_PARAMS)
+        g, p = live_columns(view, keys_of(spec), info_of(extra), g, p)  # no gradient: no decay either
         for g_, p_ in foreach_groups(g, p):
             factor = _round_like_torch_scalar(1.0 - value, p_[0].dtype) - 1.0
             if factor != 0.0:
                 torch._foreach_add_(g_, p_, alpha=factor)
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, bind=lambda v: _decay_weights(rate, v))
 
 
 @torch.no_grad()
