@@ -244,7 +244,7 @@ def master_weights(inner: O.GradientTransformation) -> O.GradientTransformation:
 
     # Bound to a view, the inner optimizer is: the masters hold the same pieces as the parameters.
     return O.in_place(init, update_in_place, "master_weights")._replace(
-        bind=lambda view: master_weights(O.bind(inner, view))
+        bind=lambda view: master_weights(O.bind(inner, view)), communicates=inner.communicates
     )
 
 

@@ -89,20 +89,37 @@ class HostEngine:
     (:meth:`transformation`)."""
 
     def __init__(self, inner: O.GradientTransformation, options: HostOptions) -> None:
+        if options.delay and inner.communicates:
+            raise ValueError(
+                "offload(delay=1): this optimizer runs collectives in its update (LAMB's or Muon's sums and "
+                "gathers over shards), which a delayed update would run on another thread, across the next step's; "
+                "use delay=0 (the update then runs in the step), or an elementwise optimizer such as adamw"
+            )
         self.inner, self.options = inner, options
         self.pin = options.pin
         self.params_on_host = options.params
         self.kind = DelayedHostState if options.delay else HostState
         self.split = PerBucket(inner)
-        self.speculating = options.early  # off for good once the optimizer cannot run before the norm is known
+        # off for good once the optimizer cannot run before the norm is known; never for an optimizer that
+        # communicates in its update (its collectives must run in the step, in the step's order)
+        self.speculating = options.early and not inner.communicates
 
     def transformation(self) -> O.GradientTransformation:
         pure = O.in_place(self.init, self.update_now, "offload")  # the pure update() waits for its result
         # Bound to a view, the inner optimizer is: the host copies hold the same pieces as the parameters.
         rebind = lambda view: host_optimizer(O.bind(self.inner, view), options=self.options)  # noqa: E731
         if self.options.delay:  # the gradient buffers are read by the update of the step before until its update phase
-            return O.GradientTransformation(self.init, pure.update, self.update_in_place, bind=rebind)
-        return O.GradientTransformation(self.init, pure.update, self.update_in_place, self.start_update, bind=rebind)
+            return O.GradientTransformation(
+                self.init, pure.update, self.update_in_place, bind=rebind, communicates=self.inner.communicates
+            )
+        return O.GradientTransformation(
+            self.init,
+            pure.update,
+            self.update_in_place,
+            self.start_update,
+            bind=rebind,
+            communicates=self.inner.communicates,
+        )
 
     # ---- the state
 
@@ -125,6 +142,8 @@ class HostEngine:
     def later(self, params: dict) -> bool:
         """Whether the update may run on after the step returns (see :func:`runs_late`)."""
         o = self.options
+        if self.inner.communicates:  # collectives on the worker thread could cross the next step's
+            return False
         return any(runs_late(p.device.type, delay=o.delay, overlap=o.overlap) for p in params.values())
 
     def stop_speculating(self) -> None:

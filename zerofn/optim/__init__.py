@@ -58,6 +58,8 @@ from zerofn.optim.base import (
     update_params,
 )
 from zerofn.optim.groups import MaskedState, MultiTransformState, decay_mask, masked, multi_transform
+from zerofn.optim.lamb import ScaleByTrustRatioState, lamb, scale_by_trust_ratio
+from zerofn.optim.muon import MuonState, muon
 from zerofn.optim.probe import StateProbe, probe_state
 from zerofn.optim.schedules import (
     constant_schedule,
@@ -89,6 +91,7 @@ __all__ = [
     "LeafView",
     "MaskedState",
     "MultiTransformState",
+    "MuonState",
     "ParamView",
     "Piece",
     "StepInfo",
@@ -96,6 +99,7 @@ __all__ = [
     "PendingUpdate",
     "ScaleByAdamState",
     "ScaleByScheduleState",
+    "ScaleByTrustRatioState",
     "ScaleState",
     "Schedule",
     "StateProbe",
@@ -107,8 +111,10 @@ __all__ = [
     "bind",
     "decay_mask",
     "labels",
+    "lamb",
     "masked",
     "multi_transform",
+    "muon",
     "in_place",
     "chain",
     "clip_by_global_norm",
@@ -125,6 +131,7 @@ __all__ = [
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_schedule",
+    "scale_by_trust_ratio",
     "sgd",
     "trace",
     "update_params",

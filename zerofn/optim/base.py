@@ -47,6 +47,9 @@ class GradientTransformation(NamedTuple):
     # Optional: partition(view) -> name -> a hashable label per parameter: parameters of different labels
     # must be in different leaves (a step keeps them in different buckets). Masks and groups declare it.
     partition: Callable[[ParamView], dict] | None = None
+    # True when update() itself runs collectives (LAMB's and Muon's sums and gathers over shards): it must
+    # run on the step's thread, in the step's order of collectives (offload then updates in the step).
+    communicates: bool = False
 
 
 class PendingUpdate(abc.ABC):
@@ -203,9 +206,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     binder = bind_all(transforms, chain)
     part = partition_all(transforms)
+    talks = any(t.communicates for t in transforms)
     last = transforms[-1] if transforms else None
     if last is None or last.update_in_place is None:
-        return GradientTransformation(init, update, bind=binder, partition=part)
+        return GradientTransformation(init, update, bind=binder, partition=part, communicates=talks)
 
     def update_in_place(grads, state, params, **extra):
         # The members before the last transform the gradients; the last one
@@ -216,7 +220,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             head.append(s)
         return tuple(head) + (last.update_in_place(grads, state[-1], params, **extra),)
 
-    return GradientTransformation(init, update, update_in_place, bind=binder, partition=part)
+    return GradientTransformation(init, update, update_in_place, bind=binder, partition=part, communicates=talks)
 
 
 def bind(optimizer: GradientTransformation, view: ParamView) -> GradientTransformation:
