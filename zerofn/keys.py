@@ -7,6 +7,8 @@ Example:
     ('b3', 3, None)
     >>> keys.opt(("inner", "b3", "mu")), keys.opt_bucket(("inner", "b3", "mu"))
     ('opt:inner/*/mu', 3)
+    >>> keys.opt((keys.scope("decay"), 0, "count")), keys.unscoped("opt:[decay]/0/count")
+    ('opt:[decay]/0/count', 'opt:0/count')
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ __all__ = [
     "opt",
     "opt_bucket",
     "rng",
+    "scope",
+    "unscoped",
 ]
 
 OPT, EXTRA, LOSS_SCALE = "opt:", "extra:", "loss_scale:"
@@ -45,6 +49,31 @@ def bucket_index(key: Any) -> int | None:
 def opt(path: tuple) -> str:
     """A checkpoint key of an optimizer-state leaf: its path, with each bucket key as ``*``."""
     return OPT + "/".join("*" if bucket_index(c) is not None else str(c) for c in path)
+
+
+def scope(label: Any) -> str:
+    """The path component that puts what follows under ``label``: one of several inner states side by side
+    (a group's, :class:`zerofn.roles.Inner` with a scope), written ``[label]``."""
+    text = str(label)
+    for ch in _ESCAPED:
+        text = text.replace(ch, f"%{ord(ch):02X}")
+    return f"[{text}]"
+
+
+def unscoped(key: str) -> str:
+    """``key`` with the :func:`scope` components of its path left out: what an optimizer-state leaf is
+    called without groups, and the key two groupings of the same parameters agree on."""
+    if not key.startswith(OPT):
+        return key
+    parts = key[len(OPT) :].split("/")
+    return OPT + "/".join(c for c in parts if not _is_scope(c))
+
+
+def _is_scope(component: str) -> bool:
+    return len(component) >= 2 and component[0] == "[" and component[-1] == "]"
+
+
+_ESCAPED = "%/[]"  # escaped in a scope's label (as %XX), so that a scope is one component, told apart by its brackets
 
 
 def opt_bucket(path: tuple) -> int | None:

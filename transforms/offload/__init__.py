@@ -28,7 +28,11 @@ optimizer state is a few sub-groups whatever the model size. New state goes
 to the other generation and the new parameters to a staging file; only when
 every write has succeeded are the parameters copied in and the manifest
 switched, so a failed update (a full disk) leaves the state from before the
-step intact and usable.
+step intact and usable. Masks and groups (``zf.optim.masked``, ``mask=``,
+``multi_transform``) work on either device: the host engine binds the
+optimizer to what its buckets hold, the NVMe engine each sub-group to the
+parameters it holds (so a group's optimizer, and torch's rule for parameters
+without a gradient, apply per sub-group exactly as over the whole bucket).
 
 Offloaded state shows its placement: the optimizer state is a
 :class:`HostState` or :class:`NvmeState`, and ``zf.memory.state_bytes``

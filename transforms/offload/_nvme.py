@@ -15,6 +15,7 @@ Every file operation goes through :mod:`zerofn._io`.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import dataclasses
 import json
@@ -30,8 +31,18 @@ from zerofn import tree as T
 from zerofn._io import FileTensor, digest, read_exact, write_at, write_json
 from zerofn.roles import Inner
 
-__all__ = ["FileEntry", "NvmeEngine", "NvmeFiles", "NvmeOptions", "NvmeState", "SmallLeaf", "nvme_optimizer"]
+__all__ = [
+    "BucketPlan",
+    "FileEntry",
+    "NvmeEngine",
+    "NvmeFiles",
+    "NvmeOptions",
+    "NvmeState",
+    "SmallLeaf",
+    "nvme_optimizer",
+]
 
+ALIGN_BYTES = 256  # a multiple of every CPU vector width (AVX2 32 bytes, AVX-512 64, SVE up to 256): see _spans
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "zerofn-offload-1"
 
@@ -117,71 +128,121 @@ class NvmeState(NamedTuple):
         return (Inner(T.tree_unflatten(f.tree, leaves)),)
 
 
+class BucketPlan(NamedTuple):
+    """How one bucket's state is streamed: its state's shape over a sub-group, and the sub-groups."""
+
+    probe: O.StateProbe  # the inner state over one sub-group {"x": ...}: its treedef, big leaves, dtypes
+    spans: list  # the sub-groups, (a, b) element ranges of the bucket
+
+
 class NvmeEngine:
     """The inner optimizer with its parameter-shaped state in files (see the module docs), as a
-    :class:`~zerofn.optim.GradientTransformation` (:meth:`transformation`)."""
+    :class:`~zerofn.optim.GradientTransformation` (:meth:`transformation`).
 
-    def __init__(self, inner: O.GradientTransformation, options: NvmeOptions) -> None:
-        self.inner, self.root, self.sub_group_bytes = inner, options.root, options.sub_group_bytes
-        self.probes: dict = {}  # dtype -> StateProbe, for the update (its treedef and dtypes)
+    Bound to a :class:`~zerofn.optim.ParamView` (a step binds it once per layout), the engine hands the
+    inner optimizer each sub-group as the one leaf ``"x"`` of a view of its own (elements ``[a, b)`` of a
+    bucket: :meth:`~zerofn.optim.ParamView.chunk`), so masks, groups and per-parameter rules see which
+    parameters the sub-group holds, and the step's ``info`` (which parameters got no gradient) reaches
+    each sub-group's update. Unbound, the inner optimizer sees each sub-group as a parameter of its own.
+
+    Sub-groups are cut per bucket, from its state's bytes per element (groups of different optimizers
+    stream different numbers of elements), where a vectorised kernel rounds as over the whole bucket
+    (:func:`_spans`). An optimizer whose update runs collectives (``communicates``) gets each bucket in
+    one call instead, so that its collectives run once per bucket in the step's order.
+    """
+
+    def __init__(self, inner: O.GradientTransformation, options: NvmeOptions, view: O.ParamView | None = None) -> None:
+        self.inner, self.options, self.view = inner, options, view
+        self.root, self.sub_group_bytes = options.root, options.sub_group_bytes
+        self.whole = O.bind(inner, view) if view is not None else inner  # over every bucket at once
+        self.plans: dict = {}  # (bucket key, numel, dtype) -> BucketPlan
+        self.bound: dict = {}  # (bucket key, a, b) -> the inner optimizer bound to that sub-group
 
     def transformation(self) -> O.GradientTransformation:
-        return O.in_place(self.init, self.update_in_place, "offload")
+        pure = O.in_place(self.init, self.update_in_place, "offload")
+        return pure._replace(bind=lambda view: NvmeEngine(self.inner, self.options, view).transformation())
 
-    def probe(self, dtype: torch.dtype) -> O.StateProbe:
-        """What the inner state keeps per parameter element of ``dtype`` (found once per dtype)."""
-        if dtype not in self.probes:
-            self.probes[dtype] = O.probe_state(self.inner, dtype)
-        return self.probes[dtype]
+    def on(self, key: str, a: int, b: int) -> O.GradientTransformation:
+        """The inner optimizer for elements ``[a, b)`` of bucket ``key``, as the one leaf ``"x"``."""
+        if self.view is None or key not in self.view.leaves:
+            return self.inner
+        span = (key, a, b)
+        if span not in self.bound:
+            self.bound[span] = O.bind(self.inner, self.view.chunk(key, a, b, as_key="x"))
+        return self.bound[span]
 
-    def chunk_elems(self, probe: O.StateProbe) -> int:
-        """Parameter elements per sub-group."""
-        return max(1, self.sub_group_bytes // (probe.bytes_per_element or 4))
+    def plan(self, key: str, numel: int, dtype: torch.dtype) -> BucketPlan:
+        """What the inner state of bucket ``key`` keeps per element, and its sub-groups (found once)."""
+        found = (key, numel, dtype)
+        if found not in self.plans:
+            whole = self.on(key, 0, numel)
+            probe = _probe(whole, numel, dtype, key)
+            size = max(1, self.sub_group_bytes // (probe.bytes_per_element or 4))
+            leaf = self.view.leaves.get(key) if self.view is not None else None
+            starts = [q.offset for q in leaf.pieces] if leaf is not None else []
+            spans = _spans(numel, size, starts, ALIGN_BYTES // dtype.itemsize)
+            if whole.communicates or any(self.on(key, a, b).communicates for a, b in spans):
+                # Its update runs collectives over the parameters it is given (Muon's gathers of matrices
+                # cut across ranks or sub-groups): the bucket in one call, its collectives once per bucket
+                # in the step's order, as without offload.
+                spans = [(0, numel)]
+            self.plans[found] = BucketPlan(probe, spans)
+        return self.plans[found]
 
     def init(self, params: dict) -> NvmeState:
         keys = list(params)
         dtypes = {params[k].dtype for k in keys}
         if len(dtypes) > 1:
             raise ValueError(f"offload(nvme): parameters of one dtype expected, got {sorted(map(str, dtypes))}")
-        probe = O.probe_state(self.inner, dtypes.pop())  # its small leaves become this state's own
+        tree, roles, small = _roles(self.whole, params)
+        plans = {k: self.plan(k, params[k].numel(), params[k].dtype) for k in keys}
+        for k, plan in plans.items():
+            _check_small(plan.probe, small, k)
         rank_dir = os.path.join(self.root, f"rank{C.rank()}")
         os.makedirs(rank_dir, exist_ok=True)
         entries = [
             FileEntry(f"{k}_{j}", _dtype_name(dt), params[k].numel())
             for k in keys
-            for j, dt in enumerate(probe.big_dtypes)
+            for j, dt in enumerate(plans[k].probe.big_dtypes)
         ]
         signature = digest({"entries": entries, "world": C.world_size(), "rank": C.rank()})
         _check_manifest(rank_dir, signature)
-        files = NvmeFiles(rank_dir, entries, 0, signature, *_roles(self.inner, params))
+        files = NvmeFiles(rank_dir, entries, 0, signature, tree, roles)
         _fresh(files, 0, keys)
         # Write generation 0 sub-group by sub-group: init's values for each slice of the parameters.
         for k in keys:
             flat = params[k].detach().reshape(-1)
-            for a, b in _chunks(flat.numel(), self.chunk_elems(probe)):
-                leaves = T.tree_leaves(self.inner.init({"x": flat[a:b].to("cpu", copy=True)}))
+            probe = plans[k].probe
+            for a, b in plans[k].spans:
+                leaves, treedef = T.tree_flatten(self.on(k, a, b).init({"x": flat[a:b].to("cpu", copy=True)}))
+                if treedef != probe.treedef:
+                    raise ValueError(
+                        f"offload(nvme): the optimizer's state over elements {a}..{b} of bucket {k} has another "
+                        f"structure than over the whole bucket ({treedef} against {probe.treedef}); NVMe offload "
+                        "streams a bucket's state in sub-groups, so its structure must not depend on which "
+                        "elements a sub-group holds. Use offload('cpu') for this optimizer."
+                    )
                 for j, pos in enumerate(probe.big):
                     write_at(files.file(f"{k}_{j}", 0), leaves[pos], a)
         _write_manifest(rank_dir, signature, 0)
-        return NvmeState(probe.small, files)
+        return NvmeState(small, files)
 
     @torch.no_grad()
     def update_in_place(self, grads: dict, state: NvmeState, params: dict, **extra) -> NvmeState:
         files = state.files
-        probe = self.probe(next(iter(params.values())).dtype)
         old, new = files.generation, 1 - files.generation
-        chunk = self.chunk_elems(probe)
+        plans = {k: self.plan(k, p.numel(), p.dtype) for k, p in params.items()}
         new_small = None
         _fresh(files, new, list(params))
         try:
             with concurrent.futures.ThreadPoolExecutor(2) as io:
                 for k in params:
+                    probe, spans = plans[k]
                     flat_p, flat_g = params[k].reshape(-1), grads[k].reshape(-1)
                     n = flat_p.numel()
                     olds = [files.tensor(f"{k}_{j}", dt, n, old) for j, dt in enumerate(probe.big_dtypes)]
                     news = [files.tensor(f"{k}_{j}", dt, n, new) for j, dt in enumerate(probe.big_dtypes)]
                     staged = files.tensor(f"{k}_next", flat_p.dtype, n, 0)
-                    spans = _chunks(n, chunk)
                     reading = io.submit(_read_group, olds, spans[0]) if spans else None
                     writes: list = []
                     for i, (a, b) in enumerate(spans):
@@ -196,10 +257,11 @@ class NvmeEngine:
                         sub = T.tree_unflatten(probe.treedef, leaves)
                         p = {"x": flat_p[a:b].to("cpu", copy=True)}
                         g = {"x": flat_g[a:b].to("cpu", copy=True)}
-                        sub = O.update_params(self.inner, g, sub, p, **extra)
+                        sub = O.update_params(self.on(k, a, b), g, sub, p, **extra)
                         out = T.tree_leaves(sub)
                         new_small = [t for i2, t in enumerate(out) if i2 not in probe.big]
-                        writes.append(io.submit(_write_group, news, a, big, staged, p["x"]))
+                        done = [out[pos] for pos in probe.big]
+                        writes.append(io.submit(_write_group, news, a, done, staged, p["x"]))
                         if len(writes) > 2:  # at most two sub-groups waiting to be written
                             writes.pop(0).result()
                     for w in writes:
@@ -215,7 +277,7 @@ class NvmeEngine:
         for k in params:
             flat_p = params[k].reshape(-1)
             staged = files.file(f"{k}_next", 0)
-            for a, b in _chunks(flat_p.numel(), chunk):
+            for a, b in plans[k].spans:
                 buf = torch.empty(b - a, dtype=flat_p.dtype)
                 read_exact(staged, buf, a)
                 flat_p[a:b].copy_(buf)
@@ -229,22 +291,52 @@ def nvme_optimizer(inner: O.GradientTransformation, *, options: NvmeOptions) -> 
     return NvmeEngine(inner, options).transformation()
 
 
-def _roles(inner: O.GradientTransformation, params: dict) -> tuple[Any, tuple]:
-    """The inner state's structure over every bucket, and where each of its leaves lives (see NvmeFiles)."""
+def _probe(opt: O.GradientTransformation, numel: int, dtype: torch.dtype, key: str) -> O.StateProbe:
+    """``opt``'s state over one sub-group ``{"x": numel elements of dtype}``, built on the meta device: the
+    leaves it makes from the parameter (meta) are parameter-shaped, kept in files; the others are small."""
+    meta = torch.empty(numel, dtype=dtype, device="meta")
+    leaves, treedef = T.tree_flatten(opt.init({"x": meta}))
+    big = tuple(i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.device.type == "meta")
+    odd = [tuple(leaves[i].shape) for i in big if tuple(leaves[i].shape) != (numel,)]
+    if odd:
+        raise ValueError(
+            f"offload(nvme): the optimizer's state over bucket {key} holds tensors built from the parameters that "
+            f"are not shaped like them (shapes {odd[:3]} for {numel} elements); NVMe offload streams only "
+            "parameter-shaped state. Use offload('cpu') for this optimizer."
+        )
+    small = [t for i, t in enumerate(leaves) if i not in big]
+    return O.StateProbe(treedef, big, tuple(leaves[i].dtype for i in big), small)
+
+
+def _check_small(probe: O.StateProbe, small: list, key: str) -> None:
+    """Every sub-group's state carries the whole state's small leaves (its counts), in the same order."""
+    mine = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in probe.small]
+    whole = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in small]
+    if mine != whole:
+        raise ValueError(
+            f"offload(nvme): the optimizer's state over bucket {key} has other small leaves (counts) than over "
+            f"every bucket ({mine} against {whole}); NVMe offload keeps one set of small leaves for all "
+            "sub-groups. Use offload('cpu') for this optimizer."
+        )
+
+
+def _roles(inner: O.GradientTransformation, params: dict) -> tuple[Any, tuple, list]:
+    """The inner state's structure over every bucket, where each of its leaves lives (see NvmeFiles),
+    and its small leaves as ``init`` makes them."""
     meta = {k: torch.empty(v.numel(), dtype=v.dtype, device="meta") for k, v in params.items()}
     paths, leaves, tree = T.tree_flatten_with_path(inner.init(meta))
     roles: list = []
+    small: list = []
     seen: dict = {}
-    n_small = 0
     for path, leaf in zip(paths, leaves):
         if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
             key = next(c for c in reversed(path) if c in params)
             j = seen[key] = seen.get(key, -1) + 1
             roles.append(FileEntry(f"{key}_{j}", _dtype_name(leaf.dtype), leaf.numel()))
         else:
-            roles.append(SmallLeaf(n_small))
-            n_small += 1
-    return tree, tuple(roles)
+            roles.append(SmallLeaf(len(small)))
+            small.append(leaf)
+    return tree, tuple(roles), small
 
 
 def _fresh(files: NvmeFiles, generation: int, keys: list) -> None:
@@ -261,6 +353,26 @@ def _fresh(files: NvmeFiles, generation: int, keys: list) -> None:
 
 def _chunks(n: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + size)) for a in range(0, n, size)]
+
+
+def _spans(n: int, size: int, starts: list[int], align: int) -> list[tuple[int, int]]:
+    """Sub-groups of at most ``size`` of ``n`` elements, each cut where the parameter it cuts has an
+    ``align``-element multiple of its elements on the left (``starts``: where each parameter's piece
+    starts): a vectorised kernel then takes every element down the same code path as in one call over
+    the whole bucket, so the update rounds the same (CPU kernels compute a tensor's last ``numel %
+    vector width`` elements in scalar code). Without ``starts``, every ``size`` elements."""
+    if not starts or size < align:
+        return _chunks(n, size)
+    spans, a = [], 0
+    while a < n:
+        b = a + size
+        i = bisect.bisect_right(starts, b) - 1  # the piece that holds element b
+        if b < n and i >= 0:
+            cut = starts[i] + (b - starts[i]) // align * align
+            b = cut if cut > a else b
+        spans.append((a, min(n, b)))
+        a = min(n, b)
+    return spans
 
 
 def _read_group(tensors: list[FileTensor], span: tuple[int, int]) -> list[torch.Tensor]:

@@ -118,6 +118,12 @@ def _segments(sources: _Sources, part: Part, lays: dict, dtype: torch.dtype) -> 
         skey, skind = sources.of(part, s.name, dtype)
         entry = saved.index[s.name]
         source = Source(skey, skind, entry.bucket)
+        if source not in saved.pieces and skind == PARAMS:
+            raise CheckpointError(
+                f"{saved.what}: it holds no {skey} for parameter {s.name}: the optimizer that updated this "
+                "parameter when it was saved kept other state for it (another transformation for its group). "
+                "Load with an optimizer that gives each parameter the transformation it was saved with."
+            )
         src_lo = entry.offset + (a0 - s.offset)
         last = segs[-1] if segs else None
         if last and last.hi == a0 - part.lo and last.source == source and last.src_lo + (last.hi - last.lo) == src_lo:
@@ -189,7 +195,11 @@ def load(
         path: a checkpoint directory (``latest(directory)`` finds the newest).
         step: the Step to load for: any composition of transforms, on any
             world size; its optimizer must be the one saved (its state has
-            the same entries).
+            the same entries), or the same transformations grouped otherwise
+            (``adamw`` and ``adamw(mask=...)``, or a ``multi_transform`` of
+            AdamWs): each parameter's moments go where the parameter goes,
+            and a group's step count comes from the saved group (or the
+            saved optimizer) it matches once the groups' labels are left out.
         state: a state of ``step`` to fill in place (for example one you
             just built); by default ``step.init(params)``.
         params: the params tree for ``step.init`` (default: the parameters
@@ -229,8 +239,12 @@ def load(
         held = state_parts(state, C.rank(), lays)
         wanted = {p.key for p in held.parts if p.key.startswith(keys.OPT)}
         wanted |= {k for k in held.small if k.startswith(keys.OPT)}
-        lacking = sorted(k for k in wanted if k not in saved.keys)
-        surplus = sorted(k for k in saved.keys if k.startswith(keys.OPT) and k not in wanted)
+        # Compared modulo scopes: a group's counts are saved under its label, so that a checkpoint of one
+        # grouping of the same parameters loads under another (see Saved.small_for).
+        saved_opt = {k for k in saved.keys if k.startswith(keys.OPT)}
+        saved_plain, wanted_plain = {keys.unscoped(k) for k in saved_opt}, {keys.unscoped(k) for k in wanted}
+        lacking = sorted(k for k in wanted if k not in saved_opt and keys.unscoped(k) not in saved_plain)
+        surplus = sorted(k for k in saved_opt if k not in wanted and keys.unscoped(k) not in wanted_plain)
         if lacking or surplus:
             raise CheckpointError(
                 f"{saved.what}: its optimizer state does not map onto {step.name}'s: entries this optimizer has "
@@ -243,9 +257,10 @@ def load(
                 _fill(sources, part, lays)
             same_layout = saved.m["signature"] == signature(layout_json(lays))
             for key, t in held.small.items():
-                if key not in saved.small or (key.startswith(keys.EXTRA) and not same_layout):
+                found = saved.small_for(key)
+                if found is None or (key.startswith(keys.EXTRA) and not same_layout):
                     continue  # entries tied to a layout (shard_params' unit order) start afresh on another
-                src = saved.read_small(key)
+                src = saved.read_small(found)
                 if src.shape == t.shape:
                     t.copy_(src)
             if PARAM_STEPS not in saved.small or tuple(saved.small[PARAM_STEPS].shape) != tuple(

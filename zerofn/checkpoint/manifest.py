@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from zerofn import keys
 from zerofn._io import IntegrityError
 from zerofn._safetensors import Reader, dtype_from_name
 from zerofn.checkpoint._format import FORMAT, MANIFEST, PARTIAL, CheckpointError, Role, layouts_from_json
@@ -171,6 +172,32 @@ class Saved:
             f"{self.what}: no saved piece holds elements {pos}..{hi} of {source.key} bucket {source.bucket} "
             f"({source.kind}); the manifest is incomplete"
         )
+
+    def small_for(self, key: str) -> str | None:
+        """The saved small tensor that fills small tensor ``key`` of the state being loaded (None: none).
+
+        Itself; else, for an optimizer-state key, the one saved under another grouping of the same
+        parameters (:func:`zerofn.keys.unscoped`): its unscoped form (saved without groups), or the
+        saved keys equal to it once scopes are removed (saved under other groups), which must agree.
+        """
+        if key in self.small:
+            return key
+        if not key.startswith(keys.OPT):
+            return None
+        plain = keys.unscoped(key)
+        if plain in self.small:
+            return plain
+        found = sorted(k for k in self.small if k.startswith(keys.OPT) and keys.unscoped(k) == plain)
+        if len(found) > 1:
+            values = [self.read_small(k) for k in found]
+            if any(v.shape != values[0].shape or not torch.equal(v, values[0]) for v in values[1:]):
+                shown = ", ".join(f"{k} = {v.tolist()}" for k, v in zip(found[:4], values))
+                raise CheckpointError(
+                    f"{self.what}: the optimizer's {key} could come from any of {len(found)} groups saved, which "
+                    f"disagree ({shown}); the groups' step counts or schedules differ, so the checkpoint does "
+                    "not say which to take. Load with the grouping it was saved with."
+                )
+        return found[0] if found else None
 
     def read_small(self, key: str) -> torch.Tensor:
         r = self.small[key]

@@ -86,21 +86,26 @@ def _is_node(x: Any) -> bool:
     return isinstance(x, FileTensor) or parts_of(x) is not None
 
 
-def _walk_opt(tree: Any, path: tuple, buckets: tuple[Bucket, ...], rank: int, held: Held) -> None:
+def _walk_opt(tree: Any, path: tuple, buckets: tuple[Bucket, ...], rank: int, held: Held, scoped: tuple = ()) -> None:
     """Parts and small leaves of an optimizer state, by :func:`zerofn.keys.opt` key.
 
     A node that declares ``state_parts()`` (a wrapper's state) says what it holds: an :class:`Inner`
     continues the optimizer's path, a :class:`Quantity` is a parameter-shaped quantity of its own.
-    What it leaves out is scratch.
+    What it leaves out is scratch. An :class:`Inner` with a scope (a group's state under
+    ``multi_transform``) keys its small leaves under the scope (``opt:[decay]/0/0``: each group its own
+    count) and its parameter-shaped leaves without it (``opt:0/1/*``: each parameter's moments under
+    the key they have in any grouping, told apart by the bucket they lie in). ``scoped`` is ``path``
+    with the scopes on the way in.
     """
     paths, leaves, _ = T.tree_flatten_with_path(tree, is_leaf=_is_node)
     for sub, leaf in zip(paths, leaves):
-        full = path + tuple(sub)
+        full, full_scoped = path + tuple(sub), (scoped or path) + tuple(sub)
         records = None if isinstance(leaf, FileTensor) else parts_of(leaf)
         if records is not None:
             for record in records:
                 if isinstance(record, Inner):
-                    _walk_opt(record.tree, full, buckets, rank, held)
+                    inside = full_scoped + ((keys.scope(record.scope),) if record.scope is not None else ())
+                    _walk_opt(record.tree, full, buckets, rank, held, inside)
                 elif isinstance(record, Quantity):
                     role = Role(record.precise, record.newer, record.mirror)
                     for i, value in record.by_bucket().items():
@@ -109,7 +114,7 @@ def _walk_opt(tree: Any, path: tuple, buckets: tuple[Bucket, ...], rank: int, he
         i = keys.opt_bucket(full)
         if i is None:
             if isinstance(leaf, torch.Tensor):
-                held.small[keys.opt(full)] = leaf
+                held.small[keys.opt(full_scoped)] = leaf
             continue
         held.parts.append(_bucket_part(keys.opt(full), i, leaf, buckets, rank, None))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -10,6 +11,7 @@ import torch
 
 from zerofn import collectives as C
 from zerofn import optim as O
+from zerofn import tree as T
 from zerofn.deepspeed._batch import DeepSpeedConfig, resolve_batch_sizes
 from zerofn.deepspeed._keys import TOP_ERRORS, TOP_IGNORED, TOP_QUIET
 from zerofn.deepspeed._optimizer import read_optimizer
@@ -51,6 +53,20 @@ def from_deepspeed(
         loss_fn: ``loss_fn(params, batch)``, as for ``zf.train_step``.
         optimizer: a ``zf.optim`` optimizer, when the config has no
             ``"optimizer"`` (as ``deepspeed.initialize(optimizer=...)``).
+
+    The config's ``"optimizer"`` applies to every parameter, as in DeepSpeed (``weight_decay``
+    included). Parameter groups (torch's ``param_groups``: no decay for biases and norms, a learning
+    rate per group) are not a config key: build the optimizer with ``zf.optim`` and pass it as
+    ``optimizer=``, leaving ``"optimizer"`` (and ``"scheduler"``: give each group's ``lr`` a schedule)
+    out of the config; ``gradient_clipping`` still applies, over every parameter::
+
+        groups = zf.optim.multi_transform(
+            {"decay": zf.optim.adamw(3e-4, weight_decay=0.1), "no_decay": zf.optim.adamw(3e-4, weight_decay=0.0)},
+            lambda params: {n: "decay" if p.ndim >= 2 else "no_decay" for n, p in params.items()},
+        )
+        step, batch = zf.from_deepspeed(config, loss_fn, optimizer=groups)
+
+    or, for one learning rate, ``optimizer=zf.optim.adamw(3e-4, weight_decay=0.1, mask=zf.optim.decay_mask())``.
 
     Returns:
         ``DeepSpeedRun(step, batch)``: the Step (``step.accumulate_steps`` is
@@ -121,6 +137,24 @@ def from_deepspeed(
 
 def _state_bytes_per_element(step: Step, precision: AmpSpec | None) -> int:
     """Bytes of parameter-shaped optimizer state per parameter element (what NVMe offload streams):
-    Adam's two moments, plus amp's fp32 master weights."""
+    Adam's two moments, plus amp's fp32 master weights. Under groups with states of different sizes
+    (Adam for some parameters, SGD for others), the largest, so that no sub-group of the largest has
+    more than ``sub_group_size`` elements."""
     dtype = precision.dtype if precision is not None else torch.float32
-    return O.probe_state(step.precision.wrap_optimizer(step.optimizer), dtype).bytes_per_element or 4
+    opt = step.precision.wrap_optimizer(step.optimizer)
+    try:
+        params = step.model().params
+    except ValueError:  # loss_fn calls no zf.functional apply: one parameter stands for all
+        return O.probe_state(opt, dtype).bytes_per_element or 4
+    metas = T.tree_map(lambda p: torch.empty(p.shape, dtype=dtype, device="meta"), params)
+    paths, leaves, _ = T.tree_flatten_with_path(O.bind(opt, O.ParamView.of_tree(metas)).init(metas))
+    names, sizes = T.tree_flatten_with_path(metas)[:2]
+    numel = {T.keystr(n): m.numel() for n, m in zip(names, sizes)}
+    held: dict[str, int] = {}
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
+            name = next((c for c in reversed(path) if isinstance(c, str) and c in numel), None)
+            if name is not None:
+                held[name] = held.get(name, 0) + leaf.numel() * leaf.dtype.itemsize
+    per = [math.ceil(b / numel[n]) for n, b in held.items() if numel[n]]
+    return max(per) if per else (O.probe_state(opt, dtype).bytes_per_element or 4)

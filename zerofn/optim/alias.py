@@ -100,6 +100,8 @@ def _with_fused(parts: list, adam_at: int, lr, b1, b2, eps, weight_decay, mask, 
     base = chain(*parts)
     if view is not None:
         base = bind(base, view)
+    if not weight_decay:
+        mask = None  # no decay term: nothing to mask (and no labels, so the buckets may mix parameters)
     fused = fused_adam(
         base, adam_at, lr, b1, b2, eps, weight_decay, decoupled=decoupled, view=view, decayed=_mask_keys(mask, view)
     )

@@ -47,8 +47,9 @@ class GradientTransformation(NamedTuple):
     # Optional: partition(view) -> name -> a hashable label per parameter: parameters of different labels
     # must be in different leaves (a step keeps them in different buckets). Masks and groups declare it.
     partition: Callable[[ParamView], dict] | None = None
-    # True when update() itself runs collectives (LAMB's and Muon's sums and gathers over shards): it must
-    # run on the step's thread, in the step's order of collectives (offload then updates in the step).
+    # True when update() reads across a parameter's elements (LAMB's norms, Muon's whole matrices: sums or
+    # gathers over its pieces, collectives where shards cut it): it must see whole buckets (never sub-groups
+    # of one) and run on the step's thread, in the step's order of collectives (offload updates in the step).
     communicates: bool = False
 
 

@@ -117,9 +117,14 @@ def _masked(inner: GradientTransformation, mask: Any, view: ParamView | None) ->
         on = v.keys_where(_mask_of(mask, v, where), where, "masks")
         return v, [k for k, m in on.items() if m]
 
-    def bound(tree: Any) -> tuple[GradientTransformation, list[str]]:
+    def bind_for(tree: Any) -> tuple[GradientTransformation, list[str]]:
         v, keys = selected(tree)
         return bind(inner, v.select(keys)), keys
+
+    once = bind_for(None) if view is not None else None  # bound: resolved once, not on every update
+
+    def bound(tree: Any) -> tuple[GradientTransformation, list[str]]:
+        return once if once is not None else bind_for(tree)
 
     def init(params):
         opt, keys = bound(_check_keys(params, f"{where}.init"))
@@ -148,8 +153,9 @@ def _masked(inner: GradientTransformation, mask: Any, view: ParamView | None) ->
         inner_labels = labels(inner, v) or {}
         return {n: (on[n], inner_labels.get(n)) for n in v.names}
 
+    talks = once[0].communicates if once is not None else inner.communicates
     return GradientTransformation(
-        init, update, update_in_place, bind=lambda v: _masked(inner, mask, v), partition=partition
+        init, update, update_in_place, bind=lambda v: _masked(inner, mask, v), partition=partition, communicates=talks
     )
 
 
@@ -209,6 +215,11 @@ def _multi(transforms: dict, param_labels: Any, view: ParamView | None) -> Gradi
     where = "multi_transform"
 
     def split(tree: Any) -> dict[Hashable, tuple[GradientTransformation, list[str]]]:
+        if once is not None:
+            return once
+        return split_for(tree)
+
+    def split_for(tree: Any) -> dict[Hashable, tuple[GradientTransformation, list[str]]]:
         v = _view_of(tree, view)
         of_key = v.keys_where(_labels_of(transforms, param_labels, v, where), where, "labels")
         out = {}
@@ -216,6 +227,9 @@ def _multi(transforms: dict, param_labels: Any, view: ParamView | None) -> Gradi
             keys = [k for k, lab in of_key.items() if lab == label]
             out[label] = (bind(t, v.select(keys)), keys)
         return out
+
+    once = None
+    once = split_for(None) if view is not None else None  # bound: resolved once, not on every update
 
     def init(params):
         parts = split(_check_keys(params, f"{where}.init"))
@@ -244,8 +258,14 @@ def _multi(transforms: dict, param_labels: Any, view: ParamView | None) -> Gradi
         inner = {label: labels(t, v) or {} for label, t in transforms.items()}
         return {n: (of[n], inner[of[n]].get(n)) for n in v.names}
 
+    members = [t for t, _ in once.values()] if once is not None else list(transforms.values())
     return GradientTransformation(
-        init, update, update_in_place, bind=lambda v: _multi(transforms, param_labels, v), partition=partition
+        init,
+        update,
+        update_in_place,
+        bind=lambda v: _multi(transforms, param_labels, v),
+        partition=partition,
+        communicates=any(t.communicates for t in members),
     )
 
 

@@ -360,5 +360,5 @@ def _scale_by_trust_ratio(o: _Options, view: ParamView | None) -> GradientTransf
                 torch._foreach_mul_([up[idx[j]] for j in live], [ratios[j] for j in live])
         return updates, state
 
-    talks = view is not None and any(leaf.sharded for leaf in view.leaves.values())  # partial sums all-reduced
+    talks = view is not None  # whole parameters' norms: sums over pieces, all-reduced where sharded
     return GradientTransformation(init, update, bind=lambda v: _scale_by_trust_ratio(o, v), communicates=talks)

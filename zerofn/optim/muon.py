@@ -234,7 +234,7 @@ def _muon(options: _Options, view: ParamView | None) -> GradientTransformation:
         return state
 
     pure = in_place(init, update_in_place, "muon")
-    talks = bound is not None and any(leaf.sharded for leaf in bound.values())  # it gathers sharded buckets
+    talks = bound is not None  # whole matrices: gathered where a bucket is sharded
     return pure._replace(bind=lambda v: _muon(options, v), communicates=talks)
 
 

@@ -4,7 +4,9 @@
 table as zerofn holds it, plus activations and the transients of a step;
 :func:`model_shape` reads a Hugging Face ``config.json``; :func:`main` is
 ``python -m zerofn plan``. Nothing here computes with torch: it is arithmetic
-on shapes, checked against real runs in ``tests/test_plan.py``.
+on shapes, checked against real runs in ``tests/test_plan.py`` (an optimizer
+passed as ``estimate(..., optimizer=)`` is initialised once on a two-element
+tensor, to count what its state holds: :func:`optimizer_bytes`).
 
 The package, by concern: ``shapes`` (Hugging Face configs: :class:`ModelShape`,
 :func:`model_shape`), ``activations`` (:func:`activation_bytes`), ``estimates``
@@ -17,7 +19,10 @@ Notation: Psi trainable parameters, N = GPUs per node x nodes ranks,
 S = Psi / N (padded: each bucket to a multiple of N elements). Mixed
 precision (``amp``, bf16/fp16): 2 bytes of parameter, 2 of gradient, and
 K = 12 of optimizer state (4 fp32 master + 4 + 4 Adam moments); full
-precision: 4 + 4 + K = 8. Either way 16 bytes per parameter under DDP.
+precision: 4 + 4 + K = 8. Either way 16 bytes per parameter under DDP. Another
+optimizer's state (``estimate(..., optimizer=)``) changes K: Adam with bf16
+moments (``mu_dtype`` and ``nu_dtype``) holds 4 bytes where fp32 moments hold
+8, so K = 8 in mixed precision and 4 in full precision.
 
 Per rank, per composition (docs/design.md's table, as the state holds it):
 
@@ -85,8 +90,10 @@ from zerofn.plan.estimates import (
     NVME_SUB_GROUPS_IN_RAM,
     PREFETCH,
     Estimate,
+    OptimizerBytes,
     compositions,
     estimate,
+    optimizer_bytes,
 )
 from zerofn.plan.plotting import plot
 from zerofn.plan.shapes import ModelShape, model_shape
@@ -100,6 +107,7 @@ __all__ = [
     "PREFETCH",
     "Estimate",
     "ModelShape",
+    "OptimizerBytes",
     "activation_bytes",
     "compositions",
     "estimate",
@@ -107,6 +115,7 @@ __all__ = [
     "format_count",
     "main",
     "model_shape",
+    "optimizer_bytes",
     "parse_count",
     "parse_size",
     "plan_text",

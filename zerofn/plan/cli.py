@@ -6,6 +6,9 @@ import argparse
 import importlib
 import sys
 
+import torch
+
+from zerofn import optim as O
 from zerofn.plan.estimates import compositions
 from zerofn.plan.plotting import plot
 from zerofn.plan.shapes import ModelShape, model_shape
@@ -85,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, help="sequences per GPU per micro-step")
     p.add_argument("--inference", action="store_true", help="weights only, 2 bytes per parameter (fp16/bf16)")
     p.add_argument("--fp32", action="store_true", help="full precision training (4 + 4 + 8 bytes per parameter)")
+    p.add_argument(
+        "--bf16-moments",
+        action="store_true",
+        help="Adam's moments in bf16 (zf.optim.adamw(..., mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)): "
+        "4 bytes of optimizer state per parameter instead of 8",
+    )
     p.add_argument("--plot", metavar="FILE.png", help="draw bytes per GPU by composition against the GPU memory")
     return p
 
@@ -99,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--gpus and --nodes must be at least 1")
     if args.fp32 and args.inference:
         p.error("--inference counts 2-byte weights; --fp32 is for training")
+    if args.bf16_moments and args.inference:
+        p.error("--inference holds no optimizer state; --bf16-moments is for training")
     if args.plot:
         try:
             importlib.import_module("matplotlib")
@@ -119,10 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(gpus=args.gpus, nodes=args.nodes, **shape_kw)
     if not args.inference:
         kw["mixed_precision"] = not args.fp32
+    if args.bf16_moments:
+        kw["optimizer"] = O.adamw(1e-3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)
     rows = compositions(source, inference=args.inference, **kw)
     psi = source.params if isinstance(source, ModelShape) else int(round(source))
     n = args.gpus * args.nodes
     what = "fp32, Adam" if args.fp32 else "bf16 mixed precision, Adam"
+    what += " with bf16 moments" if args.bf16_moments else ""
     what = "inference, fp16/bf16 weights" if args.inference else what
     name = f" ({source.name})" if isinstance(source, ModelShape) and source.name else ""
     title = (

@@ -8,6 +8,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from zerofn import optim as O
 from zerofn.plan.activations import activation_bytes
 from zerofn.plan.shapes import ModelShape
 
@@ -18,8 +21,10 @@ __all__ = [
     "NVME_SUB_GROUP_BYTES",
     "PREFETCH",
     "Estimate",
+    "OptimizerBytes",
     "compositions",
     "estimate",
+    "optimizer_bytes",
 ]
 
 # zerofn's defaults, repeated here so that planning depends on no step or transform (tests check they agree):
@@ -30,6 +35,51 @@ PREFETCH = 1  # ZeRO-3's default prefetch
 ADAM_COUNT_BYTES = 8  # the optimizer's int64 step count
 
 _DEVICES = (None, "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class OptimizerBytes:
+    """What an optimizer's state holds, as the planner counts it (:func:`optimizer_bytes`).
+
+    Attributes:
+        per_element: bytes per parameter element of its parameter-shaped state (Adam in fp32: 8, with
+            bf16 moments 4), amp's master weights not included.
+        fixed: bytes of its other tensors (step counts), whatever the model's size.
+    """
+
+    per_element: int
+    fixed: int
+
+
+ADAM = OptimizerBytes(8, ADAM_COUNT_BYTES)  # Adam's two fp32 moments and its step count
+
+
+def optimizer_bytes(optimizer: O.GradientTransformation | None) -> OptimizerBytes:
+    """What ``optimizer``'s state holds per parameter element and besides, found by initialising it on one
+    two-element fp32 parameter (:func:`zerofn.optim.probe_state`; fp32: amp's master weights, or the
+    parameters in full precision, are what it updates). None: Adam with fp32 moments.
+
+    Under ``multi_transform`` the probe's parameter gets one group's transformation (the one its label
+    function gives a 1-D tensor); for groups whose states differ in size, pass the largest group's
+    optimizer to over-count rather than under-count.
+
+    Example:
+        >>> import torch
+        >>> from zerofn import optim
+        >>> from zerofn.plan import optimizer_bytes
+        >>> optimizer_bytes(optim.adamw(1e-3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16))
+        OptimizerBytes(per_element=4, fixed=8)
+    """
+    if optimizer is None:
+        return ADAM
+    if not isinstance(optimizer, O.GradientTransformation):
+        raise TypeError(
+            f"estimate: optimizer must be a zf.optim optimizer such as zf.optim.adamw(3e-4), got "
+            f"{type(optimizer).__name__}"
+        )
+    probe = O.probe_state(optimizer, torch.float32)
+    fixed = sum(t.numel() * t.dtype.itemsize for t in probe.small if isinstance(t, torch.Tensor))
+    return OptimizerBytes(probe.bytes_per_element, fixed)
 
 
 @dataclass(frozen=True)
@@ -56,6 +106,8 @@ class Estimate:
         state: bytes a TrainState holds per rank between steps, every placement
             (what ``zf.memory.state_bytes(state)["total"]`` reports).
         traffic: elements moved per rank per step (the ZeRO paper's count: 2 Psi, 3 Psi for ZeRO-3).
+        optimizer_per_param: K, optimizer-state bytes per parameter (fp32 master and Adam's moments: 12;
+            the moments alone in full precision: 8; 0 for inference).
     """
 
     label: str
@@ -77,6 +129,7 @@ class Estimate:
     nvme: int
     state: int
     traffic: int
+    optimizer_per_param: int = 0
 
     @property
     def model_state(self) -> int:
@@ -157,6 +210,7 @@ def estimate(
     device: str = "cuda",
     bucket_bytes: int = BUCKET_BYTES,
     prefetch: int = PREFETCH,
+    optimizer: O.GradientTransformation | None = None,
 ) -> Estimate:
     """Bytes per GPU, per rank on the host and per node for one zerofn composition (see the module docs).
 
@@ -182,6 +236,9 @@ def estimate(
         device: ``"cuda"`` (layer norms in fp32 under autocast) or ``"cpu"``.
         bucket_bytes: zerofn's gradient bucket size (padding, ZeRO-2's buckets).
         prefetch: ZeRO-3's prefetch.
+        optimizer: the ``zf.optim`` optimizer, whose state is counted as it holds it (see
+            :func:`optimizer_bytes`: ``adamw(..., mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)``
+            holds 4 bytes per parameter where fp32 moments hold 8); None: Adam with fp32 moments.
 
     Returns:
         An :class:`Estimate`.
@@ -233,7 +290,9 @@ def estimate(
     n = gpus * nodes
 
     pb = 2 if (mixed_precision or inference) else 4  # parameter (and gradient) bytes
-    k = 12 if mixed_precision else 8  # optimizer bytes per parameter: fp32 master + Adam moments, or the moments
+    held = optimizer_bytes(optimizer)
+    # optimizer bytes per parameter: fp32 master + the optimizer's state (Adam's moments: 12), or its state (8)
+    k = (4 if mixed_precision else 0) + held.per_element
     layer_params = None
     if layers:
         if shape is not None and shape.layer_params:
@@ -290,6 +349,7 @@ def estimate(
         gpus_per_node=gpus,
         activations=acts,
         gathered=gathered,
+        optimizer_per_param=0 if inference else k,
     )
     if inference:
         held = pb * (padded // n if stage == 3 else psi)
@@ -312,7 +372,7 @@ def estimate(
         grads = min(pb * psi, pb * shard + 2 * bucket_bytes)  # the partition, one bucket filling, one in flight
     else:
         grads = pb * shard
-    opt_state = k * shard + ADAM_COUNT_BYTES
+    opt_state = k * shard + held.fixed
     # The update: mixed precision casts the reduced partition to fp32 on the GPU for the master weights;
     # full precision makes one bucket-sized temporary.
     update = 4 * shard if mixed_precision else min(bucket_bytes, 4 * shard)

@@ -34,11 +34,11 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
     if e0.inference:
         lines.append(f"weights: 2 bytes x {format_count(psi)} = {fmt_bytes(2 * psi)}")
     else:
-        k = 12 if e0.mixed_precision else 8
+        k = e0.optimizer_per_param
         pb = 2 if e0.mixed_precision else 4
         lines.append(
             f"model state: {pb} + {pb} + {k} bytes per parameter (parameters + gradients + optimizer state) "
-            f"= {fmt_bytes(16 * psi)} in all, on every GPU under DDP"
+            f"= {fmt_bytes((2 * pb + k) * psi)} in all, on every GPU under DDP"
         )
     show_acts = any(e.activations for e in rows)
     head = ["composition", "params", "grads", "optimizer"] + (["activations"] if show_acts else [])
@@ -90,7 +90,7 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
             )
         )
         host = next(e for e in rows if e.optimizer_offload == "cpu" and e.stage == 3 and not e.param_offload)
-        k = 12 if e0.mixed_precision else 8
+        k = e0.optimizer_per_param
         pb = 2 if e0.mixed_precision else 4
         lines.append(
             f"optimizer state in CPU RAM: zerofn holds {pb + 4 + k} bytes per parameter on the host ({k} optimizer "
