@@ -12,7 +12,7 @@ import torch
 
 from zerofn.optim._checks import check_count, flat, schedule_value
 from zerofn.optim.base import apply_updates, foreach_groups
-from zerofn.optim.view import by_step, info_of, keys_of
+from zerofn.optim.view import LeafView, ParamView, Piece, by_step, info_of, keys_of
 
 _FUSED_DEVICES = ("cpu", "cuda")
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -28,9 +28,13 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool,
     ``view`` is the :class:`~zerofn.optim.view.ParamView` it is bound to (None:
     unbound); ``decayed``, the keys weight decay applies to (None: every key).
     Parameters that got no gradient are left out of the kernel's lists, and
-    parameters with different update numbers go in separate calls.
+    parameters with different update numbers go in separate calls. On CPU each
+    leaf goes to the kernel in runs that end where a parameter's own tensor
+    would (see :func:`_runs`), so that every element rounds as under torch's
+    per-parameter calls.
     """
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    runs_of: dict = {}  # (keys, itemsizes) -> the runs' keys, their view and where they lie (one per layout)
 
     @torch.no_grad()
     def update_in_place(grads, state, params, **extra):
@@ -56,7 +60,10 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool,
         for decay in sorted(set(wd)):
             pick = [i for i, w in enumerate(wd) if w == decay]
             cols = ([k for i, k in enumerate(keys) if i in pick],) + tuple([c[i] for i in pick] for c in (p, g, mu, nu))
-            for t, (p_, g_, mu_, nu_) in by_step(view, cols[0], info, count, *cols[1:]):
+            at = view
+            if view is not None and all(t.device.type == "cpu" for t in cols[1]):
+                at, cols = _cut(runs_of, view, *cols)
+            for t, (p_, g_, mu_, nu_) in by_step(at, cols[0], info, count, *cols[1:]):
                 for p2, g2, mu2, nu2 in foreach_groups(p_, g_, mu_, nu_):
                     step = torch.full((), float(t), dtype=torch.float32, device=p2[0].device)
                     kernel(
@@ -77,6 +84,55 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool,
         return state
 
     return update_in_place
+
+
+# A multiple of every vector width torch's CPU kernels use (AVX2 32 bytes, AVX-512 and SVE up to 256).
+_RUN_BYTES = 256
+
+
+def _runs(view: ParamView, keys: list[str], itemsizes: list[int]) -> tuple[list[str], ParamView, list]:
+    """The leaves ``keys`` of ``view`` cut into runs of contiguous pieces, each run ending after the first
+    piece whose size is not a multiple of ``_RUN_BYTES``: ``(run keys, their view, [(leaf index, lo, hi)])``.
+
+    torch's CPU fused Adam computes a tensor's last ``numel % vector width`` elements in scalar code,
+    which rounds differently from its vector code (no fused multiply-add); torch calls it once per
+    parameter. A run's tail is then its last parameter's own tail, and every other element goes through
+    the vector code as in torch's call: the same bits. Padding after a leaf's last piece is left out (its
+    parameters, moments and gradients are zeros, which an update leaves zeros).
+    """
+    run_keys, leaves, where = [], {}, []
+    for i, (k, item) in enumerate(zip(keys, itemsizes)):
+        leaf = view.leaves.get(k)
+        if leaf is None:  # not the step's view (a tree of whole tensors): the leaf as it is
+            run_keys.append(k)
+            where.append((i, None, None))
+            continue
+        groups: list[list[Piece]] = []
+        for piece in leaf.pieces:
+            last = groups[-1][-1] if groups else None
+            if last is not None and last.offset + last.numel == piece.offset and (last.numel * item) % _RUN_BYTES == 0:
+                groups[-1].append(piece)
+            else:
+                groups.append([piece])
+        for j, run in enumerate(groups):
+            lo, hi = run[0].offset, run[-1].offset + run[-1].numel
+            key = f"{k}[{j}]"
+            pieces = tuple(Piece(q.name, q.shape, q.start, q.offset - lo, q.numel) for q in run)
+            leaves[key] = LeafView(pieces, hi - lo, leaf.sharded)
+            run_keys.append(key)
+            where.append((i, lo, hi))
+    return run_keys, ParamView(leaves, view.treedef, view.names, view.shapes, view.dtypes), where
+
+
+def _cut(cache: dict, view: ParamView, keys: list[str], *columns: list) -> tuple:
+    """``(view of the runs, (run keys, *columns cut into runs))`` for the kernel on CPU (see :func:`_runs`)."""
+    sizes = [t.element_size() for t in columns[0]]
+    key = (tuple(keys), tuple(sizes))
+    if key not in cache:
+        cache[key] = _runs(view, keys, sizes)
+    run_keys, at, where = cache[key]
+    out = tuple([c[i] if lo is None else c[i].view(-1)[lo:hi] for i, lo, hi in where] for c in columns)
+    return at, (run_keys, *out)
 
 
 def _advance_counts(node) -> None:
