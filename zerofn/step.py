@@ -234,7 +234,15 @@ class Step:
         cache = self._found.setdefault("bound", {})
         key = (layout, rank, treedef)
         if key not in cache:
-            cache[key] = O.bind(self.effective_optimizer, param_view(layout, rank, treedef))
+            view = param_view(layout, rank, treedef)
+            # The user's optimizer is bound before any wrapper sees it, so that a wrapper which does not
+            # forward bind (one of a user's own) still wraps the per-parameter optimizer; the wrappers that
+            # do (amp's masters, offload) are bound again, which rebinds their inner one to the same view.
+            opt = self.precision.wrap_optimizer(O.bind(self.optimizer, view))
+            for e in self.extensions:
+                if e.wrap_optimizer is not None:
+                    opt = e.wrap_optimizer(opt)
+            cache[key] = O.bind(opt, view)
         return cache[key]
 
     def _opt_params(self, flats: tuple, layout: Layout, rank: int) -> dict[str, torch.Tensor]:
