@@ -3,6 +3,7 @@ with what they measure against (the same loss for every fp32 system; a checkpoin
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -85,3 +86,25 @@ def test_bench_offload_py_streams_from_files(tmp_path):
     four = re.search(r"4\. The host update alongside the forward.*", out)
     assert four, out
     assert len(re.findall(r"[\d.]+ ms \([\d.]+\)", four.group(0))) == 5, four.group(0)  # every system timed
+
+
+def test_bench_optim_groups_py_times_groups_muon_and_bf16_moments(tmp_path):
+    out_json = tmp_path / "groups.json"
+    _run(
+        "examples/bench_optim_groups.py",
+        *("--dim", "32", "--layers", "1", "--rounds", "1", "--steps", "1", "--warmup", "1", "--loss-steps", "3"),
+        *("--json", str(out_json)),
+    )
+    res = json.loads(out_json.read_text())
+    groups = res["groups"]
+    for stage in ("train_step", "shard_optimizer", "shard_grads", "shard_params"):
+        one, mask = groups[f"{stage}/adamw"], groups[f"{stage}/adamw(mask=decay_mask())"]
+        multi = groups[f"{stage}/multi_transform(adamw, adamw)"]
+        assert mask["buckets"] > one["buckets"] and multi["buckets"] == mask["buckets"]  # a label's own buckets
+        assert mask["comm_bytes"] >= one["comm_bytes"] and mask["optimizer_bytes"] == one["optimizer_bytes"]
+        muon = groups[f"{stage}/muon + adamw"]
+        assert muon["optimizer_bytes"] < one["optimizer_bytes"]  # one momentum for the matrices, not two moments
+    fp32, mu, both = (
+        res["moments"][k]["optimizer_bytes"] for k in ("fp32 moments", "mu_dtype=bf16", "mu_dtype=nu_dtype=bf16")
+    )
+    assert fp32 - mu == mu - both > 0  # each bf16 moment saves 2 bytes per element
