@@ -13,7 +13,7 @@ import torch
 from zerofn.optim._checks import check_number, schedule_value
 from zerofn.optim.base import GradientTransformation, ScalarOrSchedule, bind, chain
 from zerofn.optim.fused import fused_adam
-from zerofn.optim.groups import masked
+from zerofn.optim.groups import masked, masked_keys
 from zerofn.optim.transforms import (
     add_decayed_weights,
     decay_weights,
@@ -91,8 +91,7 @@ def _mask_keys(mask: Any, view: ParamView | None) -> set | None:
     """The keys of ``view`` whose parameters decay under ``mask`` (None: all of them)."""
     if mask is None or view is None:
         return None
-    values = {n: bool(v) for n, v in view.resolve(mask, "the mask", "adam").items()}
-    return {k for k, on in view.keys_where(values, "adam", "masks").items() if on}
+    return set(masked_keys(mask, view, "adam"))
 
 
 def _with_fused(parts: list, adam_at: int, lr, b1, b2, eps, weight_decay, mask, *, decoupled: bool, view=None):

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zerofn import tree as T
-from zerofn.optim.base import GradientTransformation, Updates, bind, labels
+from zerofn.optim.base import GradientTransformation, Updates, apply_updates, bind, labels, update_params
 from zerofn.optim.view import ParamView
 from zerofn.roles import Inner
 
@@ -109,13 +109,19 @@ def _mask_of(mask: Any, view: ParamView, where: str) -> dict[str, bool]:
     return {n: bool(v) for n, v in values.items()}
 
 
+def masked_keys(mask: Any, view: ParamView, where: str) -> list[str]:
+    """The keys of ``view`` whose parameters ``mask`` selects (each key's parameters agree: a step keeps
+    parameters of different masks in different buckets)."""
+    on = view.keys_where(_mask_of(mask, view, where), where, "masks")
+    return [k for k, m in on.items() if m]
+
+
 def _masked(inner: GradientTransformation, mask: Any, view: ParamView | None) -> GradientTransformation:
     where = "masked"
 
     def selected(tree: Any) -> tuple[ParamView, list[str]]:
         v = _view_of(tree, view)
-        on = v.keys_where(_mask_of(mask, v, where), where, "masks")
-        return v, [k for k, m in on.items() if m]
+        return v, masked_keys(mask, v, where)
 
     def bind_for(tree: Any) -> tuple[GradientTransformation, list[str]]:
         v, keys = selected(tree)
@@ -141,8 +147,6 @@ def _masked(inner: GradientTransformation, mask: Any, view: ParamView | None) ->
     def update_in_place(grads, state, params, **extra):
         grads = _check_keys(grads, f"{where}.update")
         opt, keys = bound(grads)
-        from zerofn.optim.base import apply_updates, update_params
-
         new = update_params(opt, _sub(grads, keys), state.inner_state, _sub(params, keys), **extra)
         rest = [k for k in grads if k not in set(keys)]
         apply_updates(_sub(params, rest), _sub(grads, rest))
@@ -245,8 +249,6 @@ def _multi(transforms: dict, param_labels: Any, view: ParamView | None) -> Gradi
         return out, MultiTransformState(new)
 
     def update_in_place(grads, state, params, **extra):
-        from zerofn.optim.base import update_params
-
         grads = _check_keys(grads, f"{where}.update")
         new = {}
         for label, (t, keys) in split(grads).items():

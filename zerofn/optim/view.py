@@ -114,7 +114,7 @@ class ParamView:
 
     def select(self, keys: Any) -> ParamView:
         """The view restricted to ``keys``."""
-        return ParamView({k: self.leaves[k] for k in keys}, self.treedef, self.names, self.shapes, self.dtypes)
+        return ParamView({k: self.leaves[k] for k in keys}, *self._rest())
 
     def chunk(self, key: str, lo: int, hi: int, as_key: str | None = None) -> ParamView:
         """The view of elements ``[lo, hi)`` of leaf ``key`` alone, under ``as_key`` (default ``key``)."""
@@ -130,21 +130,16 @@ class ParamView:
     def _rest(self) -> tuple:
         return self.treedef, self.names, self.shapes, self.dtypes
 
-    @functools.cached_property
-    def shape_of(self) -> dict[str, tuple[int, ...]]:
-        """name -> the parameter's full shape."""
-        return dict(zip(self.names, self.shapes))
-
     def resolve(self, spec: Any, what: str, where: str) -> dict[str, Any]:
         """``spec`` (a tree over the parameters, or a function of :meth:`params` returning one) as
         name -> value, for every parameter; ``what`` and ``where`` name it in errors."""
         tree = spec(self.params()) if callable(spec) else spec
-        if isinstance(tree, Mapping) and not isinstance(self.treedef, type(None)):
+        if isinstance(tree, Mapping):
             flat = dict(tree)
             if set(flat) >= set(self.names) and all(not isinstance(v, (Mapping, list, tuple)) for v in flat.values()):
                 return {n: flat[n] for n in self.names}
         try:
-            paths, values, spec_def = T.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+            paths, values, _ = T.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
         except Exception as e:  # pragma: no cover - optree's own message is clear enough
             raise TypeError(f"{where}: {what} must be a tree over the parameters: {e}") from e
         names = tuple(T.keystr(p) for p in paths)
