@@ -42,6 +42,8 @@ LAYERS = {  # bottom first
         "zerofn.roles",
         "zerofn.keys",
         "zerofn.placement",
+        "zerofn.losses",
+        "zerofn.moe",
     ),
     "transforms": ("zerofn.transforms",),
     "persistence": ("zerofn.checkpoint",),

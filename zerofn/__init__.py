@@ -9,6 +9,7 @@ from zerofn import checkpoint, collectives, memory, metrics, optim, testing, tre
 from zerofn.collectives import CollectiveError, CollectiveTimeoutError
 from zerofn.functional import Functional, functional
 from zerofn.launch import RankError, RankPool, spawn
+from zerofn.losses import Mean
 from zerofn.state import DonatedStateError, TrainState
 from zerofn.step import Step, train_step
 
@@ -17,6 +18,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "DonatedStateError",
     "Functional",
+    "Mean",
     "RankError",
     "RankPool",
     "Step",
@@ -27,6 +29,7 @@ __all__ = [
     "functional",
     "memory",
     "metrics",
+    "moe",
     "optim",
     "spawn",
     "testing",
@@ -38,7 +41,10 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """``zf.from_deepspeed``, imported on first use: importing zerofn imports no transform (PEP 562)."""
+    """``zf.from_deepspeed`` and ``zf.moe``, imported on first use: importing zerofn imports no transform
+    (PEP 562)."""
     if name == "from_deepspeed":
         return _importlib.import_module("zerofn.deepspeed").from_deepspeed
+    if name == "moe":
+        return _importlib.import_module("zerofn.moe")
     raise AttributeError(f"module 'zerofn' has no attribute {name!r}")

@@ -280,6 +280,8 @@ class TrainState:
         grad_accum: per-bucket gradient sums between micro-steps, or None.
         seen: between micro-steps, which trainable parameters (in
             ``layout.trainable_names`` order) got a gradient so far (uint8), or None.
+        items: between micro-steps of a ``zf.Mean`` loss, this rank's running sums of ``total`` and
+            ``count`` (float64, 2 elements), or None.
         param_steps: the number of updates each trainable parameter received
             (int64, ``layout.trainable_names`` order): torch's per-parameter
             ``state["step"]``, which a parameter that got no gradient on a step
@@ -300,6 +302,7 @@ class TrainState:
     micro: torch.Tensor
     grad_accum: Any
     seen: Any
+    items: Any
     param_steps: torch.Tensor
     loss_scale: Any
     extra: dict

@@ -53,6 +53,7 @@ from zerofn import tree as T
 from zerofn.closure import find_functional
 from zerofn.extension import Extension
 from zerofn.functional import ADOPTED_HELP, BINDING, Functional, owner_of
+from zerofn.losses import Mean
 from zerofn.optim.base import foreach_groups  # the device/dtype grouping foreach kernels need
 from zerofn.precision import Precision
 from zerofn.reduction import GradSink, Reduction
@@ -215,6 +216,7 @@ class Step:
             micro=torch.zeros((), dtype=torch.int64),
             grad_accum=None,
             seen=None,
+            items=None,
             param_steps=torch.zeros(len(held.layout.trainable_names), dtype=torch.int64),
             loss_scale=self.precision.new_loss_scale(),
             extra=extra,
@@ -363,10 +365,14 @@ class Step:
             )
 
         norms: list = []  # of each bucket's final gradient, as it lands (the gradient then goes)
+        early: dict = {}  # a zf.Mean's global count, for an update that starts as buckets land (see below)
 
         def final(i: int, r: torch.Tensor) -> None:  # phase 4 below, for one bucket, as it lands
             key = keys.bucket(i)
-            g, norm = _unscale(precision, {key: r}, [factors[i]])
+            if "handle" in early:  # the count's all-reduce, under way since the forward ended
+                early["n"] = float(early.pop("handle").wait()[1])
+            f = factors[i] if "n" not in early else _mean_factor(sink.predivide[i], early["n"], scale)
+            g, norm = _unscale(precision, {key: r}, [f])
             norms.extend(norm)
             pending.grad(key, g[key])
 
@@ -384,25 +390,39 @@ class Step:
 
         try:
             # 2. Forward and backward; each bucket is reduced as backward completes it.
-            loss, aux, extra = self._forward_backward(state, batch, sink, scale)
-            after = {"micro": state.micro + 1, "extra": extra}
+            # A zf.Mean's running sums reach the other ranks in the statistics below; an update that starts
+            # as buckets land needs the count sooner: its all-reduce overlaps backward.
+            counts = early if pending is not None else None
+            loss, aux, extra, items = self._forward_backward(state, batch, sink, scale, counts)
+            after = {"micro": state.micro + 1, "extra": extra, "items": items}
 
             seen = sink.seen(state.seen)  # None: every parameter got a gradient here so far
             after["seen"] = seen
 
             # 3. Carry the gradient to the next micro-step.
             if not reduce_now:
-                stats = _stats(loss, aux, None, world, rank, self.reduction.replicated)
+                stats = _stats(loss, aux, None, world, rank, self.reduction.replicated, items=items)
                 return state.replace(grad_accum=sink.full_buffers(), **after), metrics(stats, aux, False, math.nan)
             reduced = sink.finish()
+            if "handle" in early:  # no bucket landed to wait for it
+                early.pop("handle").wait()
             if not last:
-                stats = _stats(loss, aux, None, world, rank, self.reduction.replicated)
+                stats = _stats(loss, aux, None, world, rank, self.reduction.replicated, items=items)
                 return state.replace(grad_accum=tuple(reduced.values()), **after), metrics(stats, aux, False, math.nan)
 
-            # 4. Average over ranks and micro-steps and undo the loss scale: one fused multiply.
-            if pending is None:
+            # 4. Average over ranks and micro-steps and undo the loss scale: one fused multiply. A zf.Mean
+            # divides by its global count instead, which the statistics bring: the norms are taken first
+            # (of the gradient before that division, which scales them alike) and the multiply follows.
+            divide_later = pending is None and items is not None
+            if pending is None and not divide_later:
                 reduced, norms = _unscale(precision, reduced, factors)
-            stats = _stats(loss, aux, norms, world, rank, self.reduction.replicated, seen is not None)
+            elif divide_later:
+                reduced, norms = _unscale(precision, reduced, None, [d / scale for d in sink.predivide])
+            stats = _stats(loss, aux, norms, world, rank, self.reduction.replicated, seen is not None, items)
+            if divide_later:
+                n = stats["count"]
+                torch._foreach_mul_(list(reduced.values()), [_mean_factor(d, n, scale) for d in sink.predivide])
+                stats["sumsq"] = stats["sumsq"] / n**2 if n > 0 else math.nan
             info = _step_info(state, layout, seen, stats["unseen"])
         except BaseException:
             if pending is not None:  # nothing it started may stay: the state is as it was
@@ -414,6 +434,7 @@ class Step:
             micro=torch.zeros((), dtype=torch.int64),
             grad_accum=None,
             seen=None,
+            items=None,
             loss_scale=precision.adjust(ls, finite),
         )
         if not finite:
@@ -435,8 +456,10 @@ class Step:
         new = state.replace(opt_state=opt_state, count=state.count + 1, param_steps=steps, **after)
         return new, _metrics(precision, after["loss_scale"], stats, aux, False, grad_norm)
 
-    def _forward_backward(self, state: TrainState, batch: Any, sink: GradSink, scale: float):
-        """Phase 2: returns the loss (detached), the aux dict and the state entries for the next state."""
+    def _forward_backward(self, state: TrainState, batch: Any, sink: GradSink, scale: float, counts: dict | None):
+        """Phase 2: returns the loss (detached), the aux dict, the state entries for the next state and, for a
+        ``zf.Mean``, this rank's running sums of total and count (else None). ``counts``: where to put the
+        all-reduce of those sums, launched before backward, for an update that starts as buckets land."""
         extra = dict(state.extra)
         before = _float_buffers(state.buffers, copy=True)
         with contextlib.ExitStack() as stack:
@@ -452,29 +475,45 @@ class Step:
             stack.callback(BINDING.reset, token)
             with self.precision.autocast(_device(state.spec.layout)):
                 out = self.loss_fn(params, batch)
-            loss, aux = _split_loss(self.name, out)
+            loss, aux, mean = _split_loss(self.name, out)
             loss = loss.float()
+            items = None
+            if mean is not None:
+                now = torch.tensor([float(loss.detach()), mean.counted()], dtype=torch.float64)
+                items = now if state.items is None else state.items + now
+                if counts is not None and int(state.micro) + 1 == self.accumulate_steps:
+                    counts["handle"] = C.all_reduce(items.clone(), "sum", async_op=True, control=True)
             if loss.requires_grad:
                 (loss * scale if scale != 1.0 else loss).backward()
             del params, out
         if sink.received == 0 and state.spec.layout.buckets:
             raise ValueError(IGNORED_PARAMS_HELP.format(name=self.name))
         _average_buffers(_float_buffers(state.buffers), before)
-        return loss.detach(), aux, extra
+        return loss.detach(), aux, extra, items
 
 
 # ---------------------------------------------------------------- what a step computes besides the update
 
 
-def _unscale(precision: Precision, grads: dict, factors: list) -> tuple[dict, list]:
+def _unscale(precision: Precision, grads: dict, factors: list | None, norm_scales: list | None = None):
     """Phase 4 on ``grads`` (bucket key -> reduced gradient, ``factors`` one per bucket): the optimizer's
     dtype, then the average over ranks and micro-steps and the loss scale undone in one fused multiply;
-    returns the gradients and their norms."""
+    returns the gradients and their norms. ``factors=None`` leaves the multiply to the caller and gives
+    the norms times ``norm_scales``."""
     grads = precision.optimizer_grads(grads)
     if not grads:
         return grads, []
+    if factors is None:
+        return grads, [n * c for n, c in zip(torch._foreach_norm(list(grads.values())), norm_scales)]
     torch._foreach_mul_(list(grads.values()), factors)
     return grads, torch._foreach_norm(list(grads.values()))
+
+
+def _mean_factor(predivide: float, count: float, scale: float) -> float:
+    """What turns a reduced sum of a zf.Mean's totals (divided by ``predivide`` before the reduction, times
+    the loss scale) into the gradient of the mean over every item: nan when no rank counted any (the
+    step is then skipped, as for any non-finite loss)."""
+    return predivide / (count * scale) if count > 0 else math.nan
 
 
 def _float_buffers(buffers: dict, copy: bool = False) -> list[torch.Tensor]:
@@ -549,14 +588,18 @@ def _check_batch(where: str, batch: Any) -> None:
     )
 
 
-def _split_loss(where: str, out: Any) -> tuple[torch.Tensor, dict]:
+def _split_loss(where: str, out: Any) -> tuple[torch.Tensor, dict, Mean | None]:
+    """The loss to run backward on, the aux dict and, for a ``zf.Mean``, the Mean."""
     aux: dict = {}
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], dict):
             raise TypeError(
-                f"{where}: loss_fn returned a tuple of {len(out)} items; expected a scalar loss or (loss, aux_dict)"
+                f"{where}: loss_fn returned a tuple of {len(out)} items; expected a scalar loss, a zf.Mean(total, "
+                "count), or (loss, aux_dict)"
             )
         out, aux = out
+    if isinstance(out, Mean):
+        return out.total, aux, out
     if not isinstance(out, torch.Tensor) or out.dim() != 0 or not out.is_floating_point():
         got = (
             f"a tensor of shape {list(out.shape)} and dtype {out.dtype}"
@@ -565,14 +608,16 @@ def _split_loss(where: str, out: Any) -> tuple[torch.Tensor, dict]:
         )
         raise ValueError(
             f"{where}: loss_fn must return a scalar (0-dim) floating-point tensor, got {got}. "
-            "Reduce it first, for example return loss.mean()."
+            "Reduce it first, for example return loss.mean(), or return zf.Mean(losses.sum(), count) for a mean "
+            "over items whose number differs between ranks or micro-steps (tokens)."
         )
-    return out, aux
+    return out, aux, None
 
 
-def _stats(loss, aux, norms, world: int, rank: int, replicated: bool, unseen: bool = False) -> dict[str, Any]:
+def _stats(loss, aux, norms, world: int, rank: int, replicated: bool, unseen: bool = False, items=None):
     """One small all-reduce: loss (mean over ranks), gradient sum of squares (from each bucket's
-    norm; None: no gradient), how many ranks gave some parameter no gradient (``unseen`` here), scalar
+    norm; None: no gradient), how many ranks gave some parameter no gradient (``unseen`` here), a
+    ``zf.Mean``'s running sums of total and count (``items``; the loss is then their quotient), scalar
     aux values."""
     scalars = {k: v for k, v in sorted(aux.items()) if _is_scalar(v)}
     if norms is None or (replicated and rank != 0):  # replicated: rank 0's norm is everyone's
@@ -580,18 +625,19 @@ def _stats(loss, aux, norms, world: int, rank: int, replicated: bool, unseen: bo
     else:
         sumsq = sum((n.double() ** 2 for n in norms), torch.zeros((), dtype=torch.float64))
     flag = torch.tensor(1.0 if unseen else 0.0, dtype=torch.float64)
+    sums = list(items.unbind()) if items is not None else []
     vec = torch.stack(
-        [loss.double().cpu(), sumsq.cpu(), flag]
+        [loss.double().cpu(), sumsq.cpu(), flag, *sums]
         + [torch.as_tensor(v, dtype=torch.float64).cpu() for v in scalars.values()]
     )
     C.all_reduce(vec, "sum")
     vals = vec.tolist()
-    return {
-        "loss": vals[0] / world,
-        "sumsq": vals[1],
-        "unseen": vals[2] > 0,
-        "aux": {k: v / world for k, v in zip(scalars, vals[3:])},
-    }
+    out = {"loss": vals[0] / world, "sumsq": vals[1], "unseen": vals[2] > 0}
+    if items is not None:
+        total, n = vals[3], vals[4]
+        out.update(loss=total / n if n > 0 else math.nan, count=n)
+    out["aux"] = {k: v / world for k, v in zip(scalars, vals[3 + len(sums) :])}
+    return out
 
 
 def _names_view(treedef: Any, named: dict) -> O.ParamView:
@@ -659,6 +705,8 @@ def _metrics(precision: Precision, loss_scale: Any, stats, aux, skipped: bool, g
         "grad_norm": torch.tensor(grad_norm, dtype=torch.float32),
         "skipped": skipped,
     }
+    if "count" in stats:
+        m["count"] = torch.tensor(stats["count"], dtype=torch.float64)
     m.update(precision.metrics(loss_scale))
     for k, v in aux.items():
         m[k] = torch.tensor(stats["aux"][k], dtype=torch.float32) if k in stats["aux"] else v
@@ -685,9 +733,11 @@ def train_step(
     """Build a Step from a loss function and an optimizer.
 
     Args:
-        loss_fn: ``loss_fn(params, batch)`` returning a scalar loss tensor or
-            ``(loss, aux_dict)``; scalar aux values are averaged over ranks
-            into the metrics.
+        loss_fn: ``loss_fn(params, batch)`` returning a scalar loss tensor,
+            a ``zf.Mean(total, count)`` (a mean over items whose number differs
+            between ranks or micro-steps: the step divides by the global count,
+            see ``zerofn.losses``), or either as ``(loss, aux_dict)``; scalar aux
+            values are averaged over ranks into the metrics.
         optimizer: a ``zf.optim`` GradientTransformation, e.g. ``zf.optim.adamw(3e-4)``.
         accumulate_steps: apply the update on every K-th call; the result
             equals one step on the K micro-batches concatenated.
@@ -701,7 +751,9 @@ def train_step(
         step(state, batch)``, ``step.full_params(state)``. ``metrics`` has
         ``loss`` (mean over ranks), ``grad_norm`` (global, before clipping),
         ``comm_bytes`` (this rank's collective traffic), ``skipped`` (a
-        non-finite loss or gradient: no update) and the aux values. Under N
+        non-finite loss or gradient: no update), ``count`` (a ``zf.Mean``'s
+        count over the ranks and the update's micro-steps so far; its
+        ``loss`` is their mean) and the aux values. Under N
         ranks gradients are averaged across ranks (DDP semantics).
 
     Raises:
