@@ -107,6 +107,7 @@ from zerofn.storage import Held, ParamSplit, Storage, to_host, whole_params
 __all__ = ["MinUnitBytes", "UnitStorage", "shard_params"]
 
 ORDER = "shard_params.order"  # state.extra key: unit indices in the order the last step ran them
+_OPEN, _OUTSIDE, _BACKWARD, _END = range(4)  # the points of a step at which the ranks agree (see _Runner._agree)
 
 
 @transform
@@ -252,6 +253,52 @@ class UnitStorage(Storage):
 # ---------------------------------------------------------------- the run
 
 
+_METADATA = {  # what a placeholder answers itself, with no gather
+    torch.Tensor.shape.__get__,
+    torch.Tensor.dtype.__get__,
+    torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__,
+    torch.Tensor.requires_grad.__get__,
+    torch.Tensor.layout.__get__,
+    torch.Tensor.is_meta.__get__,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.element_size,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.__repr__,
+    torch.Tensor.__format__,
+}
+
+
+class _Placeholder(torch.Tensor):
+    """A parameter that lives sharded (a meta tensor of its shape and dtype): computing with it gathers
+    the parameter (:meth:`_Runner.outside`) and computes with that copy. ``loss_fn`` receives these, and
+    the model's modules show them but while their own unit runs."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, runner: Any, name: str):
+        meta = torch.empty(like.shape, dtype=like.dtype, device="meta")
+        out = torch.Tensor._make_subclass(cls, meta, False)
+        out._runner, out._name = runner, name
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if (name.endswith("_") and not name.endswith("__")) or "out" in kwargs or name in ("__setitem__", "set_"):
+            held = next(a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, _Placeholder))
+            held._runner.refuse_write(held._name, name)
+        args, kwargs = torch.utils._pytree.tree_map(
+            lambda a: a._runner.outside(a._name) if isinstance(a, _Placeholder) else a, (args, kwargs)
+        )
+        return func(*args, **kwargs)
+
+
 class _LiveUnit:
     """One unit's full buffers during a step: empty, being gathered, or ready."""
 
@@ -262,7 +309,6 @@ class _LiveUnit:
         self.ready = False
         self.remaining = 0  # trainable leaves whose gradient has not arrived yet
         self.depth = 0  # module calls of this unit now running
-        self.probe: torch.Tensor | None = None  # the order check riding along with a gather
 
 
 def _last_block(order: list) -> Any:
@@ -331,17 +377,77 @@ class _Runner:
         self.open_block: _LiveUnit | None = None
         self._placeholders = None
         self.calls = 0  # model calls running (forward); none while backward recomputes
+        # Each unit's places in the model (module, attribute): they hold the unit's leaves while it is
+        # gathered and placeholders otherwise, so that a read from outside the unit gathers it (see outside).
+        self.unit_of = {s.name: u for u in self.units for b in self._buckets(u) for s in b.slots}
+        self.places: dict[int, list] = {u.index: [] for u in self.units}
+        for owner_, attr, name in functional._slots.values():
+            if name in self.unit_of:
+                self.places[self.unit_of[name].index].append((owner_, attr, name))
+        self.stand_ins = {n: _Placeholder(self.leaves[n], self, n) for n in self.leaves}
+        self.copies: dict[str, torch.Tensor] = {}  # parameters read outside their unit: gathered copies
+        self.showing = False  # the model's places hold what the runner puts there (between run and close)
+        self.closed = False
 
     # ---------------------------------------------------------- entry points
 
+    def _buckets(self, unit: _LiveUnit) -> list[Bucket]:
+        return [self.layout.buckets[i] for i in unit.spec.buckets] + [
+            self.layout.frozen_buckets[i] for i in unit.spec.frozen
+        ]
+
     def placeholders(self) -> Any:
-        """What loss_fn receives: meta tensors shaped like the parameters, for apply to recognise."""
+        """What loss_fn receives: placeholders shaped like the parameters (meta tensors), for apply to
+        recognise; a placeholder that loss_fn computes with gathers its parameter (see :meth:`outside`)."""
         if self._placeholders is None:
-            metas = [
-                torch.empty(self.leaves[n].shape, dtype=self.leaves[n].dtype, device="meta") for n in self.layout.names
-            ]
-            self._placeholders = T.tree_unflatten(self.treedef, metas)
+            self._placeholders = T.tree_unflatten(self.treedef, [self.stand_ins[n] for n in self.layout.names])
         return self._placeholders
+
+    def outside(self, name: str) -> torch.Tensor:
+        """Parameter ``name``, read outside its unit's modules (in loss_fn, or by another unit): a gathered
+        copy whose gradient flows into the parameter's, so into the unit's bucket before its reduction.
+
+        The unit is gathered for the read if it is not (one all-gather, agreed on by every rank first) and
+        released again unless it was gathered or on its way; the copy lives as long as what uses it (autograd
+        keeps it until backward passes it). One copy per parameter and step.
+        """
+        if self.closed:
+            raise RuntimeError(
+                f"shard_params: parameter {name!r} (a placeholder loss_fn received) was used after its step ended; "
+                "the parameters live sharded across the ranks. Read them with step.full_params(state)."
+            )
+        copy = self.copies.get(name)
+        if copy is not None:
+            return copy
+        unit = self.unit_of[name]
+        idle = not unit.ready and not unit.handles
+        if idle:
+            self._agree(_OUTSIDE, unit)
+        self._ensure(unit)
+        leaf = self.leaves[name]
+        copy = leaf.clone() if leaf.requires_grad and torch.is_grad_enabled() else leaf.detach().clone()
+        if idle and unit.depth == 0 and unit is not self.open_block:
+            self._release(unit)
+        self.copies[name] = copy
+        return copy
+
+    def refuse_write(self, name: str, op: str) -> None:
+        unit = self.unit_of[name].spec.name or "<root>"
+        raise RuntimeError(
+            f"shard_params: {op} writes into parameter {name!r} (of unit {unit!r}) from outside its unit's modules; "
+            "the parameters live sharded across the ranks and a read from outside the unit is a gathered copy, so "
+            "the write would be lost. Compute a new tensor instead (w = params[name] * 2, not params[name].mul_(2)); "
+            "to change parameters between steps, build a new state: step.init(new_params). Nothing was updated."
+        )
+
+    def _show(self, unit: _LiveUnit, inside: bool) -> None:
+        """Put the unit's leaves (while its own modules run) or placeholders (otherwise) in its places in the
+        model: a read from anywhere else then goes through :meth:`outside`, never to a released buffer."""
+        if not self.showing:
+            return
+        held = self.leaves if inside else self.stand_ins
+        for owner_, attr, name in self.places[unit.index]:
+            owner_._parameters[attr] = held[name]
 
     def __call__(self, functional: Functional, params: Any, args: tuple, kwargs: dict) -> Any:
         if params is not self._placeholders:
@@ -354,16 +460,24 @@ class _Runner:
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
+        self.showing = True
         try:
-            return self.functional.call_with(self.leaves, args, kwargs)
+            # The model shows placeholders but in the unit whose modules run, so a parameter read from outside
+            # its unit is gathered for the read (outside), wherever the read is.
+            out = self.functional.call_with(self.stand_ins, args, kwargs)
         finally:
             self.calls -= 1
+        self._agree(_END, None)  # every rank's forward ends here, having run the same units
+        return out
 
     def close(self) -> None:
+        self.showing = False  # the model has its own parameters back
         for h in self.hooks:
             h.remove()
         for unit in self.units:
             self._release(unit)
+        self.copies = {}
+        self.closed = True
 
     # ---------------------------------------------------------- gather and release
 
@@ -379,11 +493,6 @@ class _Runner:
             if self.host_shards:  # bring the shard in from host memory (its own buffer, non-blocking)
                 shard = torch.empty(shard.shape, dtype=shard.dtype, device=full.device).copy_(shard, non_blocking=True)
             unit.handles.append(C.all_gather(full, shard, async_op=True))
-        if C.world_size() > 1:
-            # Every rank must gather the same unit here; a tiny max-reduce of (id, -id)
-            # tells, so ranks that took different code paths fail together, not hang.
-            unit.probe = torch.tensor([unit.index, -unit.index], dtype=torch.int64)
-            unit.handles.append(C.all_reduce(unit.probe, "max", async_op=True, control=True))
 
     def _ensure(self, unit: _LiveUnit) -> None:
         self._gather(unit)
@@ -391,16 +500,37 @@ class _Runner:
             h.wait()
         unit.handles = []
         unit.ready = True
-        probe, unit.probe = unit.probe, None
-        if probe is not None and int(probe[0]) != -int(probe[1]):
-            names = [self.units[int(probe[0])].spec.name, self.units[-int(probe[1])].spec.name]
+
+    def _agree(self, kind: int, unit: _LiveUnit | None) -> None:
+        """Every rank must be at the same point: opening the same unit, reading the same unit's parameter
+        from outside it, gathering the same unit for backward, or ending the forward. One max-reduce of
+        (code, -code) on the control group, waited for before any gather this point issues, so that ranks
+        which took different paths raise here together instead of waiting in mismatched collectives."""
+        if C.world_size() == 1:
+            return
+        n = len(self.units)
+        code = kind * (n + 1) + (unit.index if unit is not None else n)
+        probe = torch.tensor([code, -code], dtype=torch.int64)
+        C.all_reduce(probe, "max", control=True)
+        hi, lo = int(probe[0]), -int(probe[1])
+        if hi != lo:
             raise RuntimeError(
-                f"shard_params: ranks gathered different units at the same point of the step: rank "
-                f"{C.rank()} gathered {unit.spec.name or '<root>'!r} while others gathered one of "
-                f"{[n or '<root>' for n in names]} (world size {C.world_size()}). Every rank must run the same "
-                "units in the same order: make control flow that skips or repeats a unit the same on every "
-                "rank (for example decide it from a value broadcast from rank 0)."
+                f"shard_params: ranks gathered different units at the same point of the step: rank {C.rank()} "
+                f"{self._point(code)} while another rank {self._point(hi if hi != code else lo)} (world size "
+                f"{C.world_size()}). Every rank must run the same units in the same order: make control flow that "
+                "skips or repeats a unit the same on every rank (for example decide it from a value broadcast from "
+                "rank 0)."
             )
+
+    def _point(self, code: int) -> str:
+        n = len(self.units)
+        kind, index = divmod(code, n + 1)
+        if index >= n:
+            return "ended the model's forward"
+        name = repr(self.units[index].spec.name or "<root>")
+        return {_OPEN: f"ran unit {name}", _OUTSIDE: f"read a parameter of unit {name} from outside it"}.get(
+            kind, f"gathered unit {name} for backward"
+        )
 
     def _release(self, unit: _LiveUnit) -> None:
         for h in unit.handles:
@@ -409,11 +539,20 @@ class _Runner:
         for full, _ in unit.fulls:
             full.untyped_storage().resize_(0)
         unit.ready = False
+        self._show(unit, False)
 
-    def _prefetch(self, candidates: list[_LiveUnit], current: _LiveUnit) -> None:
-        """Have the next ``prefetch`` units (after ``current``) gathered or on their way."""
+    def _prefetch(self, candidates: list[_LiveUnit], current: _LiveUnit, agree: bool = False) -> None:
+        """Have the next ``prefetch`` units (after ``current``) gathered or on their way; ``agree``: each
+        gather this issues is agreed on first (in backward, whose order autograd decides)."""
         for u in [u for u in candidates if u is not current and u.fulls][: self.prefetch]:
+            if agree and not (u.ready or u.handles):
+                self._agree(_BACKWARD, u)
             self._gather(u)
+
+    def _ensure_backward(self, unit: _LiveUnit) -> None:
+        if not (unit.ready or unit.handles) and unit.fulls:
+            self._agree(_BACKWARD, unit)
+        self._ensure(unit)
 
     # ---------------------------------------------------------- hooks
 
@@ -430,7 +569,8 @@ class _Runner:
             # Outside the model's call: a recompute in backward (activation checkpointing).
             # The unit's backward is under way: have it gathered, and release it only
             # when its last gradient is in (a recompute may stop early, so no depth count).
-            self._ensure(unit)
+            self._ensure_backward(unit)
+            self._show(unit, True)  # until the unit is released
             return
         if unit.spec.name != ROOT and unit is not self.open_block:
             # Entering another block: the previous one is done if none of its calls is running.
@@ -441,10 +581,14 @@ class _Runner:
             self._opened(unit)
         elif unit.spec.name == ROOT and unit.depth == 0 and not unit.ready:
             self._opened(unit)
+        if unit.depth == 0:
+            self._show(unit, True)
         unit.depth += 1
 
     def _opened(self, unit: _LiveUnit) -> None:
         self.forward_order.append(unit)
+        if unit.fulls:  # a unit without parameters issues no collective to disagree on
+            self._agree(_OPEN, unit)
         self._ensure(unit)
         expected = self._expected_forward()
         if unit in expected:
@@ -458,6 +602,8 @@ class _Runner:
         if not self.calls:  # a recompute in backward: see _before
             return
         unit.depth -= 1
+        if unit.depth == 0:
+            self._show(unit, False)
         if top and unit.depth == 0:
             # The root and the forward's last block are the first backward needs: they stay gathered
             # (as FSDP2 keeps its root), saving their gathers at backward's start and the wait for them.
@@ -479,8 +625,8 @@ class _Runner:
         if unit in self.backward_queue:
             self.backward_queue.remove(unit)
         if unit.remaining or unit.spec.frozen:
-            self._ensure(unit)
-        self._prefetch([u for u in self.backward_queue if u.remaining or u.spec.frozen], unit)
+            self._ensure_backward(unit)
+        self._prefetch([u for u in self.backward_queue if u.remaining or u.spec.frozen], unit, agree=True)
 
     def _grad_in(self, unit: _LiveUnit) -> Callable[[torch.Tensor], None]:
         def on_grad(leaf: torch.Tensor) -> None:
