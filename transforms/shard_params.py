@@ -51,16 +51,22 @@ traffic with any ``nn.Module`` and lets a unit's gradients flow straight
 into the bucket machinery that ``shard_grads`` already has. Its known traps
 are handled: a unit used twice (gathered again if released, released only
 when its last gradient is in), tied parameters (moved to the root unit
-when two units share one), and ranks that run different units (every
-gather travels with a 16-byte max-reduce of the unit's id, so ranks that
-diverge raise together at the first differing unit instead of hanging).
+when two units share one), parameters read outside their unit (in
+``loss_fn``, or by another unit's code: the model shows placeholders but
+in the unit whose modules run, and computing with one gathers its unit for
+the read and hands over a copy whose gradient flows into the unit's
+bucket), and ranks that run different units (they agree on each unit the
+forward runs, each outside read and each backward gather before its
+collective, and on the forward's end, so ranks that diverge raise together
+at the first differing point instead of hanging).
 
 Collectives per step: all-gather of every unit in forward and again in
 backward (but the root and the last block, kept from the forward), and a
 reduce-scatter of every unit's gradient: at most 3 x parameter bytes
 (frozen parameters: 2 x, they have no gradient), plus tiny ones: the
-unit-order check with each gather (32 bytes, on a group of its own),
-batch-shape agreement, and loss, gradient norm and finiteness.
+unit-order agreement with each gather and at the forward's end (32 bytes
+each, on a group of its own), batch-shape agreement, and loss, gradient
+norm and finiteness; a read outside a released unit adds its gather.
 
 Example:
     >>> import torch, zerofn as zf
@@ -256,11 +262,9 @@ class UnitStorage(Storage):
 _METADATA = {  # what a placeholder answers itself, with no gather
     torch.Tensor.shape.__get__,
     torch.Tensor.dtype.__get__,
-    torch.Tensor.device.__get__,
     torch.Tensor.ndim.__get__,
     torch.Tensor.requires_grad.__get__,
     torch.Tensor.layout.__get__,
-    torch.Tensor.is_meta.__get__,
     torch.Tensor.size,
     torch.Tensor.dim,
     torch.Tensor.numel,
@@ -280,8 +284,14 @@ class _Placeholder(torch.Tensor):
     def __new__(cls, like: torch.Tensor, runner: Any, name: str):
         meta = torch.empty(like.shape, dtype=like.dtype, device="meta")
         out = torch.Tensor._make_subclass(cls, meta, False)
-        out._runner, out._name = runner, name
+        out._runner, out._name, out._where = runner, name, like.device
         return out
+
+    # Where the parameter lives when gathered, so that code placing new tensors by a parameter's device
+    # (a model's own ``self.device``) places them right.
+    device = property(lambda self: self._where)
+    is_meta = property(lambda self: False)
+    is_cuda = property(lambda self: self._where.type == "cuda")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
