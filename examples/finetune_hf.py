@@ -11,7 +11,10 @@ or a config JSON file (from_config: fresh weights).
     python examples/finetune_hf.py --hf-checkpointing --ckpt-dir c --save-every 10 --steps 20   # run again
                                                                                        # with --steps 40
 
-Every rank feeds its own slice of the global batch. --lora R trains rank-R LoRA adapters on q_proj and
+The task is supervised fine-tuning: each row is a prompt, a response and right padding, and the loss is the
+cross-entropy over the response tokens only (labels -100 on the prompt and the padding), returned as
+zf.Mean(sum, count) so that N ranks, whose rows hold different numbers of response tokens, train what one
+process over the whole batch trains. Every rank feeds its own slice of the global batch. --lora R trains rank-R LoRA adapters on q_proj and
 v_proj (peft), the base weights frozen (zerofn holds them without gradients or optimizer state); without it
 every weight is trained. --remat is zerofn's per-block recomputation; --hf-checkpointing is the model's own
 (gradient_checkpointing_enable, non-reentrant). With --ckpt-dir it saves every --save-every steps in the
@@ -30,6 +33,7 @@ import time
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,6 +42,7 @@ from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer,
 
 import zerofn as zf  # noqa: E402
 
+PAD = 0  # the padding token (masked out of attention and of the loss)
 STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
 WEIGHT_FILES = (
     "model.safetensors",
@@ -134,9 +139,35 @@ def lora_config(r: int):
     )
 
 
+def sft_batch(corpus, n: int, seq_len: int, seed: int) -> dict:
+    """A supervised fine-tuning batch of ``n`` rows: a prompt, a response, right padding.
+
+    Each row's prompt (a quarter to a half of the row) and response lengths are drawn from ``seed``, so every
+    micro-batch holds its own number of response tokens. ``labels`` is -100 on the prompt and the padding: the
+    loss learns the responses only. The batch of step i depends on i and the seed only (a resumed run goes on
+    alike) and is the same on every rank, which takes its own rows.
+    """
+    g = torch.Generator().manual_seed(seed)
+    ids = corpus.sample(n, seq_len, seed=seed)
+    prompt = torch.randint(seq_len // 4, seq_len // 2 + 1, (n, 1), generator=g)
+    end = torch.minimum(prompt + torch.randint(1, seq_len, (n, 1), generator=g), torch.tensor(seq_len))
+    pos = torch.arange(seq_len)
+    attention_mask = (pos < end).long()
+    ids = ids.masked_fill(attention_mask == 0, PAD)
+    labels = ids.masked_fill((pos < prompt) | (attention_mask == 0), -100)
+    return {"input_ids": ids, "attention_mask": attention_mask, "labels": labels}
+
+
 def build_step(args, apply):
     def loss_fn(params, batch):
-        return apply(params, input_ids=batch, labels=batch, use_cache=False).loss
+        # Each rank's micro-batch holds its own number of response tokens: zf.Mean(sum, count) makes the loss the
+        # mean over every rank's tokens (one process over the whole batch), not the mean of the ranks' means.
+        mask = batch["attention_mask"]
+        logits = apply(params, input_ids=batch["input_ids"], attention_mask=mask, use_cache=False).logits
+        labels = batch["labels"][:, 1:]  # the logits at t predict the token at t + 1
+        logits = logits[:, :-1].flatten(0, 1).float()
+        total = F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum")
+        return zf.Mean(total, (labels != -100).sum())
 
     warmup = max(args.steps // 10, 1)
     total = max(args.steps, warmup + 1)
@@ -248,13 +279,14 @@ def main(argv=None) -> None:
         desc="train",
         bar=loud,
     )
-    tokens, losses, saving = 0, [], None
+    tokens, learned, losses, saving = 0, 0, [], None
     start = time.perf_counter()
     for i in range(first, args.steps):
-        batch = corpus.sample(args.batch, args.seq_len, seed=args.seed * 1_000_003 + i)
-        state, metrics = step(state, batch[rank * local : (rank + 1) * local])
+        batch = sft_batch(corpus, args.batch, args.seq_len, seed=args.seed * 1_000_003 + i)
+        state, metrics = step(state, {k: v[rank * local : (rank + 1) * local] for k, v in batch.items()})
         losses.append(float(metrics["loss"]))
         tokens += args.batch * args.seq_len
+        learned += int(metrics["count"])  # the response tokens of every rank: the loss's count
         log.log(i, metrics)
         done = i + 1
         if args.ckpt_dir and (done % args.save_every == 0 or done == args.steps):
@@ -270,6 +302,7 @@ def main(argv=None) -> None:
         print(f"first loss {losses[0]:.4f}")
         print(f"last loss {losses[-1]:.4f}")
         print(f"throughput {tokens / elapsed:,.0f} tokens/s over {len(losses)} steps ({elapsed:.1f} s)")
+        print(f"learned {learned} response tokens of {tokens} positions (prompt and padding masked)")
     if args.export:
         export(args, step, state, cfg, weights, rank, vocab)
 

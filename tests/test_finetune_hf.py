@@ -1,6 +1,7 @@
 """The Hugging Face fine-tuning example: LoRA under ZeRO-3 + bf16 on 2 ranks exports a model that
 from_pretrained loads and generates with; full fine-tuning with the model's own gradient checkpointing
-saves checkpoints and resumes from them."""
+saves checkpoints and resumes from them. Both learn the responses only (a prompt-masked zf.Mean loss),
+counted over every rank."""
 
 from __future__ import annotations
 
@@ -31,6 +32,22 @@ def _loss(label: str, out: str) -> float:
     return float(re.search(rf"^{label} loss ([0-9.]+)$", out, re.M).group(1))
 
 
+def _learned(out: str, steps: range) -> None:
+    """The example's loss counted the response tokens of the whole global batch, every rank's, on each of
+    ``steps`` (metrics["count"] summed), and only those: not the prompts, not the padding."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from finetune_hf import sft_batch
+    from gpt import MarkovCorpus
+
+    corpus = MarkovCorpus(vocab=128, seed=0)  # the example's defaults: a 128-token vocabulary, seed 0
+    batches = [sft_batch(corpus, 8, 32, seed=i) for i in steps]  # --batch 8, --seq-len 32
+    expected = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    learned = re.search(r"^learned (\d+) response tokens of (\d+) positions", out, re.M)
+    assert learned, out
+    assert int(learned.group(1)) == expected, (learned.group(0), expected)
+    assert 0 < expected < int(learned.group(2)) == len(steps) * 8 * 32
+
+
 def test_lora_zero3_bf16_on_two_ranks_exports_a_model_that_loads_and_generates(tmp_path):
     export = tmp_path / "export"
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -40,6 +57,7 @@ def test_lora_zero3_bf16_on_two_ranks_exports_a_model_that_loads_and_generates(t
     first, last = _loss("first", out), _loss("last", out)
     print(f"loss {first:.4f} -> {last:.4f}")
     assert last < first, out
+    _learned(out, range(4))
     # the example reloaded the export, generated, and matched step.apply's logits (or it would exit non-zero)
     generated = re.search(r"^generated: prompt \[[0-9, ]+\] -> \[([0-9, ]+)\]$", out, re.M)
     assert generated and len(generated.group(1).split(",")) == 8, out
@@ -66,4 +84,5 @@ def test_full_finetune_with_hf_checkpointing_saves_and_resumes(tmp_path):
     out = _run([sys.executable, SCRIPT, *args, "--steps", "5"], tmp_path).stdout
     assert re.search(r"resumed from \S*step_000003 at step 3\n", out), out
     assert re.search(r"over 2 steps", out), out  # steps 3 and 4 only
+    _learned(out, range(3, 5))
     assert sorted(os.listdir(ckpt)) == ["step_000004", "step_000005"]  # --keep 2
