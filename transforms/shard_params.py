@@ -320,6 +320,11 @@ class _LiveUnit:
         self.remaining = 0  # trainable leaves whose gradient has not arrived yet
         self.depth = 0  # module calls of this unit now running
 
+    @property
+    def idle(self) -> bool:
+        """Neither gathered nor on its way: gathering it now issues a collective."""
+        return not (self.ready or self.handles)
+
 
 def _last_block(order: list) -> Any:
     """The last unit other than the root in a forward order (None if there is none)."""
@@ -344,6 +349,7 @@ class _Runner:
         self.flats = state.arriving_params()
         self.by_name = {u.spec.name: u for u in self.units}
         self.leaves: dict[str, torch.Tensor] = {}
+        self.unit_of: dict[str, _LiveUnit] = {}  # parameter name -> its unit
         self.hooks: list[Any] = []
         self.forward_order: list[_LiveUnit] = []
         self.last_order = state.extra.get(ORDER)
@@ -365,6 +371,7 @@ class _Runner:
                         self.hooks += hooks
                         unit.remaining += 1
                     self.leaves[s.name] = leaf
+                    self.unit_of[s.name] = unit
                 if not whole:
                     full.untyped_storage().resize_(0)
                     unit.fulls.append((full, shard))
@@ -389,7 +396,6 @@ class _Runner:
         self.calls = 0  # model calls running (forward); none while backward recomputes
         # Each unit's places in the model (module, attribute): they hold the unit's leaves while it is
         # gathered and placeholders otherwise, so that a read from outside the unit gathers it (see outside).
-        self.unit_of = {s.name: u for u in self.units for b in self._buckets(u) for s in b.slots}
         self.places: dict[int, list] = {u.index: [] for u in self.units}
         for owner_, attr, name in functional._slots.values():
             if name in self.unit_of:
@@ -400,11 +406,6 @@ class _Runner:
         self.closed = False
 
     # ---------------------------------------------------------- entry points
-
-    def _buckets(self, unit: _LiveUnit) -> list[Bucket]:
-        return [self.layout.buckets[i] for i in unit.spec.buckets] + [
-            self.layout.frozen_buckets[i] for i in unit.spec.frozen
-        ]
 
     def placeholders(self) -> Any:
         """What loss_fn receives: placeholders shaped like the parameters (meta tensors), for apply to
@@ -430,7 +431,7 @@ class _Runner:
         if copy is not None:
             return copy
         unit = self.unit_of[name]
-        idle = not unit.ready and not unit.handles
+        idle = unit.idle
         if idle:
             self._agree(_OUTSIDE, unit)
         self._ensure(unit)
@@ -538,9 +539,11 @@ class _Runner:
         if index >= n:
             return "ended the model's forward"
         name = repr(self.units[index].spec.name or "<root>")
-        return {_OPEN: f"ran unit {name}", _OUTSIDE: f"read a parameter of unit {name} from outside it"}.get(
-            kind, f"gathered unit {name} for backward"
-        )
+        return {
+            _OPEN: f"ran unit {name}",
+            _OUTSIDE: f"read a parameter of unit {name} from outside it",
+            _BACKWARD: f"gathered unit {name} for backward",
+        }[kind]
 
     def _release(self, unit: _LiveUnit) -> None:
         for h in unit.handles:
@@ -555,12 +558,12 @@ class _Runner:
         """Have the next ``prefetch`` units (after ``current``) gathered or on their way; ``agree``: each
         gather this issues is agreed on first (in backward, whose order autograd decides)."""
         for u in [u for u in candidates if u is not current and u.fulls][: self.prefetch]:
-            if agree and not (u.ready or u.handles):
+            if agree and u.idle:
                 self._agree(_BACKWARD, u)
             self._gather(u)
 
     def _ensure_backward(self, unit: _LiveUnit) -> None:
-        if not (unit.ready or unit.handles) and unit.fulls:
+        if unit.idle and unit.fulls:
             self._agree(_BACKWARD, unit)
         self._ensure(unit)
 

@@ -414,10 +414,10 @@ class Step:
             # divides by its global count instead, which the statistics bring: the norms are taken first
             # (of the gradient before that division, which scales them alike) and the multiply follows.
             divide_later = pending is None and items is not None
-            if pending is None and not divide_later:
-                reduced, norms = _unscale(precision, reduced, factors)
-            elif divide_later:
+            if divide_later:
                 reduced, norms = _unscale(precision, reduced, None, [d / scale for d in sink.predivide])
+            elif pending is None:
+                reduced, norms = _unscale(precision, reduced, factors)
             stats = _stats(loss, aux, norms, world, rank, self.reduction.replicated, seen is not None, items)
             if divide_later:
                 n = stats["count"]
