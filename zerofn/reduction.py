@@ -156,9 +156,10 @@ class GradSink:
         taken. Remove the hooks when the step is over.
         """
         leaf = view.detach().requires_grad_(True)
-        hooks = [leaf.register_post_accumulate_grad_hook(self._take(name))]
+        # In the step's process group also where autograd runs the hook on a thread of its own (CUDA).
+        hooks = [leaf.register_post_accumulate_grad_hook(C.with_current_group(self._take(name)))]
         if then is not None:
-            hooks.append(leaf.register_post_accumulate_grad_hook(then))
+            hooks.append(leaf.register_post_accumulate_grad_hook(C.with_current_group(then)))
         return leaf, hooks
 
     def buffer(self, i: int) -> torch.Tensor:

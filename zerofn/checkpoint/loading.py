@@ -217,8 +217,15 @@ def load(
         CheckpointError: a checkpoint of another model, or one whose
             optimizer state this step's optimizer does not have.
 
-    Collective (through ``step.init``): every rank calls it.
+    Collective (through ``step.init``): every rank of the step's group calls
+    it (``step.group``; None: the current group, see
+    ``zf.collectives.group_scope``), and it runs in that group.
     """
+    with C.group_scope(getattr(step, "group", None)):
+        return _load(path, step, state, params, rng)
+
+
+def _load(path: str | os.PathLike, step: Any, state: TrainState | None, params: Any, rng: bool) -> TrainState:
     saved = Saved(path)
     try:
         if state is None:

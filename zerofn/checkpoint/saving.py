@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -93,7 +93,14 @@ def wait_saves() -> None:
 atexit.register(wait_saves)  # a background save finishes before the interpreter exits
 
 
-def save(state: TrainState, path: str | os.PathLike, *, blocking: bool = True, keep: int | None = None) -> SaveHandle:
+def save(
+    state: TrainState,
+    path: str | os.PathLike,
+    *,
+    blocking: bool = True,
+    keep: int | None = None,
+    group: Any = None,
+) -> SaveHandle:
     """Write ``state`` to the checkpoint directory ``path``; each rank writes what it holds.
 
     Args:
@@ -106,12 +113,17 @@ def save(state: TrainState, path: str | os.PathLike, *, blocking: bool = True, k
             for the previous one first.
         keep: after this checkpoint is complete, keep only the newest ``keep``
             complete checkpoints in ``path``'s parent directory (by update count).
+        group: the process group the state's step runs on (``step.group``;
+            default: the current group, see ``zf.collectives.group_scope``):
+            its ranks write the checkpoint, its rank 0 commits it. Ranks of
+            other groups save to other paths.
 
     Returns:
         A :class:`SaveHandle` (already complete when ``blocking``).
 
-    Collective: every rank calls it with the same path (one small broadcast);
-    a rank that does not makes the others fail after ``ZEROFN_TIMEOUT_S``.
+    Collective: every rank of the group calls it with the same path (one
+    small broadcast); a rank that does not makes the others fail after
+    ``ZEROFN_TIMEOUT_S``.
     """
     start = time.perf_counter()
     if not isinstance(state, TrainState):
@@ -126,14 +138,15 @@ def save(state: TrainState, path: str | os.PathLike, *, blocking: bool = True, k
     wait_saves()
     path = os.path.abspath(os.fspath(path))
     partial = path + PARTIAL
-    rank, world = C.rank(), C.world_size()
+    rank, world = C.rank(group=group), C.world_size(group=group)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
         nonce = uuid.uuid4().hex
     else:
         nonce = None
-    nonce = C.broadcast_object(nonce) if world > 1 else nonce  # every rank is saving, and the directory exists
+    if world > 1:  # every rank is saving, and the directory exists
+        nonce = C.broadcast_object(nonce, group=group)
     handle = SaveHandle(path, nonce, rank, world)
     job = _snapshot(state, partial, rank, world)
 

@@ -42,7 +42,7 @@ class DeepSpeedRun(NamedTuple):
 
 
 def from_deepspeed(
-    config: Any, loss_fn: Callable, *, optimizer: O.GradientTransformation | None = None
+    config: Any, loss_fn: Callable, *, optimizer: O.GradientTransformation | None = None, group: Any = None
 ) -> DeepSpeedRun:
     """The Step a DeepSpeed config asks for, composed from zerofn's transforms, and its batch settings.
 
@@ -53,6 +53,9 @@ def from_deepspeed(
         loss_fn: ``loss_fn(params, batch)``, as for ``zf.train_step``.
         optimizer: a ``zf.optim`` optimizer, when the config has no
             ``"optimizer"`` (as ``deepspeed.initialize(optimizer=...)``).
+        group: the torch ``ProcessGroup`` the step runs on (``zf.train_step(..., group=)``;
+            default: the current group, the world unless a ``zf.collectives.group_scope`` says otherwise);
+            the batch sizes are resolved for its world size.
 
     The config's ``"optimizer"`` applies to every parameter, as in DeepSpeed (``weight_decay``
     included). Parameter groups (torch's ``param_groups``: no decay for biases and norms, a learning
@@ -84,7 +87,7 @@ def from_deepspeed(
     """
     r = Block("", load_config(config))
     ignored: dict[str, str] = {}
-    world = C.world_size()
+    world = C.world_size(group=group)
     sizes = resolve_batch_sizes(r, world)
     spec = read_optimizer(r, optimizer, ignored)
     precision = read_precision(r, ignored)
@@ -103,7 +106,7 @@ def from_deepspeed(
     # Build: the optimizer, the step, then each transform the config asks for.
     held = precision.dtype if precision is not None else torch.float32  # a held parameter element's dtype
     bucket_bytes = zero.bucket_elems * held.itemsize if zero.bucket_elems is not None else DEFAULT_BUCKET_BYTES
-    step = train_step(loss_fn, spec.build(), sizes.gradient_accumulation_steps, bucket_bytes=bucket_bytes)
+    step = train_step(loss_fn, spec.build(), sizes.gradient_accumulation_steps, bucket_bytes=bucket_bytes, group=group)
     if zero.stage == 1:
         step = shard_optimizer(step)
     elif zero.stage == 2:
