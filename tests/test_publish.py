@@ -1,6 +1,8 @@
 """Publish off the critical path (stages 1 and 2): a step returns with its parameter all-gathers in
-flight, the next forward waits for each bucket when it first reads it, and every other read of the
-parameters waits for all of them first, so no reader ever sees a bucket half gathered."""
+flight, as handles the state carries (``state.inflight``); the next forward waits for each bucket when it
+first reads it, and every other read of the parameters waits for all of them first, so no reader ever
+sees a bucket half gathered. The module the state adopted holds placeholders then (it would read buffers
+in flight), and no module's ``_parameters`` stays replaced after a step."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from helpers import make_transformer, max_abs_diff, rank_slice, transformer_batc
 from zerofn.transforms import shard_grads, shard_optimizer
 
 import zerofn as zf
-import zerofn.storage as S
+from zerofn.state import InFlight
 
 BATCH = 8
 
@@ -36,33 +38,32 @@ def _waits_in_forward_order():
     step = _step(1, loss_fn)
     state = step.init(apply.params)
     state, _ = step(state, _batch(0))
-    left = S.in_flight(state.arriving_params())  # reading state.params would wait for them
-    order, real = [], S.settle
+    left = state.inflight.buckets()  # reading state.params would wait for them
+    order, real = [], InFlight.wait_bucket
 
-    def spy(flats, only=None):
-        if only is not None:
-            order.append(only)
-        real(flats, only)
+    def spy(self, i):
+        if i in self.params:
+            order.append(i)
+        real(self, i)
 
-    S.settle = spy
+    InFlight.wait_bucket = spy
     try:
         state, _ = step(state, _batch(1))
     finally:
-        S.settle = real
+        InFlight.wait_bucket = real
     layout = state.spec.layout
     where = {s.name: i for i, b in enumerate(layout.buckets) for s in b.slots}
     return dict(left=left, buckets=len(layout.buckets), order=order, first=where["tok.weight"])
 
 
 READERS = {  # each the first read after the step, so that it is the one that must wait
-    "attribute": lambda model, step, state: model.blocks[1].fc.weight.detach().clone(),  # the adopted module's
-    "module call": lambda model, step, state: model(_batch(5)),  # the module called outside a step
     "state.params": lambda model, step, state: [t.clone() for t in state.params],
     "full_params": lambda model, step, state: step.full_params(state),
     "apply": lambda model, step, state: step.apply(state, _batch(5)),
     "tree_map": lambda model, step, state: zf.tree.tree_map(torch.clone, state).arriving_params(),
     "pickle": lambda model, step, state: pickle.loads(pickle.dumps(state)).arriving_params(),
     "deepcopy": lambda model, step, state: copy.deepcopy(state).arriving_params(),
+    "block_until_ready": lambda model, step, state: zf.block_until_ready(state).arriving_params(),
 }
 
 
@@ -76,7 +77,30 @@ def _readers():
             state = step.init(apply.params)
             for i in range(2):
                 state, _ = step(state, _batch(i))
-            out[defer, name] = (read(model, step, state), S.in_flight(state.arriving_params()))
+            out[defer, name] = (read(model, step, state), state.inflight.buckets())
+    return out
+
+
+def _module_after_a_deferred_publish():
+    """The adopted module holds placeholders where the step publishes late (calling it raises, pointing
+    to step.apply), and views of the state's buffers where it does not; no _parameters stays replaced."""
+    from zerofn.functional import _ReadWaits
+
+    out = {}
+    for defer in (True, False):
+        model, apply, loss_fn = make_transformer()
+        step = _step(1, loss_fn, defer)
+        state = step.init(apply.params)
+        state, _ = step(state, _batch(0))
+        out[defer] = dict(
+            meta=model.blocks[1].fc.weight.is_meta,
+            watched=any(isinstance(m._parameters, _ReadWaits) for m in model.modules()),
+        )
+        try:
+            model(_batch(5))
+            out[defer]["call"] = None
+        except RuntimeError as e:
+            out[defer]["call"] = str(e)
     return out
 
 
@@ -121,6 +145,7 @@ def _cases():
         readers=_readers(),
         direct={s: _direct_reads(s) for s in (1, 2)},
         not_donated=_not_donated(),
+        module=_module_after_a_deferred_publish(),
     )
 
 
@@ -161,14 +186,19 @@ def test_a_copying_step_waits_before_it_copies(results):
     assert all(r["not_donated"] == 0.0 for r in results)
 
 
-def test_nothing_is_watched_where_nothing_is_published():
-    """World size 1 (and the unsharded step on any world size) publishes nothing: the module's parameter
-    reads stay plain dict reads, as in a single process."""
-    from zerofn.functional import _ReadWaits
+def test_the_module_holds_placeholders_where_the_step_publishes_late(results):
+    for r in results:
+        late, now = r["module"][True], r["module"][False]
+        assert late["meta"] and "step.apply" in late["call"], late
+        assert not now["meta"] and now["call"] is None, now  # the module reads the state's own buffers
+        assert not late["watched"] and not now["watched"]
 
+
+def test_nothing_is_in_flight_where_nothing_is_published():
+    """World size 1 publishes nothing: the state has no handles, the module shares the state's buffers."""
     model, apply, loss_fn = make_transformer()
     step = _step(1, loss_fn)
     state = step.init(apply.params)
     state, _ = step(state, transformer_batch(0, BATCH))
-    assert S.in_flight(state.arriving_params()) == []
-    assert not any(isinstance(m._parameters, _ReadWaits) for m in model.modules())
+    assert state.inflight.buckets() == [] and not state.inflight
+    assert not model.blocks[1].fc.weight.is_meta

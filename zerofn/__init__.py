@@ -10,7 +10,7 @@ from zerofn.collectives import CollectiveError, CollectiveTimeoutError
 from zerofn.functional import Functional, functional
 from zerofn.launch import RankError, RankPool, spawn
 from zerofn.losses import Mean
-from zerofn.state import DonatedStateError, TrainState
+from zerofn.state import DonatedStateError, TrainState, block_until_ready
 from zerofn.step import Step, train_step
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "RankPool",
     "Step",
     "TrainState",
+    "block_until_ready",
     "checkpoint",
     "collectives",
     "from_deepspeed",

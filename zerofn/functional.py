@@ -168,7 +168,6 @@ class Functional:
         self._current: Any = None  # the params now swapped in, if any
         self._adopted = False  # the module holds meta placeholders (see adopt)
         self._guards: list = []
-        self._before_read: Callable[[], None] | None = None  # outside a step, before the module's values are read
         self._watching = False
         _OWNERS[id(self.params)] = weakref.ref(self)
 
@@ -211,37 +210,44 @@ class Functional:
                 "dict apply.params (or a tree with the same names)"
             )
         previous = self._current
-        if isinstance(params, PendingParams):
-            self._watch()
+        unwatch = self._watch() if isinstance(params, PendingParams) else None
         put_back = _put(self._slots, "_parameters", params)
         self._current = params
 
         def restore() -> None:
             put_back()
+            if unwatch is not None:
+                unwatch()
             self._current = previous
 
         return restore
 
-    def _watch(self) -> None:
-        """Make each module that holds parameters call :meth:`_on_read` before its code reads one."""
+    def _watch(self) -> Callable[[], None]:
+        """For one call with a :class:`PendingParams`: make each module that holds parameters call
+        :meth:`_on_read` before its code reads one; returns what puts the modules' own dicts back."""
         if self._watching:
-            return
+            return lambda: None
         names: dict[int, dict[str, str]] = {}
         owners: dict[int, torch.nn.Module] = {}
         for owner, attr, name in self._slots.values():
             names.setdefault(id(owner), {})[attr] = name
             owners[id(owner)] = owner
-        for key, owner in owners.items():
-            if not isinstance(owner._parameters, _ReadWaits):  # the module's parameters: reads call _on_read
-                owner._parameters = _ReadWaits(owner._parameters, functools.partial(self._on_read, names[key]))
+        own = {key: owner._parameters for key, owner in owners.items()}
+        for key, owner in owners.items():  # writes during the call go to the stand-in, the module's dict stays
+            owner._parameters = _ReadWaits(own[key], functools.partial(self._on_read, names[key]))
         self._watching = True
+
+        def unwatch() -> None:
+            for key, owner in owners.items():
+                owner._parameters = own[key]
+            self._watching = False
+
+        return unwatch
 
     def _on_read(self, names: dict[str, str], attr: str | None) -> None:
         current = self._current
         if isinstance(current, PendingParams):
             current.on_read(None if attr is None else names.get(attr))
-        elif current is None and self._before_read is not None:
-            self._before_read()
 
     def owner(self, name: str) -> torch.nn.Module | None:
         """The module that holds parameter ``name`` (None for a name the module does not have)."""
@@ -298,20 +304,15 @@ class Functional:
         """True once a state holds the parameters and the module has placeholders (see :meth:`adopt`)."""
         return self._adopted
 
-    def adopt(self, views: Mapping[str, torch.Tensor], before_read: Callable[[], None] | None = None) -> None:
+    def adopt(self, views: Mapping[str, torch.Tensor]) -> None:
         """Let a state own the parameters: the module keeps no storage of its own.
 
         A parameter named in ``views`` shares that tensor's storage (the
         state's buffer, so the module reads the state's current values);
         every other one becomes a placeholder on the meta device, and calling
         the module or its ``state_dict()`` outside a step raises
-        :data:`ADOPTED_HELP`. ``before_read`` runs before the module's
-        parameters are read outside a step (the state's values may still be
-        arriving).
+        :data:`ADOPTED_HELP`.
         """
-        self._before_read = before_read
-        if before_read is not None:
-            self._watch()
         placeholders: dict[str, torch.nn.Parameter] = {}
         for owner, attr, name in self._slots.values():
             p = owner._parameters[attr]

@@ -22,9 +22,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,10 +42,11 @@ __all__ = [
     "Layout",
     "Slot",
     "StateSpec",
+    "InFlight",
     "TrainState",
     "arriving",
-    "in_flight",
-    "settle",
+    "block_until_ready",
+    "collecting",
 ]
 
 
@@ -206,60 +208,102 @@ of one copy of the state per step):
 """
 
 
-# Tensors whose values are still arriving: id(root tensor) -> (a weak reference to it, a handle whose
-# wait() returns once they are whole). A publish's all-gathers, an update running on another thread.
-_IN_FLIGHT: dict[int, tuple[weakref.ref, Any]] = {}
+class InFlight:
+    """Work still running on a state's values, as handles the state carries (``state.inflight``).
+
+    ``params``: bucket index -> a handle whose ``wait()`` returns once that
+    bucket's buffer is whole (a publish's all-gather, a host update writing
+    it); ``opt``: handles of updates still writing the optimizer state. Each
+    handle is waited for once, by the part that needs it: the next forward
+    bucket by bucket (:meth:`wait_bucket`), a read of ``state.params`` or
+    ``state.opt_state``, a checkpoint, :func:`zerofn.block_until_ready`.
+
+    It is not part of the state's value: every ``InFlight`` equals every
+    other, so two states' tree structures compare equal whatever is in flight.
+    """
+
+    __slots__ = ("params", "opt")
+
+    def __init__(self) -> None:
+        self.params: dict[int, Any] = {}
+        self.opt: list = []
+
+    def buckets(self) -> list[int]:
+        """The indices of the buckets still in flight, in order."""
+        return sorted(self.params)
+
+    def wait_bucket(self, i: int) -> None:
+        """Wait for bucket ``i`` (nothing when it is whole)."""
+        handle = self.params.pop(i, None)
+        if handle is not None:
+            handle.wait()
+
+    def wait_params(self) -> None:
+        for i in self.buckets():
+            self.wait_bucket(i)
+
+    def wait_opt(self) -> None:
+        while self.opt:
+            self.opt.pop(0).wait()
+
+    def wait(self) -> None:
+        """Wait for everything in flight."""
+        self.wait_opt()
+        self.wait_params()
+
+    def __bool__(self) -> bool:
+        return bool(self.params or self.opt)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, InFlight)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __reduce__(self):  # a copy or a pickle holds the values whole: nothing in flight
+        self.wait()
+        return (InFlight, ())
+
+    def __repr__(self) -> str:
+        return f"InFlight(buckets={self.buckets()}, opt={len(self.opt)})"
+
+
+# The in-flight record of the step now running its update (``collecting``): what ``arriving`` marks goes
+# there, and so into the state the step returns. Scoped to one update, never process-wide.
+_COLLECTING: contextvars.ContextVar = contextvars.ContextVar("zerofn_collecting", default=None)
+
+
+@contextlib.contextmanager
+def collecting(inflight: InFlight, flats: tuple):
+    """Within the block, :func:`arriving` records handles into ``inflight``: per bucket for the tensors
+    of ``flats`` (or views of them), as optimizer-state writes for any other tensor."""
+    token = _COLLECTING.set((inflight, flats))
+    try:
+        yield inflight
+    finally:
+        _COLLECTING.reset(token)
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage ``t`` views (``t`` itself when it is no view): the registry's key."""
     return t if t._base is None else t._base
 
 
 def arriving(t: torch.Tensor, handle: Any) -> None:
-    """Mark ``t``'s values (all of the tensor it views) as arriving until ``handle.wait()`` returns.
-
-    Whatever reads them waits first (:func:`settle`): ``state.params`` and
-    ``state.opt_state``, the next forward bucket by bucket, a checkpoint. A
-    second mark on the same tensor waits for the first one before it replaces it.
-    """
+    """Record that ``t``'s values are arriving until ``handle.wait()`` returns, in the in-flight record of
+    the update now running (see :func:`collecting`); outside one, wait for it here."""
+    current = _COLLECTING.get()
+    if current is None:
+        handle.wait()
+        return
+    inflight, flats = current
     base = _root(t)
-    entry = _IN_FLIGHT.get(id(base))
-    if entry is not None and entry[0]() is base:
-        entry[1].wait()
-    _IN_FLIGHT[id(base)] = (weakref.ref(base), handle)
-
-
-def _take(t: torch.Tensor) -> Any:
-    """The handle of ``t``'s values in flight, now no longer marked (None when none is)."""
-    base = _root(t)
-    entry = _IN_FLIGHT.pop(id(base), None)
-    return entry[1] if entry is not None and entry[0]() is base else None
-
-
-def in_flight(flats) -> list[int]:
-    """Indices of the tensors among ``flats`` whose values are still arriving (a publish, an update)."""
-    out = []
     for i, f in enumerate(flats):
-        base = _root(f)
-        entry = _IN_FLIGHT.get(id(base))
-        if entry is not None and entry[0]() is base:
-            out.append(i)
-    return out
-
-
-def settle(flats, only: int | None = None) -> None:
-    """Wait for the values in flight of ``flats`` (or of ``flats[only]``): afterwards they are whole.
-
-    Reading ``state.params`` or ``state.opt_state`` calls it; the step's
-    own forward reads :meth:`TrainState.arriving_params` instead and waits
-    bucket by bucket. It costs nothing when nothing is in flight.
-    """
-    for f in flats if only is None else (flats[only],):
-        if isinstance(f, torch.Tensor):
-            handle = _take(f)
-            if handle is not None:
-                handle.wait()
+        if isinstance(f, torch.Tensor) and _root(f) is base:
+            inflight.wait_bucket(i)  # a second mark on one bucket queues behind the first
+            inflight.params[i] = handle
+            return
+    if not any(h is handle for h in inflight.opt):
+        inflight.opt.append(handle)
 
 
 @T.state_class
@@ -308,40 +352,104 @@ class TrainState:
     extra: dict
     spec: StateSpec = T.field(static=True)
 
-    def __getattribute__(self, name: str) -> Any:
+    # Work still running on params and opt_state (a publish's all-gathers, a host update): not part of
+    # the value (every InFlight equals every other); reading params or opt_state waits for it.
+    inflight: InFlight = T.field(static=True, default_factory=InFlight)
+
+    def __getattr__(self, name: str) -> Any:  # only for a name not found: a donated state has no fields
         if name != "__dict__" and not name.startswith("__") and self.__dict__.get("_donated", False):
             raise DonatedStateError(DONATED_HELP)
-        value = object.__getattribute__(self, name)
-        if _IN_FLIGHT and name in ("params", "opt_state"):
-            settle(T.tree_leaves(value))  # values in flight (a publish, an update): whole first
-        return value
+        raise AttributeError(name)
 
     def arriving_params(self) -> tuple:
-        """``params`` without waiting for a publish in flight (see :func:`settle`): for the step's
+        """``params`` without waiting for the work in flight on them (``inflight``): for the step's
         forward, which waits bucket by bucket, and for what reads only shapes."""
-        return self.__dict__["params"]
+        return self._field("params")
 
     def arriving_opt_state(self) -> Any:
         """``opt_state`` without waiting for an update in flight: for an update that queues behind it."""
-        return self.__dict__["opt_state"]
+        return self._field("opt_state")
+
+    def _field(self, name: str) -> Any:
+        try:
+            return self.__dict__[name]
+        except KeyError:
+            raise (DonatedStateError(DONATED_HELP) if self.__dict__.get("_donated") else AttributeError(name)) from None
 
     def _donate(self) -> None:
-        object.__setattr__(self, "_donated", True)
+        self.__dict__.clear()  # every field now reads as donated (see __getattr__)
+        self.__dict__["_donated"] = True
 
     def __getstate__(self) -> dict:  # pickle and deepcopy read the fields directly: the values whole first
-        if not self.__dict__.get("_donated", False) and _IN_FLIGHT:
-            settle(self.__dict__["params"])
-            settle(T.tree_leaves(self.__dict__["opt_state"]))
+        if not self.__dict__.get("_donated", False):
+            self.__dict__["inflight"].wait()
         return self.__dict__
 
     def replace(self, **changes: Any) -> TrainState:
-        fields = {f.name: self.__dict__[f.name] for f in dataclasses.fields(self)}  # no wait for params
+        fields = {f.name: self._field(f.name) for f in dataclasses.fields(self)}  # no wait for params
+        fields["inflight"] = InFlight()  # what was in flight stays with the state that launched it
         return type(self)(**{**fields, **changes})
 
     def __repr__(self) -> str:
         if self.__dict__.get("_donated", False):
             return "TrainState(<donated>)"
         return describe(self)
+
+
+def block_until_ready(tree: Any) -> Any:
+    """Wait for the work still in flight on every :class:`TrainState` in ``tree`` (JAX's name); returns ``tree``.
+
+    A step returns before all of its work is over: the all-gathers of the
+    updated shards (stages 1 and 2), a host update on another thread
+    (``offload``). The next step waits for each piece where it needs it, and
+    so does reading ``state.params`` or ``state.opt_state``; call this to
+    time a loop of steps, or before handing the buffers to code that reads
+    them some other way. Metrics are device tensors: ``float(m["loss"])``
+    waits for its own value only.
+
+    Example:
+        >>> import torch, zerofn as zf
+        >>> apply = zf.functional(torch.nn.Linear(3, 1))
+        >>> step = zf.train_step(lambda p, b: apply(p, b).sum(), zf.optim.sgd(0.1))
+        >>> state, _ = step(step.init(apply.params), torch.ones(2, 3))
+        >>> zf.block_until_ready(state) is state
+        True
+    """
+    devices = set()
+    for node in T.tree_leaves(tree, is_leaf=lambda x: isinstance(x, TrainState)):
+        if isinstance(node, TrainState):
+            inflight = node.__dict__.get("inflight")  # none on a donated state
+            if inflight is not None:
+                inflight.wait()
+                devices.update(t.device for t in T.tree_leaves(node.__dict__["params"]))
+        elif isinstance(node, torch.Tensor):
+            devices.add(node.device)
+    for device in devices:  # the device's queue drained too (what a collective's wait only orders)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+    return tree
+
+
+def _waiting(name: str, wait: str, doc: str) -> property:
+    def get(self: TrainState) -> Any:
+        value = self._field(name)
+        getattr(self.__dict__["inflight"], wait)()
+        return value
+
+    def put(self: TrainState, value: Any) -> None:  # the dataclass's __init__ only (the state is frozen)
+        self.__dict__[name] = value
+
+    return property(get, put, doc=doc)
+
+
+# Reading params or opt_state waits for the state's own work in flight on them (a documented wait, so that
+# code written for a finished step stays right); the step's forward reads arriving_params() and waits per bucket.
+TrainState.params = _waiting(
+    "params", "wait_params", "One flat buffer per bucket of trainable parameters; waits for a publish in flight."
+)
+TrainState.opt_state = _waiting(
+    "opt_state", "wait_opt", "The optimizer's state; waits for an update still running on another thread."
+)
 
 
 def _params_note(state: TrainState, lay: Layout) -> str:

@@ -15,11 +15,13 @@ keeps only shards and gathers them per unit.
 
 Publish off the critical path: by default (``defer_publish``) ``publish``
 launches the all-gathers, in the order the forward uses the buckets, and
-returns; the step returns with them in flight. Whatever reads the
-parameters waits first (:func:`settle`): the next step's forward waits for
-each bucket when a module first reads one of its parameters, so the
-gathers overlap that forward; ``full_params``, ``step.apply``, a
-checkpoint, a copy of the state and the adopted module wait for all of them.
+returns; the step returns with them in flight, as handles the new state
+carries (``state.inflight``). Whatever reads the parameters waits first:
+the next step's forward waits for each bucket when a module first reads
+one of its parameters, so the gathers overlap that forward; reading
+``state.params``, ``full_params``, ``step.apply``, a checkpoint, a copy of
+the state and ``zf.block_until_ready`` wait for all of them. The module
+the state adopted then holds placeholders (it would read buffers in flight).
 
 Example:
     >>> import torch
@@ -44,7 +46,7 @@ from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn.functional import Functional, PendingParams
 from zerofn.reduction import GradSink
-from zerofn.state import Bucket, Layout, TrainState, arriving, in_flight, settle
+from zerofn.state import Bucket, InFlight, Layout, TrainState
 
 __all__ = [
     "FIRST_BUCKET_BYTES",
@@ -52,8 +54,6 @@ __all__ = [
     "ParamSplit",
     "Storage",
     "gathered",
-    "in_flight",
-    "settle",
     "split_params",
     "to_host",
     "whole_params",
@@ -196,17 +196,17 @@ class Storage:
         for name, view in layout.views(flats).items():
             leaves[name], h = sink.leaf(name, view)
             hooks += h
+        inflight = state.inflight
         try:
             tree = _tree(state, leaves)
-            pending = in_flight(flats)
-            if pending:
+            if inflight.params:
                 if isinstance(tree, dict) and len(tree) == len(layout.names):
-                    tree = PendingParams(tree, _waiter(flats, layout, pending))
+                    tree = PendingParams(tree, _waiter(inflight, layout))
                 else:  # a tree the reads cannot be followed through: whole before the forward
-                    settle(flats)
+                    inflight.wait_params()
             yield tree
         finally:
-            settle(flats)
+            inflight.wait_params()
             for h in hooks:
                 h.remove()
 
@@ -217,25 +217,25 @@ class Storage:
         lo, hi = bucket.shard_range(rank)
         return flat[lo:hi]
 
-    def publish(self, flats: tuple, layout: Layout, rank: int) -> None:
+    def publish(self, flats: tuple, layout: Layout, rank: int, inflight: InFlight) -> None:
         """Make updated parameters whole on every rank: all-gather each sharded bucket in place.
 
         The gathers go out last bucket first, the order the next forward
         reads them (buckets are in backward order). With ``defer_publish``
-        they are left in flight (see :func:`settle`). A bucket whose update
-        is still running elsewhere (marked with
-        :func:`~zerofn.state.arriving`) is gathered once it has finished, so
-        the gather of one bucket overlaps the update of the next.
+        they are left in flight, as handles in ``inflight`` (the new
+        state's). A bucket whose update is still running elsewhere (a handle
+        there already) is gathered once it has finished, so the gather of one
+        bucket overlaps the update of the next.
         """
         for i in reversed(range(len(flats))):
             flat, bucket = flats[i], layout.buckets[i]
             if bucket.shards > 1:
                 lo, hi = bucket.shard_range(rank)
-                settle(flats, i)  # an update still writing this shard (on another thread) finishes first
+                inflight.wait_bucket(i)  # an update still writing this shard (on another thread) finishes first
                 # In place: the input is this rank's slice of the output, so no temporary.
-                arriving(flat, C.all_gather(flat, flat[lo:hi], async_op=True))
+                inflight.params[i] = C.all_gather(flat, flat[lo:hi], async_op=True)
         if not self.defer_publish:
-            settle(flats)
+            inflight.wait_params()
 
     def full_params(self, state: TrainState, model: Callable, masters: tuple | None = None) -> Any:
         """The full parameters, a new tree shaped like the ``init`` input.
@@ -274,33 +274,30 @@ class Storage:
                 v = held.get(name)
                 if v is not None and v.dtype == p.dtype and v.device == p.device and v.shape == p.shape:
                     views[name] = v
-        flats = tuple(state.arriving_params())
-        # The module reads the state's buffers, whose publish may be in flight (only sharded buckets
-        # are published: with none, as at world size 1, the module's reads go unwatched).
+        # A module sharing buffers that a step returns with work still in flight on them (a publish, a
+        # host update) could read them half written: it holds placeholders instead, and step.apply waits.
         publishes = self.defer_publish and any(b.shards > 1 for b in state.spec.layout.buckets)
-        watch = views and (publishes or updates_late)
-        functional.adopt(views, before_read=(lambda: settle(flats)) if watch else None)
+        if publishes or updates_late:
+            views = {}
+        functional.adopt(views)
 
     def replace(self, **changes) -> Storage:
         return dataclasses.replace(self, **changes)
 
 
-def _waiter(flats: tuple, layout: Layout, pending: list[int]) -> Callable[[str | None], None]:
-    """``ready(name)``: wait for the bucket holding parameter ``name`` (None: every bucket), once."""
+def _waiter(inflight: InFlight, layout: Layout) -> Callable[[str | None], None]:
+    """``ready(name)``: wait for the bucket holding parameter ``name`` (None: every bucket)."""
     where = layout.bucket_of
-    left = set(pending)
 
     def ready(name: str | None) -> None:
-        if not left:
+        if not inflight.params:
             return
         if name is None:
-            settle(flats)
-            left.clear()
+            inflight.wait_params()
             return
         i = where.get(name)
-        if i in left:
-            settle(flats, i)
-            left.discard(i)
+        if i is not None:
+            inflight.wait_bucket(i)
 
     return ready
 

@@ -5,7 +5,6 @@ torch.optim loop that delays by hand), each read of the state waiting for what i
 from __future__ import annotations
 
 import pickle
-import sys
 import threading
 
 import pytest
@@ -16,6 +15,7 @@ from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_
 
 import zerofn as zf
 import zerofn.storage as S
+from zerofn.state import InFlight
 
 LR, WD = 3e-3, 0.1
 
@@ -67,22 +67,22 @@ def _second_update_held(apply, step, go, hold):
 # ---------------------------------------------------------------- overlap: the same numbers, reads wait
 
 
-def _settle_order(module, step, state, go):
+def _settle_order(step, state, go):
     """Release the held update shortly, run the next step, and return its state and the buckets it waited
-    for through ``module.settle``, in order, each while it was still in flight."""
-    order, real = [], module.settle
+    for through the state's in-flight handles, in order, each while it was still in flight."""
+    order, real = [], InFlight.wait_bucket
 
-    def spy(flats, only=None):
-        if only is not None and S.in_flight(flats[only : only + 1]):
-            order.append(only)
-        real(flats, only)
+    def spy(self, i):
+        if i in self.params:
+            order.append(i)
+        real(self, i)
 
     _release_later(go)
-    module.settle = spy
+    InFlight.wait_bucket = spy
     try:
         state, _ = step(state, transformer_batch(2, 8))
     finally:
-        module.settle = real
+        InFlight.wait_bucket = real
         go.set()
     return state, order
 
@@ -93,8 +93,8 @@ def test_a_step_returns_with_its_update_running_and_the_forward_waits_bucket_by_
     state = _second_update_held(apply, step, go, hold=True)
     layout = state.spec.layout
     assert len(layout.buckets) > 3
-    assert S.in_flight(state.arriving_params()) == list(range(len(layout.buckets)))
-    state, order = _settle_order(S, step, state, go)
+    assert state.inflight.buckets() == list(range(len(layout.buckets)))
+    state, order = _settle_order(step, state, go)
     where = {s.name: i for i, b in enumerate(layout.buckets) for s in b.slots}
     assert order[0] == where["tok.weight"]  # the embedding's bucket first
     assert len(set(order)) >= 3, order  # one bucket at a time, not all at once
@@ -104,7 +104,6 @@ def test_a_step_returns_with_its_update_running_and_the_forward_waits_bucket_by_
 def test_under_shard_params_each_unit_waits_for_its_own_update(params_on_host):
     """ZeRO-3: the next forward waits for each unit's buckets just before it gathers that unit, the first
     unit first, not for the whole update at the first gather; the same numbers as updating first."""
-    unit_module = sys.modules["zerofn.transforms.shard_params"]
     out = {}
     for overlap in (False, True):
         _, apply, loss_fn = make_transformer(extras=False)
@@ -115,8 +114,8 @@ def test_under_shard_params_each_unit_waits_for_its_own_update(params_on_host):
         )
         state = _second_update_held(apply, step, go, hold=overlap)
         if overlap:
-            assert S.in_flight(state.arriving_params()) == list(range(len(state.spec.layout.buckets)))
-        state, order = _settle_order(unit_module, step, state, go)
+            assert state.inflight.buckets() == list(range(len(state.spec.layout.buckets)))
+        state, order = _settle_order(step, state, go)
         out[overlap] = step.full_params(state)
         if overlap:
             units = state.spec.layout.units
@@ -129,8 +128,9 @@ def test_under_shard_params_each_unit_waits_for_its_own_update(params_on_host):
 READERS = {  # each the first read after a step whose update is held back
     "state.params": lambda model, step, state: step.full_params(state),
     "state.opt_state": lambda model, step, state: [t.clone() for t in zf.tree.tree_leaves(state.opt_state)],
-    "module call": lambda model, step, state: model(transformer_batch(5, 4)),
-    "attribute": lambda model, step, state: model.blocks[1].fc.weight.detach().clone(),
+    "block_until_ready": lambda model, step, state: [
+        t.clone() for t in zf.tree.tree_leaves(zf.block_until_ready(state).arriving_opt_state())
+    ],
     "pickle": lambda model, step, state: pickle.loads(pickle.dumps(state)).arriving_params(),
     "checkpoint": None,
 }
@@ -144,7 +144,7 @@ def test_every_read_of_the_state_waits_for_the_update(reader, tmp_path):
         step, go = _gated(loss_fn, overlap=held)
         state = _second_update_held(apply, step, go, hold=held)
         if held:
-            assert S.in_flight(state.arriving_params())
+            assert state.inflight
             _release_later(go)
         if reader == "checkpoint":
             path = tmp_path / f"ck{held}"

@@ -11,6 +11,7 @@ bucket, the updated parameters copied back as each is done.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -197,18 +198,22 @@ class HostEngine:
     @torch.no_grad()
     def update_in_place(self, grads: dict, state: HostState, params: dict, **extra) -> HostState:
         """The update, on after the step returns where :meth:`later` says so."""
-        # Reading state.opt_state waited for the update before this one: its buffers are free.
+        # The step read state.opt_state, which waited for the update before this one: its buffers are free.
         self.to_host_grads(grads, state)
         return self.update_host(state, params, extra, run_later=self.later(params))
 
-    def start_update(self, state: HostState, params: dict) -> Landing:
+    def start_update(self, state: HostState, params: dict, previous: Callable[[], None]) -> Landing:
         """The gradients landed bucket by bucket during backward; each bucket's update started as it
-        lands when ``early`` (and the state can be taken apart by bucket)."""
+        lands when ``early`` (and the state can be taken apart by bucket). ``previous`` waits for the
+        update still writing ``state`` (the step's state in flight), before a gradient lands on its buffers."""
         target, run_later = self.target(state, params), self.later(params)
         plan = self.split.plan(state.inner, target) if self.speculating and state.spare is not None else None
         if plan is None:
-            return Landing(state, params, self.pin, lambda extra: self.update_host(state, params, extra, run_later))
-        return Speculation(self.split, plan, state, target, params, self.pin, run_later, self.stop_speculating)
+            update = lambda extra: self.update_host(state, params, extra, run_later)  # noqa: E731
+            return Landing(state, params, self.pin, update, previous)
+        return Speculation(
+            self.split, plan, state, target, params, self.pin, run_later, self.stop_speculating, previous
+        )
 
 
 def host_optimizer(inner: O.GradientTransformation, *, options: HostOptions) -> O.GradientTransformation:

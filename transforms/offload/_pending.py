@@ -4,8 +4,9 @@ update bucket by bucket on the one worker thread (:class:`PerBucket`, :class:`Bu
 progress a step reads through :class:`Done` handles (:class:`Launched`).
 
 Every host update runs on :func:`worker`, one thread, so that updates run in the order they were
-launched. What a launched update writes is marked as arriving (:func:`mark`): a reader of the state
-waits for it, a forward for each bucket as it first reads it.
+launched. What a launched update writes is marked as arriving (:func:`mark`): its handles go into the
+in-flight record of the state the step returns (``state.inflight``), which a reader of the state waits
+on, a forward for each bucket as it first reads it.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from zerofn import collectives as C
 from zerofn import optim as O
 from zerofn import tree as T
-from zerofn.state import arriving, settle
+from zerofn.state import arriving
 
 if TYPE_CHECKING:
     from zerofn.transforms.offload._host import HostState
@@ -76,14 +78,17 @@ class Landing(O.PendingUpdate):
     """Gradients copied to the host bucket by bucket as backward lands them (non-blocking on CUDA,
     overlapping the rest of backward); the update itself once they all have (``commit``)."""
 
-    def __init__(self, state: HostState, params: dict, pin: bool, update: Callable[[dict], Any] | None) -> None:
+    def __init__(
+        self, state: HostState, params: dict, pin: bool, update: Callable[[dict], Any] | None, previous: Callable
+    ) -> None:
         self.state, self.params, self.pin, self.update = state, params, pin, update
+        self.previous = previous  # waits for the update before this one, which may still read the host buffers
         self.copied: dict = {}  # key -> a CUDA event once its copy is done (None on the CPU)
         self.kept: dict = {}  # key -> a gradient still on the device, for pageable host buffers
 
     def grad(self, key: str, grad: torch.Tensor) -> None:
         host = self.state.grads[key]
-        settle([host])  # the update before this one reads it until it is done
+        self.previous()  # the update before this one reads it until it is done
         if grad.device.type == "cuda" and not self.pin:
             # Into pageable memory the copy would stall backward here: keep the gradient until commit.
             self.kept[key] = grad
@@ -154,8 +159,9 @@ class Speculation(Landing):
         pin: bool,
         run_later: bool,
         give_up: Callable[[], None],
+        previous: Callable,
     ) -> None:
-        super().__init__(state, params, pin, None)
+        super().__init__(state, params, pin, None, previous)
         self.run = BucketRun(split, plan, state, target, params, pin)
         self.run_later, self.give_up = run_later, give_up
         self.cv = threading.Condition()
@@ -163,7 +169,7 @@ class Speculation(Landing):
         self.decision: tuple | None = None
         self.failed = False
         self.finished = Done()  # the speculation over: restored, or committed
-        worker().submit(self.speculate)
+        worker().submit(C.with_current_group(self.speculate))
 
     def landed(self, key: str) -> None:
         with self.cv:
@@ -363,5 +369,5 @@ def launch(split: PerBucket, state: HostState, target: dict, device: dict | None
     if plan is None:
         return None
     run = BucketRun(split, plan, state, target, device, pin)
-    worker().submit(run.commit_phase, extra)
+    worker().submit(C.with_current_group(run.commit_phase), extra)
     return run.done

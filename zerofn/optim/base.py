@@ -38,8 +38,9 @@ class GradientTransformation(NamedTuple):
     # updates params in place, equal to update() followed by apply_updates()
     # (for example one fused kernel for all of AdamW). See update_params().
     update_in_place: Callable[..., OptState] | None = None
-    # Optional: start_update(state, params) -> a PendingUpdate, for an update that starts before the
-    # gradients are all known (each handed over as it is final); see PendingUpdate.
+    # Optional: start_update(state, params, previous) -> a PendingUpdate, for an update that starts before
+    # the gradients are all known (each handed over as it is final); see PendingUpdate. ``previous()``
+    # waits for work still writing ``state`` (an update launched by the step before).
     start_update: Callable[..., PendingUpdate] | None = None
     # Optional: bind(view) -> the same transformation for the leaves a ParamView describes (which
     # parameters each leaf holds); a step binds its optimizer once per layout. See zerofn.optim.view.
