@@ -124,11 +124,13 @@ def _rank_bytes():
         _, apply, loss_fn = make_transformer()
         step = TRANSFORMS[transform](zf.train_step(loss_fn, zf.optim.adamw(1e-3), bucket_bytes=2048))
         state = step.init(apply.params)
-        state, metrics = step(state, rank_slice(transformer_batch(0, GLOBAL_BATCH), rank, world))
+        state, first = step(state, rank_slice(transformer_batch(0, GLOBAL_BATCH), rank, world))
+        state, metrics = step(state, rank_slice(transformer_batch(1, GLOBAL_BATCH), rank, world))
         layout = state.spec.layout
         out[transform] = dict(
             state_bytes=zf.memory.state_bytes(state),
             comm=metrics["comm_bytes"],
+            first_comm=first["comm_bytes"],
             padded_bytes=sum(b.nbytes for b in layout.buckets),
             param_bytes=sum(b.numel * b.nbytes // b.padded for b in layout.buckets),
             buckets=[(b.numel, b.padded, b.shards, str(b.dtype)) for b in layout.buckets],
@@ -164,10 +166,12 @@ def test_state_bytes_and_comm_bytes_formulas(ranks, world):
         if world == 1:
             assert plain["comm"] == 0 and sharded["comm"] == 0
         else:
-            # the batch-shape probe (2 x int64) and the stats all-reduce (loss, sumsq, ranks lacking a gradient)
-            scalars = 2 * 16 + 2 * 24
+            # the stats all-reduce (loss, sumsq, ranks lacking a gradient, the batch digest and its square);
+            # a step's first call also agrees on the batch shapes (2 x int64)
+            scalars = 2 * 40
             assert plain["comm"] == 2 * psi_bytes + scalars
             assert sharded["comm"] == 2 * sharded["padded_bytes"] + scalars
+            assert plain["first_comm"] == plain["comm"] + 2 * 16 and sharded["first_comm"] == sharded["comm"] + 2 * 16
 
 
 def test_donate_false_leaves_input_untouched():
@@ -274,15 +278,26 @@ def _rank_bad_batches():
         msg = None
     # the state was not lost: it still steps with agreeing batches
     state, _ = step(state, mlp_batch(0, 4))
-    return msg, max_abs_diff(step.full_params(state), before) > 0
+    stepped = max_abs_diff(step.full_params(state), before) > 0
+    # later calls compare the shapes inside the update's statistics (no agreement of their own): caught
+    # there, before the update
+    kept = step.full_params(state)
+    try:
+        step(state, mlp_batch(1, 4 + rank))
+    except ValueError as e:
+        later = str(e)
+    else:
+        later = None
+    return msg, stepped, later, max_abs_diff(step.full_params(state), kept)
 
 
 def test_batches_of_different_shapes_raise_on_every_rank(ranks):
     results = ranks(2).run(_rank_bad_batches, timeout=60)
-    for rank, (msg, stepped) in enumerate(results):
-        assert msg is not None, f"rank {rank} did not raise"
-        assert "different shapes" in msg and "rank 0: {'x': 'float32[4, 7]'" in msg and "drop_last" in msg
-        assert stepped
+    for rank, (msg, stepped, later, moved) in enumerate(results):
+        for m in (msg, later):
+            assert m is not None, f"rank {rank} did not raise"
+            assert "different shapes" in m and "rank 0: {'x': 'float32[4, 7]'" in m and "drop_last" in m
+        assert stepped and moved == 0.0
 
 
 def _rank_state_sharded():

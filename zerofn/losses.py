@@ -72,12 +72,14 @@ class Mean:
             got = f"a tensor of shape {list(c.shape)}" if isinstance(c, torch.Tensor) else repr(c)
             raise ValueError(f"zf.Mean: count must be an int or a one-element tensor, got {got}. {MEAN_HELP}")
 
-    def counted(self) -> float:
-        """``count`` as a float (a host read when it is a tensor on a device); raises when negative."""
-        n = float(self.count.detach().reshape(())) if isinstance(self.count, torch.Tensor) else float(self.count)
-        if not n >= 0:
-            raise ValueError(f"zf.Mean: count must be >= 0 (how many items total sums), got {n:g}. {MEAN_HELP}")
-        return n
+    def counted(self, device: Any = None) -> torch.Tensor:
+        """``count`` as a float64 0-dim tensor on ``device``, without a host read (a negative count in a
+        tensor is caught in the step's statistics; one given as an int raises here)."""
+        if isinstance(self.count, torch.Tensor):
+            return self.count.detach().reshape(()).to(device=device, dtype=torch.float64)
+        if self.count < 0:
+            raise ValueError(f"zf.Mean: count must be >= 0 (how many items total sums), got {self.count}. {MEAN_HELP}")
+        return torch.full((), float(self.count), dtype=torch.float64, device=device)
 
     def __add__(self, other: Any) -> Any:
         raise TypeError(

@@ -47,17 +47,17 @@ from typing import Any
 import torch
 
 from zerofn import collectives as C
-from zerofn import keys
+from zerofn import counters, keys
 from zerofn import optim as O
 from zerofn import tree as T
 from zerofn.closure import find_functional
 from zerofn.extension import Extension
 from zerofn.functional import ADOPTED_HELP, BINDING, Functional, owner_of
-from zerofn.losses import Mean
+from zerofn.losses import MEAN_HELP, Mean
 from zerofn.optim.base import foreach_groups  # the device/dtype grouping foreach kernels need
 from zerofn.precision import Precision
 from zerofn.reduction import GradSink, Reduction
-from zerofn.state import Layout, StateSpec, TrainState
+from zerofn.state import InFlight, Layout, StateSpec, TrainState, collecting
 from zerofn.storage import Storage, split_params
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Step", "StepTransform", "reapply", "train_step", "transform"]
@@ -76,6 +76,22 @@ Nothing was updated and the state is as it was.
 """
 
 
+def _in_group(method: Callable) -> Callable:
+    """Run a Step method inside ``C.group_scope(self.group)`` (None: the caller's current group); ``init``
+    first joins the default process group under torchrun when nothing joined yet (``C.init``)."""
+    joins = method.__name__ == "init"
+
+    @functools.wraps(method)
+    def run(self: Step, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # error messages name the method, not this wrapper
+        if joins:
+            C.init()
+        with C.group_scope(self.group):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 @dataclass(frozen=True)
 class Step:
     """A training step ``step(state, batch) -> (state, metrics)``; see module docs.
@@ -89,6 +105,7 @@ class Step:
     accumulate_steps: int = 1
     donate: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    group: Any = None  # the torch ProcessGroup it runs on; None: the current group (zf.collectives.group_scope)
     reduction: Reduction = Reduction()
     storage: Storage = Storage()
     precision: Precision = Precision()
@@ -151,6 +168,7 @@ class Step:
 
     # ------------------------------------------------------------ init and views
 
+    @_in_group
     def init(self, params: Any, *, keep_module: bool = False, structure_only: bool = False) -> TrainState:
         """Build the state for ``params`` (a tree of tensors, e.g. ``apply.params``).
 
@@ -212,12 +230,12 @@ class Step:
             frozen=held.frozen,
             buffers=buffers,
             opt_state=opt_state,
-            count=torch.zeros((), dtype=torch.int64),
-            micro=torch.zeros((), dtype=torch.int64),
+            count=counters.new(0),
+            micro=counters.new(0),
             grad_accum=None,
             seen=None,
             items=None,
-            param_steps=torch.zeros(len(held.layout.trainable_names), dtype=torch.int64),
+            param_steps=counters.new_like([0] * len(held.layout.trainable_names)),
             loss_scale=self.precision.new_loss_scale(),
             extra=extra,
             spec=StateSpec(
@@ -252,6 +270,7 @@ class Step:
             keys.bucket(i): self.storage.opt_view(f, b, rank) for i, (f, b) in enumerate(zip(flats, layout.buckets))
         }
 
+    @_in_group
     def full_params(self, state: TrainState, *, master: bool = False, requires_grad: bool = False) -> Any:
         """The full parameters (a new tree shaped like the ``init`` input) on every rank.
 
@@ -277,6 +296,7 @@ class Step:
                     t.requires_grad_(True)
         return full
 
+    @_in_group
     def state_dict(self, state: TrainState, *, master: bool = False) -> dict[str, torch.Tensor]:
         """The model's ``state_dict`` from the state: every parameter name (tied ones under each of
         their names) and every persistent buffer, for ``model.load_state_dict(..., strict=True)``.
@@ -286,6 +306,7 @@ class Step:
         full = self.full_params(state, master=master)
         return self.model().state_dict_of(full, state.buffers)
 
+    @_in_group
     def apply(self, state: TrainState, *args: Any, **kwargs: Any) -> Any:
         """The model's forward on the current parameters, without gradients (evaluation, generation).
 
@@ -302,6 +323,7 @@ class Step:
             stack.enter_context(self.precision.autocast(_device(state.spec.layout)))
             return self.storage.forward(state, self.model, args, kwargs)
 
+    @_in_group
     def check_state(self, state: Any) -> None:
         """Raise, saying what to do, unless ``state`` is a live state this step made (its chain, this world size)."""
         if not isinstance(state, TrainState):
@@ -322,6 +344,7 @@ class Step:
 
     # ------------------------------------------------------------ the step
 
+    @_in_group
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One micro-step: ``(new_state, metrics)``; the input state is donated (see ``train_step``).
 
@@ -333,7 +356,6 @@ class Step:
         """
         self.check_state(state)
         with C.counting() as counter:
-            _check_batch(self.name, batch)
             if not self.donate:  # the copy reads state.params, which waits for a publish in flight
                 state = T.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
             new_state, metrics = self._run(state, batch)
@@ -345,9 +367,10 @@ class Step:
     def _run(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         layout, world, rank = state.spec.layout, state.spec.world_size, C.rank()
         k = self.accumulate_steps
-        last = int(state.micro) + 1 == k
+        micro = counters.value(state.micro)  # host counters: no device read (zerofn.counters)
+        last = micro + 1 == k
         precision, ls = self.precision, state.loss_scale
-        metrics = functools.partial(_metrics, precision, ls)
+        digest = self._batch_digest(batch)
 
         # 1. The sink. Between micro-steps a state carries either full local gradient
         # sums (reduced once, on the last micro-step) or, when gradients are sharded,
@@ -361,7 +384,9 @@ class Step:
         pending = None
         if last and optimizer.start_update is not None:
             pending = optimizer.start_update(
-                state.arriving_opt_state(), self._opt_params(state.arriving_params(), layout, rank)
+                state.arriving_opt_state(),
+                self._opt_params(state.arriving_params(), layout, rank),
+                state.inflight.wait_opt,
             )
 
         norms: list = []  # of each bucket's final gradient, as it lands (the gradient then goes)
@@ -369,8 +394,8 @@ class Step:
 
         def final(i: int, r: torch.Tensor) -> None:  # phase 4 below, for one bucket, as it lands
             key = keys.bucket(i)
-            if "handle" in early:  # the count's all-reduce, under way since the forward ended
-                early["n"] = float(early.pop("handle").wait()[1])
+            if "handle" in early:  # the count's all-reduce, under way since the forward ended (a host read:
+                early["n"] = float(early.pop("handle").wait()[1])  # this update runs on the host anyway)
             f = factors[i] if "n" not in early else _mean_factor(sink.predivide[i], early["n"], scale)
             g, norm = _unscale(precision, {key: r}, [f])
             norms.extend(norm)
@@ -387,6 +412,7 @@ class Step:
             on_result=final if pending is not None else None,
         )
         factors = [d / (world * k * scale) for d in sink.predivide]  # phase 4's, per bucket
+        stats = functools.partial(_stats, world=world, rank=rank, replicated=self.reduction.replicated, digest=digest)
 
         try:
             # 2. Forward and backward; each bucket is reduced as backward completes it.
@@ -394,21 +420,22 @@ class Step:
             # as buckets land needs the count sooner: its all-reduce overlaps backward.
             counts = early if pending is not None else None
             loss, aux, extra, items = self._forward_backward(state, batch, sink, scale, counts)
-            after = {"micro": state.micro + 1, "extra": extra, "items": items}
+            after = {"micro": counters.new(micro + 1), "extra": extra, "items": items}
 
             seen = sink.seen(state.seen)  # None: every parameter got a gradient here so far
             after["seen"] = seen
 
-            # 3. Carry the gradient to the next micro-step.
+            # 3. Carry the gradient to the next micro-step. The statistics stay on the device: nothing
+            # here waits for it (the metrics are read when the user reads them).
             if not reduce_now:
-                stats = _stats(loss, aux, None, world, rank, self.reduction.replicated, items=items)
-                return state.replace(grad_accum=sink.full_buffers(), **after), metrics(stats, aux, False, math.nan)
+                done = stats(loss, aux, None, items=items)
+                return state.replace(grad_accum=sink.full_buffers(), **after), _metrics(precision, ls, done, aux)
             reduced = sink.finish()
             if "handle" in early:  # no bucket landed to wait for it
                 early.pop("handle").wait()
             if not last:
-                stats = _stats(loss, aux, None, world, rank, self.reduction.replicated, items=items)
-                return state.replace(grad_accum=tuple(reduced.values()), **after), metrics(stats, aux, False, math.nan)
+                done = stats(loss, aux, None, items=items)
+                return state.replace(grad_accum=tuple(reduced.values()), **after), _metrics(precision, ls, done, aux)
 
             # 4. Average over ranks and micro-steps and undo the loss scale: one fused multiply. A zf.Mean
             # divides by its global count instead, which the statistics bring: the norms are taken first
@@ -418,20 +445,23 @@ class Step:
                 reduced, norms = _unscale(precision, reduced, None, [d / scale for d in sink.predivide])
             elif pending is None:
                 reduced, norms = _unscale(precision, reduced, factors)
-            stats = _stats(loss, aux, norms, world, rank, self.reduction.replicated, seen is not None, items)
+            done = stats(loss, aux, norms, unseen=seen is not None, items=items)
             if divide_later:
-                n = stats["count"]
-                torch._foreach_mul_(list(reduced.values()), [_mean_factor(d, n, scale) for d in sink.predivide])
-                stats["sumsq"] = stats["sumsq"] / n**2 if n > 0 else math.nan
-            info = _step_info(state, layout, seen, stats["unseen"])
+                n = done["count"]
+                for g, d in zip(reduced.values(), sink.predivide):
+                    g.mul_(_mean_factor(d, n, scale))
+                done["sumsq"] = done["sumsq"] / n.square()
+            # The one read of the step: whether it is finite (a skipped update) and whether some rank gave a
+            # parameter no gradient decide on the host what the update does.
+            finite, unseen = _decide(self.name, done, digest, batch)
+            info = _step_info(state, layout, seen, unseen)
         except BaseException:
             if pending is not None:  # nothing it started may stay: the state is as it was
                 pending.cancel()
             raise
-        grad_norm = math.sqrt(stats["sumsq"]) if stats["sumsq"] >= 0 else math.nan
-        finite = math.isfinite(stats["loss"]) and math.isfinite(stats["sumsq"])
+        grad_norm = done["sumsq"].sqrt().float()  # nan when negative (no gradient reached it)
         after.update(
-            micro=torch.zeros((), dtype=torch.int64),
+            micro=counters.new(0),
             grad_accum=None,
             seen=None,
             items=None,
@@ -440,21 +470,37 @@ class Step:
         if not finite:
             if pending is not None:
                 pending.cancel()
-            return state.replace(**after), _metrics(precision, after["loss_scale"], stats, aux, True, grad_norm)
+            return state.replace(**after), _metrics(precision, after["loss_scale"], done, aux, True, grad_norm)
 
-        # 5. Update in place, then 6. publish.
-        with torch.no_grad():
-            norm = torch.tensor(grad_norm)
+        # 5. Update in place, then 6. publish. What is left running (a host update on another thread, the
+        # publish's all-gathers) is recorded in the new state's in-flight handles, which its readers wait on.
+        flats, inflight = state.arriving_params(), InFlight()
+        with torch.no_grad(), collecting(inflight, flats):
             if pending is not None:
-                opt_state = pending.commit(grad_norm=norm, info=info)
+                opt_state = pending.commit(grad_norm=grad_norm, info=info)
             else:
-                opt_params = self._opt_params(state.arriving_params(), layout, rank)
-                opt_state = O.update_params(optimizer, reduced, state.opt_state, opt_params, grad_norm=norm, info=info)
+                opt_params = self._opt_params(flats, layout, rank)
+                opt_state = O.update_params(
+                    optimizer, reduced, state.opt_state, opt_params, grad_norm=grad_norm, info=info
+                )
             del reduced
-            self.storage.publish(state.arriving_params(), layout, rank)
+            self.storage.publish(flats, layout, rank, inflight)
         steps = _advance_steps(state.param_steps, layout, info)
-        new = state.replace(opt_state=opt_state, count=state.count + 1, param_steps=steps, **after)
-        return new, _metrics(precision, after["loss_scale"], stats, aux, False, grad_norm)
+        count = counters.new(counters.value(state.count) + 1)
+        new = state.replace(opt_state=opt_state, count=count, param_steps=steps, inflight=inflight, **after)
+        return new, _metrics(precision, after["loss_scale"], done, aux, False, grad_norm)
+
+    def _batch_digest(self, batch: Any) -> int | None:
+        """The batch's structure, shapes and dtypes as a number (a host computation), when ranks must agree
+        on it: the first call agrees at once (a small all-reduce); every update compares it in its
+        statistics (see :func:`_decide`), so no call waits on a read for it."""
+        if C.world_size() == 1:
+            return None
+        digest = T.treespec_digest(batch) & ((1 << _DIGEST_BITS) - 1)
+        if "batch" not in self._found:
+            _check_batch(self.name, batch, digest)
+            self._found["batch"] = digest
+        return digest
 
     def _forward_backward(self, state: TrainState, batch: Any, sink: GradSink, scale: float, counts: dict | None):
         """Phase 2: returns the loss (detached), the aux dict, the state entries for the next state and, for a
@@ -479,9 +525,9 @@ class Step:
             loss = loss.float()
             items = None
             if mean is not None:
-                now = torch.tensor([float(loss.detach()), mean.counted()], dtype=torch.float64)
+                now = torch.stack([loss.detach().double(), mean.counted(loss.device)])
                 items = now if state.items is None else state.items + now
-                if counts is not None and int(state.micro) + 1 == self.accumulate_steps:
+                if counts is not None and counters.value(state.micro) + 1 == self.accumulate_steps:
                     counts["handle"] = C.all_reduce(items.clone(), "sum", async_op=True, control=True)
             if loss.requires_grad:
                 (loss * scale if scale != 1.0 else loss).backward()
@@ -509,10 +555,12 @@ def _unscale(precision: Precision, grads: dict, factors: list | None, norm_scale
     return grads, torch._foreach_norm(list(grads.values()))
 
 
-def _mean_factor(predivide: float, count: float, scale: float) -> float:
+def _mean_factor(predivide: float, count: Any, scale: float) -> Any:
     """What turns a reduced sum of a zf.Mean's totals (divided by ``predivide`` before the reduction, times
     the loss scale) into the gradient of the mean over every item: nan when no rank counted any (the
-    step is then skipped, as for any non-finite loss)."""
+    step is then skipped, as for any non-finite loss). ``count``: a float, or a tensor on the device."""
+    if isinstance(count, torch.Tensor):
+        return torch.where(count > 0, predivide / (count * scale), math.nan)
     return predivide / (count * scale) if count > 0 else math.nan
 
 
@@ -570,14 +618,17 @@ def _device(layout: Layout) -> str:
     return layout.buckets[0].device if layout.buckets else "cpu"
 
 
-def _check_batch(where: str, batch: Any) -> None:
-    """All ranks must feed batches of one structure, shapes and dtypes."""
-    if C.world_size() == 1:
-        return
-    digest = T.treespec_digest(batch) & ((1 << 52) - 1)
+_DIGEST_BITS = 20  # small enough that the statistics' sum of squares of it stays exact in float64
+
+
+def _check_batch(where: str, batch: Any, digest: int) -> None:
+    """All ranks must feed batches of one structure, shapes and dtypes: agreed at once (the first call)."""
     hi, lo = C.max_min(torch.tensor([digest], dtype=torch.int64))
-    if torch.equal(hi, lo):
-        return
+    if not torch.equal(hi, lo):
+        _batches_differ(where, batch)
+
+
+def _batches_differ(where: str, batch: Any) -> None:
     shapes = T.tree_map(T.describe_leaf, batch)
     everyone = C.gather_objects(shapes)
     lines = "\n".join(f"  rank {r}: {s}" for r, s in enumerate(everyone))
@@ -614,30 +665,55 @@ def _split_loss(where: str, out: Any) -> tuple[torch.Tensor, dict, Mean | None]:
     return out, aux, None
 
 
-def _stats(loss, aux, norms, world: int, rank: int, replicated: bool, unseen: bool = False, items=None):
-    """One small all-reduce: loss (mean over ranks), gradient sum of squares (from each bucket's
-    norm; None: no gradient), how many ranks gave some parameter no gradient (``unseen`` here), a
-    ``zf.Mean``'s running sums of total and count (``items``; the loss is then their quotient), scalar
-    aux values."""
+def _stats(loss, aux, norms, *, world: int, rank: int, replicated: bool, digest, unseen: bool = False, items=None):
+    """One small all-reduce, on the loss's device, read by no one here: the loss (mean over ranks), the
+    gradient sum of squares (from each bucket's norm; None: no gradient), how many ranks gave some
+    parameter no gradient (``unseen`` here), the batch digest and its square (equal on every rank when
+    n * sum(d^2) == sum(d)^2), a ``zf.Mean``'s running sums of total and count (``items``; the loss is then
+    their quotient) and how many ranks counted a negative number, and the scalar aux values. Returns
+    device tensors; :func:`_decide` reads what the host must know, once per update."""
     scalars = {k: v for k, v in sorted(aux.items()) if _is_scalar(v)}
-    if norms is None or (replicated and rank != 0):  # replicated: rank 0's norm is everyone's
-        sumsq = torch.zeros((), dtype=torch.float64)
+    dev = loss.device
+
+    def const(v: float) -> torch.Tensor:  # made on the device: no copy from the host
+        return torch.full((), float(v), dtype=torch.float64, device=dev)
+
+    if not norms or (replicated and rank != 0):  # None: no gradient; replicated: rank 0's norm is everyone's
+        sumsq = const(0.0)
     else:
-        sumsq = sum((n.double() ** 2 for n in norms), torch.zeros((), dtype=torch.float64))
-    flag = torch.tensor(1.0 if unseen else 0.0, dtype=torch.float64)
-    sums = list(items.unbind()) if items is not None else []
-    vec = torch.stack(
-        [loss.double().cpu(), sumsq.cpu(), flag, *sums]
-        + [torch.as_tensor(v, dtype=torch.float64).cpu() for v in scalars.values()]
-    )
-    C.all_reduce(vec, "sum")
-    vals = vec.tolist()
-    out = {"loss": vals[0] / world, "sumsq": vals[1], "unseen": vals[2] > 0}
+        sumsq = torch.stack([n.double().square() for n in norms]).sum().to(dev)
+    d = digest or 0
+    parts = [loss.double(), sumsq, const(1.0 if unseen else 0.0), const(d), const(d * d)]
     if items is not None:
-        total, n = vals[3], vals[4]
-        out.update(loss=total / n if n > 0 else math.nan, count=n)
-    out["aux"] = {k: v / world for k, v in zip(scalars, vals[3 + len(sums) :])}
+        parts += [items[0].to(dev), items[1].to(dev), (items[1] < 0).double().to(dev)]
+    parts += [
+        v.detach().double().reshape(()).to(dev) if isinstance(v, torch.Tensor) else const(v) for v in scalars.values()
+    ]
+    vec = torch.stack(parts)
+    C.all_reduce(vec, "sum")
+    base = 8 if items is not None else 5
+    out = {"vec": vec, "loss": vec[0] / world, "sumsq": vec[1], "world": world}
+    if items is not None:
+        total, n = vec[5], vec[6]
+        out.update(loss=total / n, count=n)  # nan when no rank counted any: the step is then skipped
+    out["aux"] = {k: vec[base + j] / world for j, k in enumerate(scalars)}
     return out
+
+
+def _decide(where: str, stats: dict, digest: int | None, batch: Any) -> tuple[bool, bool]:
+    """The step's one host read, once per update: whether the loss and gradient are finite (else the update
+    is skipped) and whether some rank gave a parameter no gradient; raises when the ranks' batches differ
+    or a zf.Mean counted a negative number of items, before anything is updated."""
+    vec = stats["vec"]
+    negative = vec[7] if "count" in stats else torch.zeros_like(vec[0])
+    loss, sumsq, unseen, d1, d2, neg = torch.stack(
+        [stats["loss"].double(), stats["sumsq"].double(), vec[2], vec[3], vec[4], negative]
+    ).tolist()
+    if digest is not None and stats["world"] * d2 != d1 * d1:
+        _batches_differ(where, batch)
+    if neg > 0:
+        raise ValueError(f"zf.Mean: count must be >= 0 (how many items total sums), got a negative count. {MEAN_HELP}")
+    return math.isfinite(loss) and math.isfinite(sumsq), unseen > 0
 
 
 def _names_view(treedef: Any, named: dict) -> O.ParamView:
@@ -675,8 +751,8 @@ def param_view(layout: Layout, rank: int, treedef: Any) -> O.ParamView:
 
 def _step_info(state: TrainState, layout: Layout, seen: torch.Tensor | None, unseen_anywhere: bool) -> O.StepInfo:
     """What the optimizer is told about the parameters on this update: which got no gradient on any rank
-    (one more small all-reduce, of a bit per parameter, only when some rank lacks one), and how many
-    updates each received."""
+    (one more small all-reduce and read, of a bit per parameter, only when some rank lacks one), and how
+    many updates each received (host counters: no read)."""
     names = layout.trainable_names
     missing: frozenset = frozenset()
     if unseen_anywhere:
@@ -685,31 +761,34 @@ def _step_info(state: TrainState, layout: Layout, seen: torch.Tensor | None, uns
         if C.world_size() > 1:
             seen = C.any_of(seen)
         missing = frozenset(n for n, s in zip(names, seen.tolist()) if not s)
-    steps = state.param_steps
-    lo, hi = (int(steps.min()), int(steps.max())) if steps.numel() else (int(state.count), int(state.count))
-    per = None if lo == hi else dict(zip(names, steps.tolist()))
-    return O.StepInfo(missing, per, lo if lo == hi else int(state.count))
+    count = counters.value(state.count)
+    steps = counters.values(state.param_steps)
+    lo, hi = (min(steps), max(steps)) if steps else (count, count)
+    per = None if lo == hi else dict(zip(names, steps))
+    return O.StepInfo(missing, per, lo if lo == hi else count)
 
 
 def _advance_steps(steps: torch.Tensor, layout: Layout, info: O.StepInfo) -> torch.Tensor:
     """Each updated parameter's count plus one (not those that got no gradient)."""
+    old = counters.values(steps)
     if not info.missing:
-        return steps + 1
-    live = torch.tensor([n not in info.missing for n in layout.trainable_names], dtype=torch.int64)
-    return steps + live
+        return counters.new_like(v + 1 for v in old)
+    return counters.new_like(v + (n not in info.missing) for v, n in zip(old, layout.trainable_names))
 
 
-def _metrics(precision: Precision, loss_scale: Any, stats, aux, skipped: bool, grad_norm: float) -> dict[str, Any]:
+def _metrics(precision: Precision, loss_scale: Any, stats, aux, skipped: bool = False, grad_norm=None) -> dict:
+    """The metrics, device tensors (read one to wait for it: ``float(metrics["loss"])``): none of them
+    waits here. ``skipped`` is known on the host (the update's one read decided it)."""
     m: dict[str, Any] = {
-        "loss": torch.tensor(stats["loss"], dtype=torch.float32),
-        "grad_norm": torch.tensor(grad_norm, dtype=torch.float32),
+        "loss": stats["loss"].float(),
+        "grad_norm": grad_norm if grad_norm is not None else torch.full((), math.nan, device=stats["loss"].device),
         "skipped": skipped,
     }
     if "count" in stats:
-        m["count"] = torch.tensor(stats["count"], dtype=torch.float64)
+        m["count"] = stats["count"]
     m.update(precision.metrics(loss_scale))
     for k, v in aux.items():
-        m[k] = torch.tensor(stats["aux"][k], dtype=torch.float32) if k in stats["aux"] else v
+        m[k] = stats["aux"][k].float() if k in stats["aux"] else v
     return m
 
 
@@ -729,6 +808,7 @@ def train_step(
     *,
     donate: bool = True,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    group: Any = None,
 ) -> Step:
     """Build a Step from a loss function and an optimizer.
 
@@ -745,6 +825,13 @@ def train_step(
             the input state then raises if used again. ``False`` copies it
             first and leaves it untouched.
         bucket_bytes: gradient bucket size for the reduction during backward.
+        group: the torch ``ProcessGroup`` the step runs on (its ranks are the
+            step's world: gradients are averaged over them, states are
+            sharded over them); None (default): the current group when a
+            method is called, the one ``zf.collectives.group_scope`` made
+            current, else the default group. Every method that communicates
+            (``init``, the call, ``full_params``, ``state_dict``, ``apply``)
+            runs in it; ``zf.checkpoint.load`` too.
 
     Returns:
         A :class:`Step`: ``state = step.init(params)``, ``state, metrics =
@@ -769,7 +856,7 @@ def train_step(
         )
     if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"train_step: accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
-    return Step(loss_fn, optimizer, accumulate_steps, donate, bucket_bytes)
+    return Step(loss_fn, optimizer, accumulate_steps, donate, bucket_bytes, group)
 
 
 StepTransform = Callable[..., Step]

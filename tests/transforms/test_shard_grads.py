@@ -150,8 +150,9 @@ def _rank_traffic(accumulate):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_traffic_is_two_gradients_per_step(ranks, accumulate):
-    scalars = 2 * 16 + 2 * 24  # batch-shape probe and stats all-reduce (loss, sumsq, ranks lacking a gradient)
+    scalars = 2 * 40  # the stats all-reduce (loss, sumsq, ranks lacking a gradient, batch digest and its square)
     for comms, padded in ranks(3).run(_rank_traffic, accumulate):
+        comms[0] -= 2 * 16  # a step's first call also agrees on the batch shapes
         assert comms[-1] == 2 * padded + scalars  # reduce-scatter + all-gather
         for c in comms[:-1]:
             assert c == padded + scalars  # each accumulation micro-step reduce-scatters its gradient

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from zerofn import counters
 from zerofn.tree import Tree, describe_leaf, keystr, tree_flatten, tree_flatten_with_path
 
 Schedule = Callable[[int], float]  # a learning rate (or any scalar) as a function of the update count
@@ -141,7 +142,7 @@ def check_count(where: str, count: Any) -> int:
             f"{describe_leaf(count) if isinstance(count, torch.Tensor) else repr(count)}. "
             f"Build the state with this transform's init(params)."
         )
-    return int(count.item())
+    return counters.value(count)  # carried on the host: no read
 
 
 def check_state(where: str, state: Any, cls: type) -> None:

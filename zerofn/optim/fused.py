@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from zerofn import counters
 from zerofn.optim._checks import check_count, flat, schedule_value
 from zerofn.optim.base import apply_updates, foreach_groups
 from zerofn.optim.view import LeafView, ParamView, Piece, by_step, info_of, keys_of
@@ -141,7 +142,7 @@ def _advance_counts(node) -> None:
         return
     c = getattr(node, "count", None) if hasattr(node, "_fields") else None
     if isinstance(c, torch.Tensor):
-        c.add_(1)
+        counters.add_(c)
     for child in node:
         _advance_counts(child)
 

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zerofn import collectives as C
+from zerofn import counters
 from zerofn.optim._checks import (
     check_count,
     check_number,
@@ -185,7 +186,7 @@ def _muon(options: _Options, view: ParamView | None) -> GradientTransformation:
         flat("muon.init", "params", params)
         plan_of(params, "muon.init")
         return MuonState(
-            count=torch.zeros((), dtype=torch.int64),
+            count=counters.new(0),
             momentum=tree_map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params),
         )
 
@@ -218,7 +219,7 @@ def _muon(options: _Options, view: ParamView | None) -> GradientTransformation:
             )
         info = info_of(extra)
         missing = info.missing if info is not None else frozenset()
-        state.count.add_(1)
+        counters.add_(state.count)
         # Each bucket's direction first (its gather started), then the previous bucket's matrices, so
         # that one gather is in flight while the CPU or GPU orthogonalises.
         previous = None

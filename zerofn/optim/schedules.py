@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
+from zerofn import counters
 from zerofn.optim._checks import check_number
 from zerofn.optim.base import Schedule
 
 
 def _count(where: str, count: Any) -> int:
     if isinstance(count, torch.Tensor) and count.numel() == 1:
-        count = count.item()
+        count = counters.value(count)
     if not isinstance(count, numbers.Integral) or isinstance(count, bool):
         raise TypeError(f"{where}: the step count must be an int, got {type(count).__name__} {count!r}.")
     return int(count)

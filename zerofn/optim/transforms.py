@@ -13,6 +13,7 @@ import struct
 
 import torch
 
+from zerofn import counters
 from zerofn.optim._checks import (
     FIX_PARAMS,
     check_count,
@@ -40,7 +41,7 @@ from zerofn.tree import describe_leaf, tree_map
 
 
 def _new_count() -> torch.Tensor:
-    return torch.zeros((), dtype=torch.int64, device="cpu")
+    return counters.new(0)
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -121,7 +122,7 @@ def _scale_by_schedule(fn: Schedule, *, sign: float, where: str, nonneg: bool = 
         leaves, _ = flat(where, "updates", updates)
         for (u,) in foreach_groups(leaves):
             torch._foreach_mul_(u, sign * value)
-        state.count.add_(1)
+        counters.add_(state.count)
         return updates, state
 
     return GradientTransformation(init, update)
@@ -234,7 +235,7 @@ def _scale_by_adam(b1, b2, eps, mu_dtype, nu_dtype, view: ParamView | None) -> G
         check_same(where, "updates", spec, "state.mu", mu_spec, mu, g, dtypes=mu_dtype is None)
         check_same(where, "state.nu", nu_spec, "state.mu", mu_spec, mu, nu, dtypes=mu_dtype == nu_dtype)
         count = check_count(where, state.count)
-        state.count.add_(1)
+        counters.add_(state.count)
         for t, cols in by_step(view, keys_of(spec), info_of(extra), count, g, mu, nu):
             for g_, mu_, nu_ in foreach_groups(*cols):
                 _adam_moments(g_, mu_, nu_, t, b1, b2, eps)
@@ -428,7 +429,7 @@ def _decay_weights(rate: ScalarOrSchedule, view: ParamView | None) -> GradientTr
                     f"{where}: the decay rate at count {count} is {value}; it must be >= 0 "
                     f"(it is lr * weight_decay). Check the learning-rate schedule."
                 )
-            state.count.add_(1)
+            counters.add_(state.count)
         else:
             value = rate
         if params is None:
