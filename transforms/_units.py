@@ -5,7 +5,9 @@ together; :func:`unit_names` chooses them (the ``units=`` policy: by
 default the model's natural blocks, or :class:`MinUnitBytes` to cut by
 size) and :func:`assign_units` places every parameter in one.
 :class:`Materialiser` fills this rank's shards one module at a time, also
-from a model built on the meta device.
+from a model built on the meta device. :class:`Intercept` runs a step's own
+work around a module's call from outside the module: outside the region
+that ``module.compile()`` compiled (see docs/compile.md).
 """
 
 from __future__ import annotations
@@ -25,7 +27,19 @@ from zerofn import tree as T
 from zerofn.functional import Functional
 from zerofn.state import Bucket, Layout
 
-__all__ = ["ROOT", "Materialiser", "MinUnitBytes", "Unit", "assign_units", "inside", "unit_buckets", "unit_names"]
+__all__ = [
+    "ROOT",
+    "Intercept",
+    "Materialiser",
+    "MinUnitBytes",
+    "Unit",
+    "assign_units",
+    "compiled",
+    "compiles_children",
+    "inside",
+    "unit_buckets",
+    "unit_names",
+]
 
 ROOT = ""
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)  # their children are a model's natural blocks
@@ -228,6 +242,55 @@ def assign_units(functional: Functional, named: dict, unit_names: list[str]) -> 
         if first in out and unit_for(alias) != out[first]:
             out[first] = ROOT
     return out
+
+
+# ---------------------------------------------------------------- calls from outside compiled regions
+
+_ABSENT = object()
+
+
+def compiled(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs the region ``module.compile()`` compiled (its ``_call_impl``: the
+    module's hooks and forward, its submodules' calls)."""
+    call = module.__dict__.get("_compiled_call_impl")
+    while isinstance(call, Intercept):
+        call = call.previous
+    return call is not None and call is not _ABSENT
+
+
+def compiles_children(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(m)``'s wrapper, whose own call is not compiled but runs ``m``
+    compiled (so its children run inside a compiled region)."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # none can exist before dynamo is imported
+    return dynamo is not None and isinstance(module, dynamo.OptimizedModule)
+
+
+class Intercept:
+    """``around(call, args, kwargs)`` runs in place of ``module``'s call until :meth:`remove`.
+
+    It takes the place of the module's compiled call (``module.compile()``'s, or the one an earlier
+    Intercept installed; the module's own ``_call_impl`` when there is none), which ``nn.Module.__call__``
+    runs before anything else: so ``around`` runs in eager code, outside the compiled region, and ``call``
+    is the module's call as it was (its hooks and forward, compiled if they were). Nothing is left on the
+    module after :meth:`remove`. Dynamo, tracing a compiled region that calls the module, does not see it:
+    an Intercept acts on calls made from eager code.
+    """
+
+    def __init__(self, module: nn.Module, around: Any):
+        self.module, self.around = module, around
+        self.previous = module.__dict__.get("_compiled_call_impl", _ABSENT)
+        self.call = self.previous if self.previous not in (None, _ABSENT) else module._call_impl
+        module.__dict__["_compiled_call_impl"] = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.around(self.call, args, kwargs)
+
+    def remove(self) -> None:
+        """Put the module's call back as it was (an Intercept installed after this one goes with it)."""
+        if self.previous is _ABSENT:
+            self.module.__dict__.pop("_compiled_call_impl", None)
+        else:
+            self.module.__dict__["_compiled_call_impl"] = self.previous
 
 
 # ---------------------------------------------------------------- materialising shards

@@ -15,8 +15,9 @@ policy, as jmp's ``Policy`` with its loss scale:
   outputs come back in fp32 (so the loss is computed in fp32); modules of the
   ``fp32_modules`` types (norms, losses) keep their parameters in fp32 and
   run in fp32: their floating inputs are cast up, their outputs back down
-  (a loss's stay fp32). Global module hooks do it, installed while the step
-  runs its forward and backward (a recompute under ``remat`` sees them too).
+  (a loss's stay fp32). Hooks on the model's modules do it, registered while
+  the step runs its forward and backward (a recompute under ``remat`` sees
+  them too) and removed after.
 - ``grad_dtype``: gradients are bucketed and reduced in ``dtype`` (or
   ``reduce_dtype``, as FSDP2's ``reduce_dtype``): half of fp32's traffic.
 - ``wrap_optimizer`` (:func:`master_weights`): the optimizer state holds an
@@ -61,6 +62,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -70,6 +72,7 @@ from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.loss import _Loss
 from torch.utils._pytree import tree_map_only
 
+from zerofn import counters
 from zerofn import optim as O
 from zerofn import tree as T
 from zerofn._io import FileTensor
@@ -127,7 +130,7 @@ FP32_MODULES: tuple[type, ...] = (
 
 
 def _i64(v: int) -> torch.Tensor:
-    return torch.tensor(v, dtype=torch.int64)
+    return counters.new(v)  # carries its value on the host: adjusting the scale reads no tensor
 
 
 @T.state_class
@@ -141,7 +144,7 @@ class NoOpLossScale:
         return 1.0
 
     def adjust(self, finite: bool) -> NoOpLossScale:
-        return NoOpLossScale(_i64(0 if finite else int(self.skips) + 1))
+        return NoOpLossScale(_i64(0 if finite else counters.value(self.skips) + 1))
 
 
 @T.state_class
@@ -152,7 +155,7 @@ class StaticLossScale:
     skips: torch.Tensor
 
     def adjust(self, finite: bool) -> StaticLossScale:
-        return StaticLossScale(self.scale, _i64(0 if finite else int(self.skips) + 1))
+        return StaticLossScale(self.scale, _i64(0 if finite else counters.value(self.skips) + 1))
 
 
 @T.state_class
@@ -173,7 +176,9 @@ class DynamicLossScale:
     min_scale: float = T.field(static=True, default=1.0)
 
     def adjust(self, finite: bool) -> DynamicLossScale:
-        scale, good, left, skips = float(self.scale), int(self.good_steps), int(self.hysteresis_left), int(self.skips)
+        scale, good, left, skips = (
+            counters.value(t) for t in (self.scale, self.good_steps, self.hysteresis_left, self.skips)
+        )
         if finite:
             good, skips = good + 1, 0
             if good % self.growth_interval == 0:
@@ -185,7 +190,7 @@ class DynamicLossScale:
             else:
                 left -= 1
         return DynamicLossScale(
-            torch.tensor(scale, dtype=torch.float32),
+            counters.new(scale, torch.float32),
             _i64(good),
             _i64(left),
             _i64(skips),
@@ -305,15 +310,17 @@ class MixedPrecision(Precision):
         return self.scale_settings.new()
 
     def loss_scale_factor(self, loss_scale: Any) -> float:
-        return float(loss_scale.scale)
+        return float(counters.value(loss_scale.scale))
 
     def adjust(self, loss_scale: Any, finite: bool) -> Any:
         return loss_scale.adjust(finite)
 
     def metrics(self, loss_scale: Any) -> dict[str, Any]:
         return {
-            "loss_scale": torch.tensor(float(loss_scale.scale), dtype=torch.float32),
-            "consecutive_skips": int(loss_scale.skips),
+            "loss_scale": loss_scale.scale.float()
+            if isinstance(loss_scale.scale, torch.Tensor)
+            else torch.tensor(loss_scale.scale, dtype=torch.float32),
+            "consecutive_skips": counters.value(loss_scale.skips),
         }
 
 
@@ -416,59 +423,82 @@ def _fp32_modules(compute: str, fp32_modules: Any) -> tuple:
 
 
 class _ParamCompute:
-    """compute="param"'s casts, as global module hooks: the model's inputs to ``dtype`` and its outputs to
-    fp32; ``fp32`` modules' inputs to fp32 and their outputs back to ``dtype`` (a loss's stay fp32).
+    """compute="param"'s casts: the model's inputs to ``dtype`` and its outputs to fp32; ``fp32`` modules'
+    inputs to fp32 and their outputs back to ``dtype`` (a loss's stay fp32).
 
-    A call made while no other module runs, during the forward, is the model's (a top-level call). The hooks
-    stay installed until the step's backward is over (the step's binding stack), so a recompute in backward
-    (``remat``'s checkpointing) runs with the same casts; outside a step they go at the context's exit.
+    A module called while no other runs, during the forward, is a top-level call (the model's; a loss module's
+    in loss_fn). One global forward pre-hook finds such calls and is there only between them: at a top-level
+    call it removes itself and gives the module hooks of its own, on it and on its ``fp32`` modules (once per
+    step), and the module's forward hook puts it back when the call returns. So no module runs under a global
+    hook while a top-level call runs (a block compiled with ``block.compile()`` traces its own modules' hooks
+    only, the same functions every step). The modules' hooks stay until the step's backward is over (the
+    step's binding stack), so a recompute in backward (``remat``'s checkpointing) casts alike; outside a step,
+    or when the forward raises, every hook goes at the context's exit. Nothing stays on the modules after.
     """
 
     def __init__(self, dtype: torch.dtype, fp32: tuple):
         self.dtype, self.fp32 = dtype, fp32
-        self.depth = 0  # module calls now running
-        self.tops: set[int] = set()  # ids of the modules called at the top level during the forward
         self.forward = True  # the forward is running (not a recompute in backward)
-        self.handles: list = []
+        self.finder: Any = None  # the global pre-hook that finds top-level calls, between them
+        self.prepared: set[int] = set()  # ids of the modules called at the top level, which have hooks
+        self.handles: list = []  # those modules' hooks and their fp32 modules'
 
     def __enter__(self) -> _ParamCompute:
-        hooks = torch.nn.modules.module
-        self.handles = [
-            hooks.register_module_forward_pre_hook(self._pre),
-            hooks.register_module_forward_hook(self._post, always_call=True),
-        ]
+        self._arm()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.forward = False
+        self._disarm()
         binding = BINDING.get()
         if binding is not None and exc[0] is None:
             binding.callback(self._remove)  # after the step's backward
         else:
             self._remove()
 
+    def _arm(self) -> None:
+        if self.forward and self.finder is None:
+            self.finder = torch.nn.modules.module.register_module_forward_pre_hook(self._found)
+
+    def _disarm(self) -> None:
+        if self.finder is not None:
+            self.finder.remove()
+            self.finder = None
+
     def _remove(self) -> None:
+        self._disarm()
         for h in self.handles:
             h.remove()
         self.handles = []
 
-    def _pre(self, module: nn.Module, args: tuple) -> tuple:
-        if self.depth == 0 and self.forward:
-            self.tops.add(id(module))
-        self.depth += 1
-        if isinstance(module, self.fp32):
-            return _to(args, torch.float32)
-        if id(module) in self.tops:
-            return _to(args, self.dtype)
-        return args
+    def _found(self, module: nn.Module, args: tuple) -> tuple | None:
+        """A top-level call: its module gets hooks of its own (this call's pre-hooks are already chosen, so
+        this one casts its inputs), and the finder goes until the call returns."""
+        self._disarm()
+        if id(module) in self.prepared:
+            return None  # its own pre-hook casts
+        self.prepared.add(id(module))
+        outer = torch.float32 if isinstance(module, self.fp32) else self.dtype
+        for m in module.modules():
+            if m is not module and isinstance(m, self.fp32):
+                self.handles.append(m.register_forward_pre_hook(functools.partial(_cast_in, torch.float32)))
+                self.handles.append(m.register_forward_hook(functools.partial(_fp32_out, self.dtype)))
+        self.handles.append(module.register_forward_pre_hook(functools.partial(_cast_in, outer)))
+        self.handles.append(module.register_forward_hook(self._top_out, always_call=True))
+        return _to(args, outer)
 
-    def _post(self, module: nn.Module, args: tuple, out: Any) -> Any:
-        self.depth -= 1
-        if id(module) in self.tops:
-            return _to(out, torch.float32)
-        if isinstance(module, self.fp32) and not isinstance(module, _Loss):
-            return _to(out, self.dtype)
-        return out
+    def _top_out(self, module: nn.Module, args: tuple, out: Any) -> Any:
+        self._arm()  # the next top-level call
+        return _to(out, torch.float32)
+
+
+def _cast_in(dtype: torch.dtype, module: nn.Module, args: tuple) -> tuple:
+    return _to(args, dtype)
+
+
+def _fp32_out(dtype: torch.dtype, module: nn.Module, args: tuple, out: Any) -> Any:
+    """An fp32 module's output, back to ``dtype`` (a loss's stays fp32)."""
+    return out if isinstance(module, _Loss) else _to(out, dtype)
 
 
 def _to(tree: Any, dtype: torch.dtype) -> Any:
@@ -492,7 +522,7 @@ def _new_scale(s: ScaleSettings):
         if not (0 < min_scale <= init_scale):
             raise ValueError(f"amp: need 0 < min_scale <= init_scale, got {min_scale} and {init_scale}")
         return DynamicLossScale(
-            torch.tensor(float(init_scale)),
+            counters.new(float(init_scale), torch.float32),
             _i64(0),
             _i64(hysteresis),
             _i64(0),
@@ -502,5 +532,5 @@ def _new_scale(s: ScaleSettings):
             float(min_scale),
         )
     if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0:
-        return StaticLossScale(torch.tensor(float(loss_scale)), _i64(0))
+        return StaticLossScale(counters.new(float(loss_scale), torch.float32), _i64(0))
     raise ValueError(f'amp: loss_scale must be "dynamic", a positive float or None, got {loss_scale!r}')

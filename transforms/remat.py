@@ -1,11 +1,19 @@
 """``remat``: activation checkpointing per block, as ``jax.checkpoint`` does it.
 
 Adds an extension to the step (see docs/design.md) whose context, around
-each forward and backward, wraps the ``forward`` of every chosen block in
+each forward and backward, runs every call of each chosen block under
 ``torch.utils.checkpoint`` (non-reentrant): the forward keeps only each
 block's inputs, and backward recomputes one block at a time just before
 its gradient is needed. Activation memory then drops from every block's
 intermediate tensors to the blocks' inputs plus one block's intermediates.
+
+The block's call (its hooks and forward, as ``torch.distributed``'s
+``checkpoint_wrapper`` checkpoints it) is checkpointed from outside it
+(:class:`zerofn.transforms._units.Intercept`): nothing on the block is
+changed after the step, and a block compiled with ``block.compile()`` is
+recomputed by its compiled code, with no recompilation. A block inside a
+region compiled as a whole (``model.compile()``) cannot be reached from
+outside that region: the step raises instead of silently saving nothing.
 
 - Which blocks: by default the same natural blocks ``shard_params`` gathers
   as units (``ModuleList``, ``Sequential`` and ``ModuleDict`` children),
@@ -45,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-from zerofn.transforms._units import natural_blocks, unit_names
+from zerofn.transforms._units import Intercept, compiled, compiles_children, natural_blocks, unit_names
 
 from zerofn.extension import Extension
 from zerofn.step import Step, reapply, transform
@@ -97,31 +105,46 @@ def remat(
 
 @contextlib.contextmanager
 def _checkpointed(blocks: Any, save: Any, model: Callable, state: Any):
-    """Wrap the chosen blocks' forward in checkpoint() for one forward and backward."""
+    """Run every call of the chosen blocks under checkpoint() for one forward and backward."""
     module = model().module
     names = natural_blocks(module) if blocks is None else unit_names(module, blocks, where="remat: blocks")
+    _check_reachable(module, names)
     context_fn = functools.partial(_selective, save) if save is not None else None
-    patched = []
+    intercepts = []
     try:
         for name in names:
-            block = module.get_submodule(name)
-            own = block.__dict__.get("forward")  # a forward set on the instance, kept as it is
-            block.forward = functools.partial(_forward, block.forward, context_fn)
-            patched.append((block, own))
+            intercepts.append(Intercept(module.get_submodule(name), functools.partial(_recomputed, context_fn)))
         yield
     finally:
-        for block, own in patched:
-            if own is None:
-                del block.forward
-            else:
-                block.forward = own
+        for i in reversed(intercepts):
+            i.remove()
 
 
-def _forward(forward: Callable, context_fn: Callable | None, *args: Any, **kwargs: Any) -> Any:
+def _recomputed(context_fn: Callable | None, call: Callable, args: tuple, kwargs: dict) -> Any:
     if not torch.is_grad_enabled():  # nothing to save for: run it plainly
-        return forward(*args, **kwargs)
+        return call(*args, **kwargs)
     extra = {"context_fn": context_fn} if context_fn is not None else {}
-    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+    return checkpoint(call, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+
+def _check_reachable(module: nn.Module, names: list[str]) -> None:
+    """Raise when a chosen block lies inside a module that was compiled as a whole: its calls are made from
+    compiled code, which runs the block's forward without passing through anything remat can put around it."""
+    blocks = {id(module.get_submodule(n)): n for n in names}
+
+    def walk(m: nn.Module, path: str, region: str | None) -> None:
+        if region is not None and id(m) in blocks:
+            raise ValueError(
+                f"remat: block {blocks[id(m)]!r} runs inside {region or 'the model'}, which was compiled as a whole "
+                f"({region or 'model'}.compile() or torch.compile), so its calls come from compiled code and remat "
+                "cannot checkpoint them. Compile the blocks one by one instead (for block in model.blocks: "
+                "block.compile()), as docs/compile.md shows, or leave the model uncompiled."
+            )
+        inner = region if region is not None else (path if compiled(m) or compiles_children(m) else None)
+        for name, child in m.named_children():
+            walk(child, f"{path}.{name}" if path else name, inner)
+
+    walk(module, "", None)
 
 
 def _selective(save: Any):

@@ -32,7 +32,11 @@ their gradients land, as in ``shard_grads``), and the ``storage``, with a
   (with the next units in backward order prefetched). As backward hands
   over a unit's gradients they go into its bucket, which is reduce-scattered
   while backward goes on; when the unit's last gradient is in, its full
-  buffer is released.
+  buffer is released. A module compiled with ``module.compile()`` gets no
+  hooks: its unit opens and closes around its compiled call, in eager code
+  (:class:`~zerofn.transforms._units.Intercept`), and the modules inside it
+  run in the open unit, so dynamo never traces zerofn's work (docs/compile.md).
+  Nothing stays on the modules after the step.
 - ``opt_view`` / ``publish``: the state holds shards, which the optimizer
   updates in place; nothing is gathered after the update.
 - ``init``: the state is built shard by shard, one module's parameters at
@@ -58,7 +62,10 @@ the read and hands over a copy whose gradient flows into the unit's
 bucket), and ranks that run different units (they agree on each unit the
 forward runs, each outside read and each backward gather before its
 collective, and on the forward's end, so ranks that diverge raise together
-at the first differing point instead of hanging).
+at the first differing point instead of hanging; while the forward follows
+the order the last step recorded, every rank issues the gathers that order
+predicts at each unit, so the agreement on the unit stays in flight and is
+checked at the next point instead of costing a round trip per unit).
 
 Collectives per step: all-gather of every unit in forward and again in
 backward (but the root and the last block, kept from the forward), and a
@@ -88,14 +95,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from zerofn.transforms._units import (
     ROOT,
+    Intercept,
     Materialiser,
     MinUnitBytes,
     Unit,
     assign_units,
+    compiled,
+    compiles_children,
     inside,
     unit_buckets,
     unit_names,
@@ -103,10 +114,11 @@ from zerofn.transforms._units import (
 from zerofn.transforms.shard_grads import shard_grads
 
 from zerofn import collectives as C
+from zerofn import counters
 from zerofn import tree as T
 from zerofn.functional import ACTIVE_RUN, Functional
 from zerofn.reduction import GradSink
-from zerofn.state import Bucket, Layout, TrainState, settle
+from zerofn.state import Bucket, Layout, TrainState
 from zerofn.step import Step, reapply, transform
 from zerofn.storage import Held, ParamSplit, Storage, to_host, whole_params
 
@@ -216,7 +228,7 @@ class UnitStorage(Storage):
         if self.param_placement == "cpu":  # shards at rest in host memory
             shards = [to_host(t, torch.cuda.is_available()) for t in shards]
         flats, frozen = tuple(shards[: len(buckets)]), tuple(shards[len(buckets) :])
-        return Held(flats, frozen, layout, {ORDER: torch.zeros(0, dtype=torch.int64)})
+        return Held(flats, frozen, layout, {ORDER: counters.new_like(())})
 
     @contextlib.contextmanager
     def bind(self, state: TrainState, sink: GradSink, model: Callable, extra: dict):
@@ -228,7 +240,7 @@ class UnitStorage(Storage):
             ACTIVE_RUN.reset(token)
             runner.close()
             if runner.forward_order:
-                extra[ORDER] = torch.tensor([u.index for u in dict.fromkeys(runner.forward_order)], dtype=torch.int64)
+                extra[ORDER] = counters.new_like(u.index for u in dict.fromkeys(runner.forward_order))
 
     def adopt(self, functional: Functional, state: TrainState, share: bool, updates_late: bool = False) -> None:
         functional.adopt({})  # the state holds shards: every parameter becomes a placeholder
@@ -236,7 +248,7 @@ class UnitStorage(Storage):
     def opt_view(self, flat: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
         return flat  # the state holds shards already
 
-    def publish(self, flats: tuple, layout: Layout, rank: int) -> None:
+    def publish(self, flats: tuple, layout: Layout, rank: int, inflight: Any) -> None:
         return None  # updated in place, gathered when used
 
     def forward(self, state: TrainState, model: Callable, args: tuple, kwargs: dict) -> Any:
@@ -346,7 +358,7 @@ class _Runner:
         self.units = [_LiveUnit(u, i) for i, u in enumerate(self.layout.units)]
         # The shards without waiting for an update still writing them (offload's, on its worker thread):
         # each unit waits for its own buckets before it is gathered.
-        self.flats = state.arriving_params()
+        self.flats, self.inflight = state.arriving_params(), state.inflight
         self.by_name = {u.spec.name: u for u in self.units}
         self.leaves: dict[str, torch.Tensor] = {}
         self.unit_of: dict[str, _LiveUnit] = {}  # parameter name -> its unit
@@ -355,6 +367,9 @@ class _Runner:
         self.last_order = state.extra.get(ORDER)
         self.expected: list[_LiveUnit] | None = None
         self.backward_queue: list[_LiveUnit] | None = None
+        self.probe: tuple | None = None  # the agreement in flight: (handle, its values on the host, code)
+        self.next_open = 0  # where the forward is in the recorded order (among units with parameters)
+        self.recorded: list[_LiveUnit] | None = None  # that order, units with parameters only
         trainable = sink is not None and torch.is_grad_enabled()
         # One rank holds whole buckets: the leaves view them where they lie, with nothing to gather or release.
         whole = C.world_size() == 1 and not host_shards
@@ -375,22 +390,12 @@ class _Runner:
                 if not whole:
                     full.untyped_storage().resize_(0)
                     unit.fulls.append((full, shard))
-        # Every module call inside a unit (the unit's own module or any of its
-        # submodules: a model may call a block's layers without calling the
-        # block) opens the unit; modules in no unit belong to the root.
-        owner: dict[int, tuple[nn.Module, _LiveUnit]] = {}
-        for name, m in self.module.named_modules():
-            best = self.by_name[ROOT]
-            for unit in self.units:
-                if unit.spec.name and inside(name, unit.spec.name):
-                    best = unit
-            owner[id(m)] = (m, best)
-        for m, unit in owner.values():
-            top = (unit.spec.name and self.module.get_submodule(unit.spec.name) is m) or (
-                not unit.spec.name and m is self.module
-            )
-            self.hooks.append(m.register_forward_pre_hook(functools.partial(self._before, unit)))
-            self.hooks.append(m.register_forward_hook(functools.partial(self._after, unit, bool(top))))
+        self.intercepts: list[Intercept] = []
+        try:
+            self._watch_calls()
+        except BaseException:
+            self._unwatch()
+            raise
         self.open_block: _LiveUnit | None = None
         self._placeholders = None
         self.calls = 0  # model calls running (forward); none while backward recomputes
@@ -404,6 +409,62 @@ class _Runner:
         self.copies: dict[str, torch.Tensor] = {}  # parameters read outside their unit: gathered copies
         self.showing = False  # the model's places hold what the runner puts there (between run and close)
         self.closed = False
+
+    def _watch_calls(self) -> None:
+        """Make every module call inside a unit open the unit (the unit's own module or any of its submodules:
+        a model may call a block's layers without calling the block); modules in no unit belong to the root.
+
+        An eager module gets a forward pre-hook and hook. A module compiled with ``module.compile()`` gets an
+        :class:`Intercept` instead, so that the unit opens and closes in eager code around the compiled call
+        (its hooks would run inside the compiled region, where dynamo would trace them); its submodules in the
+        same unit get nothing (they run inside that call, with the unit open). A module in a compiled region
+        whose unit differs from its parent's (a block of a model compiled whole) can only be reached by hooks,
+        which dynamo traces: the graph breaks there (docs/compile.md)."""
+        owner: dict[int, _LiveUnit] = {}
+        for name, m in self.module.named_modules():
+            best = self.by_name[ROOT]
+            for unit in self.units:
+                if unit.spec.name and inside(name, unit.spec.name):
+                    best = unit
+            owner[id(m)] = best
+        seen: set[int] = set()
+
+        def walk(m: nn.Module, parent: _LiveUnit | None, in_region: bool) -> None:
+            if id(m) in seen:
+                return
+            seen.add(id(m))
+            unit = owner[id(m)]
+            top = bool((unit.spec.name and self.module.get_submodule(unit.spec.name) is m) or m is self.module)
+            if not in_region and compiled(m):
+                self.intercepts.append(Intercept(m, C.with_current_group(functools.partial(self._call, unit, top, m))))
+            elif not in_region or unit is not parent:
+                # In the step's group also where autograd recomputes on a thread of its own (CUDA).
+                before = C.with_current_group(functools.partial(self._before, unit))
+                after = C.with_current_group(functools.partial(self._after, unit, top))
+                if in_region:  # dynamo would trace them: it calls them outside the graph instead (a break)
+                    before, after = torch.compiler.disable(before), torch.compiler.disable(after)
+                self.hooks.append(m.register_forward_pre_hook(before))
+                self.hooks.append(m.register_forward_hook(after))
+            region = in_region or compiled(m) or compiles_children(m)
+            for child in m.children():
+                walk(child, unit, region)
+
+        walk(self.module, None, False)
+
+    def _call(self, unit: _LiveUnit, top: bool, module: nn.Module, call: Callable, args: tuple, kwargs: dict) -> Any:
+        """A compiled module's call (see :meth:`_watch_calls`): the unit's hooks around it, in eager code."""
+        self._before(unit, module, args)
+        out = call(*args, **kwargs)
+        self._after(unit, top, module, args, out)
+        return out
+
+    def _unwatch(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        for i in reversed(self.intercepts):
+            i.remove()
+        self.intercepts = []
 
     # ---------------------------------------------------------- entry points
 
@@ -483,10 +544,12 @@ class _Runner:
 
     def close(self) -> None:
         self.showing = False  # the model has its own parameters back
-        for h in self.hooks:
-            h.remove()
+        self._unwatch()
         for unit in self.units:
             self._release(unit)
+        if self.probe is not None:  # a forward that raised left its last agreement in flight: end it alike
+            with contextlib.suppress(RuntimeError):
+                self._settled()
         self.copies = {}
         self.closed = True
 
@@ -496,7 +559,7 @@ class _Runner:
         if unit.ready or unit.handles:
             return
         for i in unit.spec.buckets:  # an update still writing a shard finishes first (on every rank alike)
-            settle(self.flats, i)
+            self.inflight.wait_bucket(i)
         if not unit.fulls:
             return
         for full, shard in unit.fulls:
@@ -512,18 +575,36 @@ class _Runner:
         unit.handles = []
         unit.ready = True
 
-    def _agree(self, kind: int, unit: _LiveUnit | None) -> None:
+    def _agree(self, kind: int, unit: _LiveUnit | None, wait: bool = True) -> None:
         """Every rank must be at the same point: opening the same unit, reading the same unit's parameter
         from outside it, gathering the same unit for backward, or ending the forward. One max-reduce of
-        (code, -code) on the control group, waited for before any gather this point issues, so that ranks
-        which took different paths raise here together instead of waiting in mismatched collectives."""
+        (code, -code) on the control group, which ranks that took different paths see differ, so that they
+        raise together instead of waiting in mismatched collectives.
+
+        ``wait``: wait for it here, before any gather this point issues. Otherwise it stays in flight until
+        the next agreement (or :meth:`_settled`): a forward that follows the recorded order issues the same
+        gathers on every rank whichever unit each one opened (see :meth:`_opened`), so it checks each point
+        one point later, and no rank waits for a round trip per unit. The values are read from the probe's
+        host buffer (a CPU tensor of the control group), no device read."""
         if C.world_size() == 1:
             return
+        self._settled()
         n = len(self.units)
         code = kind * (n + 1) + (unit.index if unit is not None else n)
-        probe = torch.tensor([code, -code], dtype=torch.int64)
-        C.all_reduce(probe, "max", control=True)
-        hi, lo = int(probe[0]), -int(probe[1])
+        values = np.array([code, -code], dtype=np.int64)
+        handle = C.all_reduce(torch.from_numpy(values), "max", async_op=True, control=True)
+        self.probe = (handle, values, code)
+        if wait:
+            self._settled()
+
+    def _settled(self) -> None:
+        """Wait for the agreement in flight, if any; raise if the ranks were at different points."""
+        if self.probe is None:
+            return
+        handle, values, code = self.probe
+        self.probe = None
+        handle.wait()
+        hi, lo = int(values[0]), -int(values[1])
         if hi != lo:
             raise RuntimeError(
                 f"shard_params: ranks gathered different units at the same point of the step: rank {C.rank()} "
@@ -572,7 +653,7 @@ class _Runner:
     def _expected_forward(self) -> list[_LiveUnit]:
         if self.expected is None:
             if self.last_order is not None and self.last_order.numel():
-                self.expected = [self.units[i] for i in self.last_order.tolist()]
+                self.expected = [self.units[i] for i in counters.values(self.last_order)]  # carried: no read
             else:  # first step: the root runs first, then the blocks in registration order
                 self.expected = [self.by_name[ROOT]] + [u for u in reversed(self.units) if u.spec.name != ROOT]
         return self.expected
@@ -600,10 +681,30 @@ class _Runner:
 
     def _opened(self, unit: _LiveUnit) -> None:
         self.forward_order.append(unit)
-        if unit.fulls:  # a unit without parameters issues no collective to disagree on
+        expected = self._expected_forward()
+        if not unit.fulls:  # a unit without parameters issues no collective to disagree on
+            self._ensure(unit)
+            return
+        if self.last_order is not None and self.last_order.numel():
+            # The order the last step recorded (every rank's, agreed on then): every rank issues the gathers
+            # it predicts at this point, the next unit in it and `prefetch` after that, whichever unit it opened,
+            # so the agreement on the unit can stay in flight; a rank that opened another unit waits for it.
+            if self.recorded is None:
+                self.recorded = [u for u in expected if u.fulls]
+            order = self.recorded
+            self._agree(_OPEN, unit, wait=False)
+            for u in order[self.next_open : self.next_open + 1 + self.prefetch]:
+                self._gather(u)
+            if self.next_open < len(order) and unit is order[self.next_open]:
+                self.next_open += 1
+                self._ensure(unit)
+                return
+            self._settled()  # ranks that opened different units raise here together
+            if unit in order[self.next_open :]:
+                self.next_open = order.index(unit, self.next_open) + 1
+        else:  # the first step: no order agreed on yet, each point waits for its agreement
             self._agree(_OPEN, unit)
         self._ensure(unit)
-        expected = self._expected_forward()
         if unit in expected:
             self._prefetch(expected[expected.index(unit) + 1 :], unit)
 
@@ -611,7 +712,7 @@ class _Runner:
         if torch.is_grad_enabled() and self.sink is not None:
             for t in T.tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(functools.partial(self._before_backward, unit))
+                    t.register_hook(C.with_current_group(functools.partial(self._before_backward, unit)))
         if not self.calls:  # a recompute in backward: see _before
             return
         unit.depth -= 1

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -169,6 +170,7 @@ class Functional:
         self._adopted = False  # the module holds meta placeholders (see adopt)
         self._guards: list = []
         self._watching = False
+        self._early: list[str] = []  # parameters read by compiled code: waited for before the call
         _OWNERS[id(self.params)] = weakref.ref(self)
 
     def __call__(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -213,6 +215,9 @@ class Functional:
         unwatch = self._watch() if isinstance(params, PendingParams) else None
         put_back = _put(self._slots, "_parameters", params)
         self._current = params
+        if unwatch is not None:
+            for name in self._early:  # read by compiled code: whole before the call
+                params.on_read(name)
 
         def restore() -> None:
             put_back()
@@ -232,10 +237,16 @@ class Functional:
         for owner, attr, name in self._slots.values():
             names.setdefault(id(owner), {})[attr] = name
             owners[id(owner)] = owner
+        # A module whose code runs compiled (module.compile(), torch.compile's wrapper) reads its parameters in
+        # compiled code, where dynamo would trace the wait (and recompile whenever what is in flight differs):
+        # its parameters are waited for here, before the call, and its dict stays as it is.
+        compiled = _compiled_code(self.module)
+        owners = {key: owner for key, owner in owners.items() if key not in compiled}
         own = {key: owner._parameters for key, owner in owners.items()}
         for key, owner in owners.items():  # writes during the call go to the stand-in, the module's dict stays
             owner._parameters = _ReadWaits(own[key], functools.partial(self._on_read, names[key]))
         self._watching = True
+        self._early = [name for key in compiled if key in names for name in names[key].values()]
 
         def unwatch() -> None:
             for key, owner in owners.items():
@@ -343,6 +354,27 @@ class Functional:
     def __repr__(self) -> str:
         n = sum(p.numel() for p in self.params.values())
         return f"functional({type(self.module).__name__}, {len(self.params)} params, {n:,} elements)"
+
+
+def _compiled_code(module: torch.nn.Module) -> set[int]:
+    """ids of the modules whose code runs compiled: a module compiled with ``module.compile()`` and every module
+    under it, every module under ``torch.compile``'s wrapper. A call put in front of a module's compiled call
+    (a step's, which keeps the one it replaced as ``previous``) is looked through."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # nothing is compiled before dynamo is imported
+    out: set[int] = set()
+
+    def walk(m: torch.nn.Module, inside: bool) -> None:
+        call = m.__dict__.get("_compiled_call_impl")
+        while call is not None and hasattr(call, "previous"):
+            call = call.previous
+        inside = inside or callable(call)
+        if inside:
+            out.add(id(m))
+        for child in m.children():
+            walk(child, inside or (dynamo is not None and isinstance(m, dynamo.OptimizedModule)))
+
+    walk(module, False)
+    return out
 
 
 def _places(module: torch.nn.Module, named) -> tuple[dict, dict[str, str]]:
