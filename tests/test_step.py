@@ -270,24 +270,22 @@ def _rank_bad_batches():
     step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-2)))
     state = step.init(apply.params)
     before = step.full_params(state)
-    try:
-        step(state, mlp_batch(0, 4 + rank))
-    except ValueError as e:
-        msg = str(e)
-    else:
-        msg = None
+
+    def error(batch):  # the step's ValueError on batch, None if it stepped
+        try:
+            step(state, batch)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    msg = error(mlp_batch(0, 4 + rank))
     # the state was not lost: it still steps with agreeing batches
     state, _ = step(state, mlp_batch(0, 4))
     stepped = max_abs_diff(step.full_params(state), before) > 0
     # later calls compare the shapes inside the update's statistics (no agreement of their own): caught
     # there, before the update
     kept = step.full_params(state)
-    try:
-        step(state, mlp_batch(1, 4 + rank))
-    except ValueError as e:
-        later = str(e)
-    else:
-        later = None
+    later = error(mlp_batch(1, 4 + rank))
     return msg, stepped, later, max_abs_diff(step.full_params(state), kept)
 
 

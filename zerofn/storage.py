@@ -267,18 +267,16 @@ class Storage:
         every other parameter becomes a placeholder. ``updates_late``: the
         optimizer may still be writing the buffers after a step returns.
         """
+        # A module sharing buffers that a step returns with work still in flight on them (a publish, a
+        # host update) could read them half written: it holds placeholders instead, and step.apply waits.
+        publishes = self.defer_publish and any(b.shards > 1 for b in state.spec.layout.buckets)
         views: dict[str, torch.Tensor] = {}
-        if share:
+        if share and not (publishes or updates_late):
             held = {**state.spec.layout.views(state.params), **state.frozen}
             for name, p in functional.params.items():
                 v = held.get(name)
                 if v is not None and v.dtype == p.dtype and v.device == p.device and v.shape == p.shape:
                     views[name] = v
-        # A module sharing buffers that a step returns with work still in flight on them (a publish, a
-        # host update) could read them half written: it holds placeholders instead, and step.apply waits.
-        publishes = self.defer_publish and any(b.shards > 1 for b in state.spec.layout.buckets)
-        if publishes or updates_late:
-            views = {}
         functional.adopt(views)
 
     def replace(self, **changes) -> Storage:
