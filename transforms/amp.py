@@ -26,7 +26,12 @@ policy, as jmp's ``Policy`` with its loss scale:
   result is cast back into the low-precision parameters, which are then
   published (all-gathered) in ``dtype``. The precision part wraps the
   optimizer before any extension does, so ``offload`` moves the master
-  weights with the rest of the optimizer state.
+  weights with the rest of the optimizer state. With
+  ``master_dtype=dtype`` (DeepSpeed's ``bf16_master_weights_and_grads``)
+  there is no master copy: the optimizer takes the gradients in ``dtype``
+  and updates the held parameters themselves (its moments in their own
+  dtype: ``zf.optim.adamw(..., mu_dtype=torch.float32, nu_dtype=torch.float32)``
+  keeps fp32 moments of bf16 parameters, the default moments are bf16).
 - the loss scale, a pytree in the state like jmp's:
   :class:`NoOpLossScale`, :class:`StaticLossScale` or
   :class:`DynamicLossScale`, one interface (``scale``, ``adjust(finite)``).
@@ -46,7 +51,8 @@ off with DeepSpeed's hysteresis: it shrinks by ``backoff`` on the
 Per-rank model-state bytes then follow the memory table in docs/design.md:
 DDP 16 Psi, ZeRO-1 4 Psi + 12 Psi / N, ZeRO-2 2 Psi + 14 Psi / N, ZeRO-3
 16 Psi / N (2 Psi of parameters, 4 Psi master + 8 Psi Adam moments in the
-optimizer state, and 2 Psi of gradients inside a step).
+optimizer state, and 2 Psi of gradients inside a step); ``master_dtype=dtype``
+drops the 4 Psi master (and bf16 moments halve the 8 Psi).
 
 Example:
     >>> import torch, zerofn as zf
@@ -269,6 +275,9 @@ class MixedPrecision(Precision):
             ``"param"`` (in the parameters' dtype, ``fp32_modules`` in fp32).
         fp32_modules: the module types that run in fp32 under ``"param"``
             (empty under ``"autocast"``).
+        master_dtype: the dtype of the weights the optimizer updates:
+            ``torch.float32`` (a master copy) or ``dtype`` (no copy: the
+            held parameters, with gradients in ``dtype``).
     """
 
     name: str | None = "amp"
@@ -277,6 +286,12 @@ class MixedPrecision(Precision):
     scale_settings: ScaleSettings = ScaleSettings()
     compute: str = "autocast"
     fp32_modules: tuple = ()
+    master_dtype: torch.dtype = torch.float32
+
+    @property
+    def keeps_masters(self) -> bool:
+        """Whether the optimizer state holds a master copy (False: the held parameters are updated)."""
+        return self.master_dtype != self.dtype
 
     def cast(self, t: torch.Tensor, owner: torch.nn.Module | None = None) -> torch.Tensor:
         if not t.is_floating_point() or t.dtype == self.dtype or isinstance(owner, (_BatchNorm, *self.fp32_modules)):
@@ -295,12 +310,16 @@ class MixedPrecision(Precision):
         return self.reduce_dtype or param_dtype
 
     def wrap_optimizer(self, optimizer: O.GradientTransformation) -> O.GradientTransformation:
-        return master_weights(optimizer)
+        return master_weights(optimizer) if self.keeps_masters else optimizer
 
     def optimizer_grads(self, reduced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not self.keeps_masters:  # the optimizer works on the held parameters, in their dtype
+            return {k: v.to(self.master_dtype) for k, v in reduced.items()}
         return {k: v.float() for k, v in reduced.items()}  # the optimizer works on the fp32 masters
 
     def masters(self, opt_state: Any) -> tuple | None:
+        if not self.keeps_masters:
+            return None  # the parameters themselves are what the optimizer updates
         found = find_quantity(opt_state, MASTER)  # in memory, on the host, or in NVMe files
         if not found:
             raise ValueError("amp: no fp32 master weights in the optimizer state (a state of another step?)")
@@ -342,6 +361,7 @@ def amp(
     reduce_dtype: torch.dtype | None = None,
     compute: str = "autocast",
     fp32_modules: Any = None,
+    master_dtype: torch.dtype = torch.float32,
 ) -> Step:
     """Mixed precision: ``dtype`` parameters and compute, fp32 master weights, loss scaling.
 
@@ -369,6 +389,13 @@ def amp(
             :data:`FP32_MODULES`: norms (BatchNorm, InstanceNorm, LayerNorm,
             GroupNorm, LocalResponseNorm, RMSNorm) and losses. Give ``()``
             to run every module in ``dtype``.
+        master_dtype: ``torch.float32`` (default): the optimizer updates an
+            fp32 master copy (:func:`master_weights`). ``dtype``: no master
+            copy, as DeepSpeed's ``bf16_master_weights_and_grads``: the
+            optimizer takes the gradients in ``dtype`` and updates the held
+            parameters in place (2 bytes per parameter less than the 4 of
+            the fp32 copy; its moments are as its ``mu_dtype``/``nu_dtype``
+            say, the parameters' dtype by default).
 
     Returns:
         The rewritten Step; its metrics add ``loss_scale`` and
@@ -377,8 +404,8 @@ def amp(
 
     Raises:
         TypeError: ``step`` is not a Step.
-        ValueError: a dtype that is not bf16/fp16, bad scale settings, an
-            unknown ``compute``, ``fp32_modules`` that are not module types
+        ValueError: a dtype that is not bf16/fp16, a ``master_dtype`` that is
+            neither fp32 nor ``dtype``, bad scale settings, an unknown ``compute``, ``fp32_modules`` that are not module types
             (or given with ``compute="autocast"``), or a step that already
             runs in mixed precision with other settings.
     """
@@ -386,13 +413,23 @@ def amp(
         raise ValueError(f"amp: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise ValueError(f"amp: reduce_dtype must be a floating dtype such as torch.float32, got {reduce_dtype!r}")
+    if master_dtype not in (torch.float32, dtype):
+        raise ValueError(
+            f"amp: master_dtype must be torch.float32 (an fp32 master copy) or the compute dtype {dtype} "
+            f"(no master copy: the held parameters are updated), got {master_dtype!r}"
+        )
     if loss_scale is _DEFAULT:
         loss_scale = "dynamic" if dtype == torch.float16 else None
     settings = ScaleSettings(loss_scale, init_scale, growth_interval, backoff, hysteresis, min_scale)
     settings.new()  # check the settings now, not at init
     modules = _fp32_modules(compute, fp32_modules)
     policy = MixedPrecision(
-        dtype=dtype, reduce_dtype=reduce_dtype, scale_settings=settings, compute=compute, fp32_modules=modules
+        dtype=dtype,
+        reduce_dtype=reduce_dtype,
+        scale_settings=settings,
+        compute=compute,
+        fp32_modules=modules,
+        master_dtype=master_dtype,
     )
     have = step.precision if isinstance(step.precision, MixedPrecision) else None
     if reapply(step, "amp", have, policy, "runs in mixed precision"):

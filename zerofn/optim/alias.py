@@ -128,6 +128,7 @@ def adam(
     mask: Any = None,
     mu_dtype: torch.dtype | None = None,
     nu_dtype: torch.dtype | None = None,
+    bias_correction: bool = True,
 ) -> GradientTransformation:
     """Adam, equal to ``torch.optim.Adam`` (L2 weight decay added to the gradient).
 
@@ -142,6 +143,9 @@ def adam(
         mask: which parameters decay (see :func:`~zerofn.optim.masked`; None: all of them).
         mu_dtype: the first moment's dtype (None: the parameters'; ``torch.bfloat16`` halves it).
         nu_dtype: the second moment's dtype, likewise.
+        bias_correction: divide the moments by ``1 - b**t`` (torch's Adam); False: use them as they
+            are, ``lr * mu / (sqrt(nu) + eps)``, as DeepSpeed's ``FusedAdam(bias_correction=False)``
+            (the chain of primitives then runs: torch's fused kernel always corrects).
 
     Returns:
         A ``GradientTransformation``.
@@ -162,8 +166,10 @@ def adam(
     parts = []
     if weight_decay:
         parts.append(_decaying(add_decayed_weights(weight_decay), mask))
-    parts.append(scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype))
+    parts.append(scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype, bias_correction=bias_correction))
     parts.append(scale_by_learning_rate(lr))
+    if not bias_correction:
+        return chain(*parts)
     adam_at = 1 if weight_decay else 0
     return _with_fused(parts, adam_at, lr, b1, b2, eps, weight_decay, mask, decoupled=False)
 
@@ -177,6 +183,7 @@ def adamw(
     mask: Any = None,
     mu_dtype: torch.dtype | None = None,
     nu_dtype: torch.dtype | None = None,
+    bias_correction: bool = True,
 ) -> GradientTransformation:
     """AdamW, equal to ``torch.optim.AdamW`` (decoupled: ``p *= 1 - lr * weight_decay``).
 
@@ -194,6 +201,9 @@ def adamw(
             tree returning one, such as :func:`~zerofn.optim.decay_mask` (None: all of them).
         mu_dtype: the first moment's dtype (None: the parameters'; ``torch.bfloat16`` halves it).
         nu_dtype: the second moment's dtype, likewise.
+        bias_correction: divide the moments by ``1 - b**t`` (torch's Adam); False: use them as they
+            are, ``lr * mu / (sqrt(nu) + eps)``, as DeepSpeed's ``FusedAdam(bias_correction=False)``
+            (the chain of primitives then runs: torch's fused kernel always corrects).
 
     Returns:
         A ``GradientTransformation``.
@@ -211,7 +221,10 @@ def adamw(
     _check_lr(where, lr)
     b1, b2 = _check_betas(where, betas)
     weight_decay = check_number(where, "weight_decay", weight_decay, low=0.0)
-    parts = [scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype), scale_by_learning_rate(lr)]
+    parts = [
+        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype, bias_correction=bias_correction),
+        scale_by_learning_rate(lr),
+    ]
     if weight_decay:
         if callable(lr):
             schedule = lr
@@ -222,4 +235,6 @@ def adamw(
             parts.append(_decaying(decay_weights(rate), mask))
         else:
             parts.append(_decaying(decay_weights(lr * weight_decay), mask))
+    if not bias_correction:
+        return chain(*parts)
     return _with_fused(parts, 0, lr, b1, b2, eps, weight_decay, mask, decoupled=True)

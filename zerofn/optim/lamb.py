@@ -27,11 +27,20 @@ from typing import Any, NamedTuple
 import torch
 
 from zerofn import collectives as C
-from zerofn.optim._checks import FIX_PARAMS, check_number, check_same, flat
-from zerofn.optim.base import EmptyState, GradientTransformation, ScalarOrSchedule, bind, chain
+from zerofn import counters
+from zerofn.optim._checks import FIX_PARAMS, check_count, check_number, check_same, check_state, flat
+from zerofn.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    ScalarOrSchedule,
+    ScaleByScheduleState,
+    bind,
+    chain,
+    foreach_groups,
+)
 from zerofn.optim.groups import masked
 from zerofn.optim.transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate
-from zerofn.optim.view import ParamView, StepInfo, info_of, keys_of
+from zerofn.optim.view import ParamView, StepInfo, by_step, info_of, keys_of
 
 __all__ = ["ScaleByTrustRatioState", "lamb", "scale_by_trust_ratio"]
 
@@ -45,7 +54,7 @@ def lamb(
     weight_decay: float = 0.0,
     *,
     mask: Any = None,
-    bias_correction: bool = True,
+    bias_correction: bool | str = True,
     min_trust_ratio: float | None = None,
     max_trust_ratio: float | None = None,
     mu_dtype: torch.dtype | None = None,
@@ -69,8 +78,15 @@ def lamb(
     first (chain :func:`~zerofn.optim.clip_by_global_norm` for that). DeepSpeed's ``FusedLamb`` clamps
     ``r`` to ``[min_coeff, max_coeff]`` (0.01 and 10 by default; ``min_trust_ratio``/``max_trust_ratio``
     here, a zero norm still giving 1), but reads ``r`` off the update before its bias correction, which it
-    applies to the step size instead, so its numbers differ. ``bias_correction=False`` uses the moments
-    as they are (the paper's algorithm; apex's and DeepSpeed's option of that name).
+    applies to the step size instead, so its numbers differ: ``bias_correction="step_size"`` is that
+    rule (below). ``bias_correction=False`` uses the moments as they are (the paper's algorithm; apex's
+    and DeepSpeed's option of that name).
+
+    DeepSpeed's ``FusedLamb`` (``"type": "Lamb"``) is ``lamb(lr, betas, eps, weight_decay,
+    bias_correction="step_size", min_trust_ratio=min_coeff, max_trust_ratio=max_coeff)``: the moments
+    uncorrected, ``u = m / (sqrt(v) + eps) + weight_decay * w``, its ratio clamped, and the step
+    ``w -= lr * sqrt(1 - b2**t) / (1 - b1**t) * r * u`` (``bias_correction=False`` there: ``w -= lr * r
+    * u``), equal to DeepSpeed's CUDA kernel up to float rounding (it multiplies in another order).
 
     A parameter that got no gradient on a step is not updated at all (torch's rule, see
     :class:`~zerofn.optim.view.StepInfo`): its moments and its update count stay, its weight is not
@@ -89,8 +105,9 @@ def lamb(
         weight_decay: coefficient >= 0 of the weight added to the update before the trust ratio.
         mask: which parameters decay (a tree of bools over the parameters or a function of the params
             tree returning one, such as :func:`~zerofn.optim.decay_mask`; None: all of them).
-        bias_correction: divide Adam's moments by ``1 - b**t`` (optax, and the default of apex and
-            DeepSpeed); False: use them as they are.
+        bias_correction: divide Adam's moments by ``1 - b**t`` (optax, and apex's default); False: use
+            them as they are; ``"step_size"``: use them as they are and multiply the update after its
+            trust ratio by ``sqrt(1 - b2**t) / (1 - b1**t)`` (DeepSpeed's ``FusedLamb``, its default).
         min_trust_ratio: the smallest trust ratio (None: no bound; DeepSpeed's ``min_coeff``).
         max_trust_ratio: the largest trust ratio (None: no bound; DeepSpeed's ``max_coeff``).
         mu_dtype: the first moment's dtype (None: the parameters'; ``torch.bfloat16`` halves it).
@@ -98,7 +115,8 @@ def lamb(
 
     Returns:
         A ``GradientTransformation``; its state is ``(ScaleByAdamState, [MaskedState or EmptyState],
-        EmptyState, ScaleState or ScaleByScheduleState)``.
+        EmptyState, [ScaleByScheduleState], ScaleState or ScaleByScheduleState)``, the fourth with
+        ``bias_correction="step_size"`` only.
 
     Example:
         >>> import torch
@@ -116,16 +134,45 @@ def lamb(
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise TypeError(f"{where}: betas must be a pair (b1, b2), got {betas!r}. Typically (0.9, 0.999).")
     weight_decay = check_number(where, "weight_decay", weight_decay, low=0.0, hint="Typically 0.01.")
-    if not isinstance(bias_correction, bool):
-        raise TypeError(f"{where}: bias_correction must be a bool, got {type(bias_correction).__name__}.")
+    if not isinstance(bias_correction, bool) and bias_correction != "step_size":
+        raise TypeError(
+            f'{where}: bias_correction must be True, False or "step_size" (DeepSpeed\'s FusedLamb), '
+            f"got {bias_correction!r}."
+        )
     adam = scale_by_adam(betas[0], betas[1], eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
-    parts = [adam if bias_correction else _without_bias_correction(adam)]
+    parts = [adam if bias_correction is True else _without_bias_correction(adam)]
     if weight_decay:
         decay = add_decayed_weights(weight_decay)
         parts.append(decay if mask is None else masked(decay, mask))
     parts.append(scale_by_trust_ratio(min_ratio=min_trust_ratio, max_ratio=max_trust_ratio))
+    if bias_correction == "step_size":
+        parts.append(_step_size_correction(float(betas[0]), float(betas[1]), None))
     parts.append(scale_by_learning_rate(lr))
     return chain(*parts)
+
+
+def _step_size_correction(b1: float, b2: float, view: ParamView | None) -> GradientTransformation:
+    """Multiply each parameter's update by ``sqrt(1 - b2**t) / (1 - b1**t)``, ``t`` its own update number
+    (DeepSpeed's ``FusedLamb`` puts Adam's bias correction in its step size); parameters that got no
+    gradient are left as they are. State: ``ScaleByScheduleState(count)``."""
+    where = "lamb.update"
+
+    def init(params):
+        return ScaleByScheduleState(count=counters.new(0))
+
+    @torch.no_grad()
+    def update(updates, state, params=None, **extra):
+        check_state(where, state, ScaleByScheduleState)
+        u, spec = flat(where, "updates", updates)
+        count = check_count(where, state.count)
+        counters.add_(state.count)
+        for t, (cols,) in by_step(view, keys_of(spec), info_of(extra), count, u):
+            factor = (1 - b2**t) ** 0.5 / (1 - b1**t)
+            for (group,) in foreach_groups(cols):
+                torch._foreach_mul_(group, factor)
+        return updates, state
+
+    return GradientTransformation(init, update, bind=lambda v: _step_size_correction(b1, b2, v))
 
 
 # Adam's bias corrections 1 - b**t tend to 1 as t grows; for this t, b**t is exactly 0.0 in float64 for

@@ -165,12 +165,15 @@ def scale_by_adam(
     *,
     mu_dtype: torch.dtype | None = None,
     nu_dtype: torch.dtype | None = None,
+    bias_correction: bool = True,
 ) -> GradientTransformation:
     """Rescale updates by Adam's bias-corrected moment estimates.
 
     ``mu = lerp(mu, g, 1-b1)``, ``nu = b2*nu + (1-b2)*g*g``, and the update is
     ``mu / (sqrt(nu)/sqrt(1-b2**t) + eps) / (1-b1**t)``, in torch.optim.Adam's
     order of operations. Allocates one temporary (the denominator) per step.
+    With ``bias_correction=False`` the moments are used as they are:
+    ``mu / (sqrt(nu) + eps)`` (DeepSpeed's ``FusedAdam(bias_correction=False)``).
 
     Under a step, ``t`` is each parameter's own update number (torch's
     ``state["step"]``), and a parameter that got no gradient is skipped: its
@@ -181,9 +184,13 @@ def scale_by_adam(
         b2: decay of the second moment, in [0, 1).
         eps: added to the denominator, >= 0.
         mu_dtype: the first moment's dtype (None: the parameters'); ``torch.bfloat16``
-            halves its bytes. The moments are updated in the gradient's dtype and
-            stored rounded to their own.
+            halves its bytes. The moments are updated in the wider of the gradient's
+            dtype and their own, and stored rounded to their own (fp32 moments of
+            bf16 parameters, as DeepSpeed's bf16 master weights keep them, are
+            updated in fp32; the update is then rounded to the gradient's dtype).
         nu_dtype: the second moment's dtype, likewise.
+        bias_correction: divide the moments by ``1 - b**t`` (torch's Adam); False: use them
+            as they are.
 
     Returns:
         A ``GradientTransformation`` with ``ScaleByAdamState(count, mu, nu)``;
@@ -207,7 +214,9 @@ def scale_by_adam(
             raise TypeError(
                 f"{where}: {name} must be a floating torch.dtype such as torch.bfloat16, or None; got {dt!r}"
             )
-    return _scale_by_adam(b1, b2, eps, mu_dtype, nu_dtype, None)
+    if not isinstance(bias_correction, bool):
+        raise TypeError(f"{where}: bias_correction must be a bool, got {type(bias_correction).__name__}.")
+    return _scale_by_adam(b1, b2, eps, mu_dtype, nu_dtype, None, bias_correction)
 
 
 def moments_like(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -215,7 +224,9 @@ def moments_like(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return torch.zeros_like(p, dtype=dtype or p.dtype, memory_format=torch.preserve_format)
 
 
-def _scale_by_adam(b1, b2, eps, mu_dtype, nu_dtype, view: ParamView | None) -> GradientTransformation:
+def _scale_by_adam(
+    b1, b2, eps, mu_dtype, nu_dtype, view: ParamView | None, correct: bool = True
+) -> GradientTransformation:
     where = "scale_by_adam.update"
 
     def init(params):
@@ -238,34 +249,41 @@ def _scale_by_adam(b1, b2, eps, mu_dtype, nu_dtype, view: ParamView | None) -> G
         counters.add_(state.count)
         for t, cols in by_step(view, keys_of(spec), info_of(extra), count, g, mu, nu):
             for g_, mu_, nu_ in foreach_groups(*cols):
-                _adam_moments(g_, mu_, nu_, t, b1, b2, eps)
+                _adam_moments(g_, mu_, nu_, t, b1, b2, eps, correct)
         return updates, state
 
-    return GradientTransformation(init, update, bind=lambda v: _scale_by_adam(b1, b2, eps, mu_dtype, nu_dtype, v))
+    return GradientTransformation(
+        init, update, bind=lambda v: _scale_by_adam(b1, b2, eps, mu_dtype, nu_dtype, v, correct)
+    )
 
 
-def _adam_moments(g_: list, mu_: list, nu_: list, t: int, b1: float, b2: float, eps: float) -> None:
+def _adam_moments(
+    g_: list, mu_: list, nu_: list, t: int, b1: float, b2: float, eps: float, correct: bool = True
+) -> None:
     """One Adam step on lists of one device and dtype each: the moments in place, the update into ``g_``."""
-    bias_correction1 = 1 - b1**t
-    bias_correction2_sqrt = (1 - b2**t) ** 0.5
     narrow = mu_[0].dtype != g_[0].dtype or nu_[0].dtype != g_[0].dtype
-    stored = (mu_, nu_)
-    if narrow:  # bf16 moments: updated in the gradient's dtype, stored rounded
-        mu_ = [m.to(g_[0].dtype) for m in mu_]
-        nu_ = [n.to(g_[0].dtype) for n in nu_]
+    stored, out = (mu_, nu_), g_
+    if narrow:  # moments of another dtype: updated in the wider one, stored rounded to their own
+        work = max((g_[0].dtype, mu_[0].dtype, nu_[0].dtype), key=lambda d: torch.finfo(d).bits)
+        mu_ = [m.to(work) for m in mu_]
+        nu_ = [n.to(work) for n in nu_]
+        g_ = [g.to(work) for g in g_] if work != g_[0].dtype else g_
     torch._foreach_lerp_(mu_, g_, 1 - b1)
     torch._foreach_mul_(nu_, b2)
     torch._foreach_addcmul_(nu_, g_, g_, 1 - b2)
     denom = torch._foreach_sqrt(nu_)
-    torch._foreach_div_(denom, bias_correction2_sqrt)
+    if correct:
+        torch._foreach_div_(denom, (1 - b2**t) ** 0.5)
     torch._foreach_add_(denom, eps)
     # The gradient is spent: write the update into its (donated) buffers.
     torch._foreach_zero_(g_)
-    torch._foreach_addcdiv_(g_, mu_, denom, 1 / bias_correction1)
+    torch._foreach_addcdiv_(g_, mu_, denom, 1 / (1 - b1**t) if correct else 1.0)
     del denom
     if narrow:
         torch._foreach_copy_(stored[0], mu_)
         torch._foreach_copy_(stored[1], nu_)
+        if g_ is not out:
+            torch._foreach_copy_(out, g_)
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:

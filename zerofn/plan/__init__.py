@@ -22,7 +22,11 @@ K = 12 of optimizer state (4 fp32 master + 4 + 4 Adam moments); full
 precision: 4 + 4 + K = 8. Either way 16 bytes per parameter under DDP. Another
 optimizer's state (``estimate(..., optimizer=)``) changes K: Adam with bf16
 moments (``mu_dtype`` and ``nu_dtype``) holds 4 bytes where fp32 moments hold
-8, so K = 8 in mixed precision and 4 in full precision.
+8, so K = 8 in mixed precision and 4 in full precision. Without master weights
+(``estimate(..., master_weights=False)``: ``amp(..., master_dtype=torch.bfloat16)``,
+DeepSpeed's ``bf16_master_weights_and_grads``) there is no 4-byte master: K = 8
+with fp32 moments, 4 with bf16 ones (``bf16_optimizer_states``), and no fp32
+gradient copy in the update.
 
 Per rank, per composition (docs/design.md's table, as the state holds it):
 

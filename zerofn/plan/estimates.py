@@ -54,10 +54,11 @@ class OptimizerBytes:
 ADAM = OptimizerBytes(8, ADAM_COUNT_BYTES)  # Adam's two fp32 moments and its step count
 
 
-def optimizer_bytes(optimizer: O.GradientTransformation | None) -> OptimizerBytes:
+def optimizer_bytes(optimizer: O.GradientTransformation | None, dtype: torch.dtype = torch.float32) -> OptimizerBytes:
     """What ``optimizer``'s state holds per parameter element and besides, found by initialising it on one
-    two-element fp32 parameter (:func:`zerofn.optim.probe_state`; fp32: amp's master weights, or the
-    parameters in full precision, are what it updates). None: Adam with fp32 moments.
+    two-element parameter of ``dtype`` (:func:`zerofn.optim.probe_state`; fp32: amp's master weights, or the
+    parameters in full precision, are what it updates; bf16 under ``amp(..., master_dtype=torch.bfloat16)``,
+    where its moments default to bf16). None: Adam with fp32 moments.
 
     Under ``multi_transform`` the probe's parameter gets one group's transformation (the one its label
     function gives a 1-D tensor); for groups whose states differ in size, pass the largest group's
@@ -77,7 +78,7 @@ def optimizer_bytes(optimizer: O.GradientTransformation | None) -> OptimizerByte
             f"estimate: optimizer must be a zf.optim optimizer such as zf.optim.adamw(3e-4), got "
             f"{type(optimizer).__name__}"
         )
-    probe = O.probe_state(optimizer, torch.float32)
+    probe = O.probe_state(optimizer, dtype)
     fixed = sum(t.numel() * t.dtype.itemsize for t in probe.small if isinstance(t, torch.Tensor))
     return OptimizerBytes(probe.bytes_per_element, fixed)
 
@@ -193,6 +194,7 @@ def estimate(
     nodes: int = 1,
     stage: int = 0,
     mixed_precision: bool = True,
+    master_weights: bool = True,
     optimizer_offload: str | None = None,
     param_offload: str | None = None,
     remat: bool = False,
@@ -222,6 +224,11 @@ def estimate(
         stage: ZeRO stage, 0 (DDP) to 3.
         mixed_precision: bf16/fp16 parameters and gradients with fp32 master
             weights (``amp``); False: fp32 throughout.
+        master_weights: with ``mixed_precision``, amp's fp32 master copy (4 bytes per
+            parameter in the optimizer state). False: none, as ``amp(..., master_dtype=torch.bfloat16)``
+            (DeepSpeed's ``bf16_master_weights_and_grads``): the optimizer updates the bf16 parameters
+            with bf16 gradients, its state probed on a bf16 parameter (bf16 moments unless its
+            ``mu_dtype``/``nu_dtype`` say otherwise; ``optimizer=None`` still counts fp32 moments).
         optimizer_offload: None, ``"cpu"`` or ``"nvme"`` (``offload``).
         param_offload: ``"cpu"`` to rest ZeRO-3's parameter shards in CPU RAM
             (``offload(..., params=True)``: needs stage 3 and ``"cpu"``).
@@ -290,9 +297,11 @@ def estimate(
     n = gpus * nodes
 
     pb = 2 if (mixed_precision or inference) else 4  # parameter (and gradient) bytes
-    held = optimizer_bytes(optimizer)
+    masters = mixed_precision and master_weights and not inference  # amp's fp32 copy in the optimizer state
+    low = mixed_precision and not master_weights and not inference  # the optimizer updates the bf16 params
+    held = optimizer_bytes(optimizer, torch.bfloat16 if low and optimizer is not None else torch.float32)
     # optimizer bytes per parameter: fp32 master + the optimizer's state (Adam's moments: 12), or its state (8)
-    k = (4 if mixed_precision else 0) + held.per_element
+    k = (4 if masters else 0) + held.per_element
     layer_params = None
     if layers:
         if shape is not None and shape.layer_params:
@@ -375,7 +384,7 @@ def estimate(
     opt_state = k * shard + held.fixed
     # The update: mixed precision casts the reduced partition to fp32 on the GPU for the master weights;
     # full precision makes one bucket-sized temporary.
-    update = 4 * shard if mixed_precision else min(bucket_bytes, 4 * shard)
+    update = 4 * shard if masters else min(bucket_bytes, (2 if low else 4) * shard)
     cpu = nvme = 0
     state = param_bytes + opt_state
     if optimizer_offload == "cpu":
@@ -385,12 +394,13 @@ def estimate(
         # flight; when that one lands, the two buffers and the landing one's fp32 copy.
         whole = pb * (psi if stage < 3 else shard)
         bucket = min(bucket_bytes, whole)
-        copy = min(4 * shard, 2 * bucket) if mixed_precision else 0
+        copy = min(4 * shard, 2 * bucket) if masters else 0
         grads = max(3 * bucket, 2 * bucket + copy) if whole > 2 * bucket_bytes else max(2 * whole, whole + copy)
         update = 0
         host_params = pb * shard  # a host copy of what the optimizer updates, or the parameters themselves
-        cpu = opt_state + 4 * shard + (0 if param_offload else host_params)  # + the fp32 gradient buffer
-        state += 4 * shard + (0 if param_offload else host_params)
+        gbuf = (2 if low else 4) * shard  # the host's gradient buffer (bf16 without master weights)
+        cpu = opt_state + gbuf + (0 if param_offload else host_params)  # + the fp32 gradient buffer
+        state += gbuf + (0 if param_offload else host_params)
         if param_offload:
             cpu += param_bytes
     elif optimizer_offload == "nvme":
