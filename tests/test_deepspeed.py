@@ -672,8 +672,8 @@ def test_deepspeed_example_configs_load(tmp_path):
 
 BAD = [
     (
-        {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}},
-        r"optimizer.type 'Lamb' is not supported; zerofn maps Adam, AdamW, SGD",
+        {"optimizer": {"type": "Adagrad", "params": {"lr": 1e-3}}},
+        r"optimizer.type 'Adagrad' is not supported; zerofn maps Adam, AdamW, SGD, Lamb",
     ),
     (
         {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},

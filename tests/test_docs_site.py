@@ -118,6 +118,7 @@ def _deepspeed_keys() -> set[str]:
     """The keys zerofn/deepspeed/_keys.py names in its tables (warned, refused, aliased, quietly done anyway)."""
     tree = ast.parse(open(os.path.join(ROOT, "zerofn", "deepspeed", "_keys.py")).read())
     tables = {"TOP_IGNORED", "TOP_ERRORS", "ZERO_ANYWAY", "ZERO_IGNORED", "ZERO_ERRORS", "ZERO_ALIASES", "AUTO_HINTS"}
+    tables |= {"ZERO_BLOCK_ERRORS", "COMPRESSION_TECHNIQUES", "PRECISION_IGNORED"}
     keys = set()
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id in tables for t in node.targets):

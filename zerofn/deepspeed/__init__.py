@@ -31,14 +31,22 @@ The rules (the key-by-key table is in docs/migrating/deepspeed.md):
 - A key that would change the numbers if ignored (``amsgrad``, apex
   ``amp``, ``consecutive_hysteresis``, curriculum learning, ...) raises a
   ValueError naming it and what to write instead, before anything is built.
-- ``"auto"`` (filled in by the Hugging Face Trainer, which zerofn does not
-  have) raises, naming the key and what to write, except where zerofn can
-  resolve it: one batch key when the other two are numbers, and the sizes
-  that only tune performance (buckets, prefetch), which take zerofn's
-  defaults.
+- ``"auto"`` is filled in as the Hugging Face Trainer fills it when its
+  arguments are passed: ``from_deepspeed(config, loss_fn,
+  training_args=args)``, ``args`` a ``transformers.TrainingArguments`` or a
+  dict of its fields, takes each value from the field the Trainer reads
+  (``learning_rate``, ``per_device_train_batch_size``, ``max_steps``, ...),
+  and the bucket sizes from the hidden size of the model ``loss_fn`` calls
+  (or ``hidden_size=``); a number written in the config that disagrees with
+  its field raises, as in the Trainer, and with no ``"scheduler"`` the
+  Trainer's ``lr_scheduler_type`` scales the learning rate. Without
+  ``training_args``, an ``"auto"`` raises, naming the key, what to write
+  and the field that fills it, except where zerofn can resolve it: one
+  batch key when the other two are numbers, and the sizes that only tune
+  performance (buckets, prefetch), which take zerofn's defaults.
 
-The modules: ``_reader`` (the file and its blocks, key by key), ``_keys``
-(the tables of known keys), ``_batch`` (the batch sizes), ``_optimizer``
+The modules: ``_reader`` (the file and its blocks, key by key), ``_auto``
+(``"auto"`` as the Trainer fills it), ``_keys`` (the tables of known keys), ``_batch`` (the batch sizes), ``_optimizer``
 (optimizer, scheduler, clipping), ``_precision`` (fp16 / bf16), ``_zero``
 (ZeRO, offload, activation checkpointing) and ``_build`` (the step).
 

@@ -12,7 +12,10 @@ import torch
 from zerofn import collectives as C
 from zerofn import optim as O
 from zerofn import tree as T
+from zerofn.closure import find_functional
+from zerofn.deepspeed._auto import model_hidden_size, resolve_auto, trainer_schedule, with_trainer_schedule
 from zerofn.deepspeed._batch import DeepSpeedConfig, resolve_batch_sizes
+from zerofn.deepspeed._compression import read_compression
 from zerofn.deepspeed._keys import TOP_ERRORS, TOP_IGNORED, TOP_QUIET
 from zerofn.deepspeed._optimizer import read_optimizer
 from zerofn.deepspeed._precision import AmpSpec, read_precision
@@ -42,7 +45,13 @@ class DeepSpeedRun(NamedTuple):
 
 
 def from_deepspeed(
-    config: Any, loss_fn: Callable, *, optimizer: O.GradientTransformation | None = None, group: Any = None
+    config: Any,
+    loss_fn: Callable,
+    *,
+    optimizer: O.GradientTransformation | None = None,
+    group: Any = None,
+    training_args: Any = None,
+    hidden_size: int | None = None,
 ) -> DeepSpeedRun:
     """The Step a DeepSpeed config asks for, composed from zerofn's transforms, and its batch settings.
 
@@ -56,6 +65,17 @@ def from_deepspeed(
         group: the torch ``ProcessGroup`` the step runs on (``zf.train_step(..., group=)``;
             default: the current group, the world unless a ``zf.collectives.group_scope`` says otherwise);
             the batch sizes are resolved for its world size.
+        training_args: a ``transformers.TrainingArguments``, or a dict of its fields
+            (``per_device_train_batch_size``, ``learning_rate``, ``max_steps``, ...; its defaults
+            for the absent ones): each ``"auto"`` takes the value the Hugging Face Trainer would put
+            there, a written value that disagrees with its argument raises (as in the Trainer),
+            and with no ``"scheduler"`` in the config the Trainer's ``lr_scheduler_type`` scales
+            the learning rate (docs/migrating/deepspeed.md, ``"auto"``, has the mapping key by key).
+        hidden_size: the model's hidden size, for the ``"auto"`` of ``reduce_bucket_size``,
+            ``stage3_prefetch_bucket_size`` and ``stage3_param_persistence_threshold`` (the Trainer's
+            ``h*h``, ``int(0.9*h*h)``, ``10*h``); default with ``training_args``: the Hugging Face
+            config of the model ``loss_fn`` calls (``config.hidden_size``, or the largest of
+            ``config.hidden_sizes``).
 
     The config's ``"optimizer"`` applies to every parameter, as in DeepSpeed (``weight_decay``
     included). Parameter groups (torch's ``param_groups``: no decay for biases and norms, a learning
@@ -80,19 +100,28 @@ def from_deepspeed(
 
     Raises:
         ValueError: batch sizes that disagree, an unsupported optimizer or
-            scheduler, an "auto" zerofn cannot resolve, or a key that would
-            change the numbers if ignored (each message names the key and
-            what to write instead).
-        TypeError: ``config`` is neither a dict nor a path.
+            scheduler, an "auto" zerofn cannot resolve (the message names the
+            key and the training_args field that fills it), a value that
+            disagrees with training_args, or a key that would change the
+            numbers if ignored (each message names the key and what to write
+            instead).
+        TypeError: ``config`` is neither a dict nor a path, or ``training_args``
+            neither a TrainingArguments nor a dict.
     """
-    r = Block("", load_config(config))
     ignored: dict[str, str] = {}
     world = C.world_size(group=group)
+    raw = load_config(config)
+    _refuse_features(raw)  # first: a feature zerofn lacks is the one thing to say about such a config
+    if training_args is not None or hidden_size is not None:  # "auto" as the Hugging Face Trainer fills it
+        hidden = hidden_size if hidden_size is not None else (lambda: _model_hidden_size(loss_fn))
+        raw = resolve_auto(raw, training_args, world, hidden)
+    r = Block("", raw)
     sizes = resolve_batch_sizes(r, world)
-    spec = read_optimizer(r, optimizer, ignored)
+    spec = with_trainer_schedule(read_optimizer(r, optimizer, ignored), trainer_schedule(raw, training_args))
     precision = read_precision(r, ignored)
     zero = read_zero(r, ignored)
     remat_on = read_remat(r, ignored)
+    read_compression(r)
     for k in r.leftover():
         v = r.raw(k)
         if k in TOP_ERRORS:
@@ -136,6 +165,24 @@ def from_deepspeed(
         sizes.train_batch_size, sizes.micro_batch_size, sizes.gradient_accumulation_steps, world, tuple(ignored)
     )
     return DeepSpeedRun(step, batch)
+
+
+def _model_hidden_size(loss_fn: Callable) -> int | None:
+    """The hidden size of the Hugging Face model ``loss_fn`` calls (through its ``zf.functional`` apply)."""
+    try:
+        return model_hidden_size(find_functional(loss_fn).module)
+    except ValueError:  # loss_fn calls no zf.functional apply
+        return None
+
+
+def _refuse_features(raw: dict) -> None:
+    """Raise for an enabled top-level block that changes what is trained (``TOP_ERRORS``) or an enabled
+    compression technique, before the batch sizes, "auto" or any other key is read."""
+    for k, why in TOP_ERRORS.items():
+        v = raw.get(k)
+        if isinstance(v, dict) and v.get("enabled", False) is True or v is True:
+            raise ValueError(f"from_deepspeed: {k} is enabled: {why}")
+    read_compression(Block("", raw))
 
 
 def _state_bytes_per_element(step: Step, precision: AmpSpec | None) -> int:

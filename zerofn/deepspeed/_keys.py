@@ -11,24 +11,52 @@ __all__ = [
     "ADAM_PARAMS",
     "AUTO",
     "AUTO_HINTS",
+    "COMPRESSED_OPTIMIZERS",
+    "LAMB_PARAMS",
     "OPTIMIZERS",
+    "PRECISION_IGNORED",
     "SCHEDULERS",
     "SGD_PARAMS",
     "TOP_ERRORS",
     "TOP_IGNORED",
     "TOP_QUIET",
     "ZERO_ALIASES",
+    "COMPRESSION_TECHNIQUES",
+    "OFFLOAD_KNOWN",
     "ZERO_ANYWAY",
+    "ZERO_BLOCK_ERRORS",
     "ZERO_ERRORS",
     "ZERO_IGNORED",
     "ZERO_QUIET",
+    "ZERO_READ",
     "Anyway",
 ]
 
 AUTO = "auto"
-OPTIMIZERS = ("Adam", "AdamW", "SGD")
+OPTIMIZERS = ("Adam", "AdamW", "SGD", "Lamb")
 ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad")
 SGD_PARAMS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+LAMB_PARAMS = (  # DeepSpeed's FusedLamb
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "bias_correction",
+    "max_coeff",
+    "min_coeff",
+    "eps_inside_sqrt",
+    "max_grad_norm",
+    "amsgrad",
+)
+# DeepSpeed's communication-compressing optimizers (refused), as written in configs -> the optimizer
+# they compress, which zerofn runs uncompressed.
+COMPRESSED_OPTIMIZERS = {
+    "OneBitAdam": "Adam",
+    "OnebitAdam": "Adam",
+    "ZeroOneAdam": "Adam",
+    "OneBitLamb": "Lamb",
+    "OnebitLamb": "Lamb",
+}
 _WARMUP = ("warmup_num_steps", "warmup_type", "last_batch_iteration")
 SCHEDULERS = {  # each scheduler's parameters
     "WarmupLR": ("warmup_min_lr", "warmup_max_lr", *_WARMUP),
@@ -36,12 +64,12 @@ SCHEDULERS = {  # each scheduler's parameters
     "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "cos_min_ratio", *_WARMUP),
 }
 
-# What to write instead of "auto", per key (the Hugging Face Trainer's source of each value).
+# What to write instead of "auto", per key (_auto.FILLED_BY names the training_args field that fills it).
 AUTO_HINTS = {
     "train_batch_size": "the global batch per update, over all ranks",
-    "train_micro_batch_size_per_gpu": "the batch each rank feeds per call (the Trainer's per_device_train_batch_size)",
-    "gradient_accumulation_steps": "the micro-batches per update (the Trainer's gradient_accumulation_steps)",
-    "gradient_clipping": "the largest gradient norm, e.g. 1.0 (the Trainer's max_grad_norm), or 0 for none",
+    "train_micro_batch_size_per_gpu": "the batch each rank feeds per call",
+    "gradient_accumulation_steps": "the micro-batches per update",
+    "gradient_clipping": "the largest gradient norm, e.g. 1.0, or 0 for none",
     "lr": "the learning rate, e.g. 3e-4",
     "betas": "[beta1, beta2], e.g. [0.9, 0.999]",
     "eps": "e.g. 1e-8",
@@ -80,7 +108,6 @@ TOP_IGNORED = {
     "pipeline": "no pipeline parallelism",
     "eigenvalue": "no eigenvalue computation",
     "sparse_attention": "no sparse-attention kernels: the model computes its own attention",
-    "compression_training": "no compression library",
     "hybrid_engine": "no inference engine: step.apply(state, ...) runs the model",
     "timers": "no timers",
     "data_types": "gradients accumulate in the dtype they are reduced in (communication_data_type)",
@@ -171,4 +198,57 @@ ZERO_ERRORS = {  # true would change the numbers
     "zero_quantized_nontrainable_weights": "quantized weight communication changes the numbers: remove it",
     "zero_quantized_gradients": "quantized gradient communication changes the numbers; zerofn reduces in the "
     "gradient dtype (bf16/fp16 under amp): remove it",
+}
+
+# zero_optimization keys the reader reads itself (the stage, sizes, offload and their older spellings).
+ZERO_READ = {
+    "stage",
+    "reduce_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "sub_group_size",
+    "offload_optimizer",
+    "offload_param",
+    "cpu_offload",
+    "cpu_offload_param",
+    "cpu_offload_use_pin_memory",
+}
+
+# zero_optimization blocks that change the numbers when set: errors, with what to write instead.
+ZERO_BLOCK_ERRORS = {
+    "zenflow": "ZenFlow updates the most important gradient columns each step and the rest stale, every "
+    "update_interval steps, which changes the numbers; zerofn updates every parameter from its gradient on every "
+    "update (offload to the CPU overlaps the host update with the next step instead): remove it",
+}
+
+# The keys of offload_optimizer / offload_param that tune DeepSpeed's own buffers: warned (device, nvme_path,
+# pin_memory and ratio are read).
+OFFLOAD_KNOWN = {
+    "nvme_path",
+    "buffer_count",
+    "buffer_size",
+    "max_in_cpu",
+    "fast_init",
+    "pipeline",
+    "pipeline_read",
+    "pipeline_write",
+    "super_offload",
+    "cpuadam_cores_perc",
+}
+
+# compression_training's techniques (DeepSpeed's compression library): any enabled one is an error.
+COMPRESSION_TECHNIQUES = {
+    "weight_quantization": "quantizes the weights while training",
+    "activation_quantization": "quantizes the activations while training",
+    "sparse_pruning": "prunes weights while training",
+    "row_pruning": "prunes rows of the weights while training",
+    "head_pruning": "prunes attention heads while training",
+    "channel_pruning": "prunes convolution channels while training",
+    "layer_reduction": "drops layers of the model (distillation into fewer layers)",
+}
+
+# Keys of the fp16 / bf16 blocks with no equivalent whose absence changes no number: warned (any other key
+# the reader does not read there is an error).
+PRECISION_IGNORED = {
+    "immediate_grad_update": "gradients accumulate into their bucket as backward produces them",
+    "check_grad_overflow": "a step whose loss or gradient is not finite is always skipped",
 }

@@ -5,21 +5,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
+
 from zerofn import optim as O
-from zerofn.deepspeed._keys import ADAM_PARAMS, OPTIMIZERS, SCHEDULERS, SGD_PARAMS
+from zerofn.deepspeed._keys import (
+    ADAM_PARAMS,
+    COMPRESSED_OPTIMIZERS,
+    LAMB_PARAMS,
+    OPTIMIZERS,
+    SCHEDULERS,
+    SGD_PARAMS,
+)
+from zerofn.deepspeed._precision import bf16_masters
 from zerofn.deepspeed._reader import Block
 
 __all__ = ["OptimizerSpec", "read_optimizer"]
 
-FACTORIES = {"adam": O.adam, "adamw": O.adamw, "sgd": O.sgd}
+FACTORIES = {"adam": O.adam, "adamw": O.adamw, "sgd": O.sgd, "lamb": O.lamb}
 
 
 class OptimizerSpec(NamedTuple):
     """The optimizer a config asks for, read but not yet built.
 
     Attributes:
-        kind: ``"adam"``, ``"adamw"``, ``"sgd"``, or ``"given"`` (``optimizer=`` was passed).
-        args: the keyword arguments of ``zf.optim.adam`` / ``adamw`` / ``sgd``; ``lr`` may be a schedule.
+        kind: ``"adam"``, ``"adamw"``, ``"sgd"``, ``"lamb"``, or ``"given"`` (``optimizer=`` was passed).
+        args: the keyword arguments of ``zf.optim.adam`` / ``adamw`` / ``sgd`` / ``lamb``; ``lr`` may be a
+            schedule.
         clip: ``gradient_clipping``, the largest global gradient norm (0: no clipping).
         given: the optimizer passed as ``optimizer=``, for kind ``"given"``.
     """
@@ -67,7 +78,17 @@ def _optimizer(r: Block, given: Any, ignored: dict) -> tuple[str, dict]:
     if kind is None:
         raise ValueError('from_deepspeed: optimizer needs a "type": one of ' + ", ".join(OPTIMIZERS))
     name = kind.lower()
-    if name not in ("adam", "adamw", "sgd"):
+    compressed = {k.lower(): base for k, base in COMPRESSED_OPTIMIZERS.items()}
+    if name in compressed:
+        base = compressed[name]
+        raise ValueError(
+            f"from_deepspeed: optimizer.type {kind!r} compresses communication: after a warmup it exchanges "
+            "1-bit (0/1 Adam: also skipped) momentum with error feedback, which changes the updates; zerofn "
+            f'reduces gradients uncompressed. Write "type": "{base}" (the same optimizer without compression) '
+            'and, to cut traffic, reduce gradients in bf16 ("bf16": {"enabled": true}: half of fp32\'s bytes) '
+            "or accumulate more micro-batches per update (gradient_accumulation_steps)"
+        )
+    if name not in FACTORIES:
         raise ValueError(
             f"from_deepspeed: optimizer.type {kind!r} is not supported; zerofn maps {', '.join(OPTIMIZERS)}. "
             'For another optimizer, build it with zf.optim and pass optimizer= (with no "optimizer" in the config)'
@@ -75,6 +96,16 @@ def _optimizer(r: Block, given: Any, ignored: dict) -> tuple[str, dict]:
     p = blk.block("params") or Block("optimizer.params", {})
     for k in blk.leftover():
         ignored[blk.key(k)] = "DeepSpeed reads only type and params here (an optimizer argument goes under params)"
+    masters, bf16_states = bf16_masters(r)
+    # DeepSpeed's bf16 masters keep the optimizer state in fp32 unless bf16_optimizer_states: the moments of
+    # the bf16 parameters the optimizer updates are fp32, or bf16 (named, so that fp32 gradients, as the
+    # host update under offload gets them, are taken too: updated in fp32, stored in bf16).
+    moments = {}
+    if masters:
+        dtype = torch.bfloat16 if bf16_states else torch.float32
+        moments = {"mu_dtype": dtype, "nu_dtype": dtype}
+    if name == "lamb":
+        return "lamb", _lamb(p, moments)
     if "max_grad_norm" in p:
         raise ValueError(
             "from_deepspeed: optimizer.params.max_grad_norm is not an optimizer parameter (DeepSpeed refuses it too): "
@@ -95,17 +126,15 @@ def _optimizer(r: Block, given: Any, ignored: dict) -> tuple[str, dict]:
         decoupled = name == "adamw" or w_mode
         # FusedAdam / DeepSpeedCPUAdam default to no decay; torch.optim.AdamW (torch_adam) to 0.01.
         wd = p.get("weight_decay", 0.01 if torch_adam and decoupled else 0.0, "float", low=0.0)
-        if not p.get("bias_correction", True, "bool"):
-            raise ValueError(
-                "from_deepspeed: optimizer.params.bias_correction false has no equivalent: zf.optim's Adam always "
-                "corrects its moments' bias; remove it"
-            )
         args = {
             "lr": lr,
             "betas": p.get("betas", (0.9, 0.999), "pair"),
             "eps": p.get("eps", 1e-8, "float", low=0.0),
             "weight_decay": wd,
+            **moments,
         }
+        if not p.get("bias_correction", True, "bool"):  # FusedAdam's option (torch.optim's Adam has none)
+            args["bias_correction"] = False
         kind = "adamw" if decoupled else "adam"
     else:
         if p.get("dampening", 0.0, "float") != 0.0:
@@ -116,6 +145,12 @@ def _optimizer(r: Block, given: Any, ignored: dict) -> tuple[str, dict]:
             "nesterov": p.get("nesterov", False, "bool"),
             "weight_decay": p.get("weight_decay", 0.0, "float", low=0.0),
         }
+        if args["momentum"] and moments:
+            raise ValueError(
+                "from_deepspeed: SGD with momentum under bf16.bf16_master_weights_and_grads: DeepSpeed keeps the "
+                "momentum in fp32, zf.optim.sgd in the parameters' dtype (bf16); set bf16.bf16_optimizer_states "
+                "true for bf16 momentum, or remove bf16_master_weights_and_grads"
+            )
         kind = "sgd"
     unknown = p.leftover()
     if unknown:
@@ -125,6 +160,47 @@ def _optimizer(r: Block, given: Any, ignored: dict) -> tuple[str, dict]:
             f"maps (ignoring it could change the update): remove it. Mapped: {', '.join(known)}"
         )
     return kind, args
+
+
+def _lamb(p: Block, moments: dict) -> dict:
+    """DeepSpeed's ``FusedLamb`` parameters (its defaults) as ``zf.optim.lamb``'s keyword arguments."""
+    if p.get("eps_inside_sqrt", False, "bool"):
+        raise ValueError(
+            "from_deepspeed: optimizer.params.eps_inside_sqrt true (sqrt(v + eps)) has no equivalent: zf.optim.lamb "
+            "adds eps outside the square root (sqrt(v) + eps, DeepSpeed's default); remove it or set it false"
+        )
+    if p.get("amsgrad", False, "bool"):
+        raise ValueError("from_deepspeed: optimizer.params.amsgrad true: DeepSpeed's Lamb refuses it too; remove it")
+    if p.get("max_grad_norm", 0.0, "float", low=0.0) > 0:
+        raise ValueError(
+            "from_deepspeed: optimizer.params.max_grad_norm of Lamb clips with a norm DeepSpeed's engine does not "
+            'pass it; write "gradient_clipping": 1.0 at the top level instead (and max_grad_norm 0 or nothing)'
+        )
+    min_coeff = p.get("min_coeff", 0.01, "float", low=0.0)
+    max_coeff = p.get("max_coeff", 10.0, "float", low=0.0)
+    if not 0 < min_coeff <= max_coeff:
+        raise ValueError(
+            f"from_deepspeed: optimizer.params.min_coeff and max_coeff must satisfy 0 < min_coeff <= max_coeff "
+            f"(the trust ratio's bounds), got {min_coeff} and {max_coeff}; DeepSpeed's defaults are 0.01 and 10"
+        )
+    args = {
+        "lr": p.get("lr", 1e-3, "float", low=0.0),
+        "betas": p.get("betas", (0.9, 0.999), "pair"),
+        "eps": p.get("eps", 1e-8, "float", low=0.0),
+        "weight_decay": p.get("weight_decay", 0.0, "float", low=0.0),
+        # FusedLamb corrects the bias in its step size, after the trust ratio of the uncorrected update.
+        "bias_correction": "step_size" if p.get("bias_correction", True, "bool") else False,
+        "min_trust_ratio": min_coeff,
+        "max_trust_ratio": max_coeff,
+        **moments,
+    }
+    unknown = p.leftover()
+    if unknown:
+        raise ValueError(
+            f"from_deepspeed: {p.key(unknown[0])}: not a parameter of DeepSpeed's Lamb that zerofn maps (ignoring it "
+            f"could change the update): remove it. Mapped: {', '.join(LAMB_PARAMS)}"
+        )
+    return args
 
 
 def _kind_name(name: str) -> str:

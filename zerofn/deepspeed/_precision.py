@@ -6,10 +6,10 @@ from typing import NamedTuple
 
 import torch
 
-from zerofn.deepspeed._keys import TOP_IGNORED
+from zerofn.deepspeed._keys import PRECISION_IGNORED, TOP_IGNORED
 from zerofn.deepspeed._reader import Block
 
-__all__ = ["AmpSpec", "read_precision"]
+__all__ = ["AmpSpec", "bf16_masters", "read_precision"]
 
 
 class AmpSpec(NamedTuple):
@@ -17,6 +17,17 @@ class AmpSpec(NamedTuple):
 
     dtype: torch.dtype
     options: dict
+
+
+def bf16_masters(r: Block) -> tuple[bool, bool]:
+    """``(bf16_master_weights_and_grads, bf16_optimizer_states)`` as the config's enabled ``bf16`` block
+    asks for them (both False when it is off), read without marking any key read: the optimizer's
+    moments follow them (fp32 moments of bf16 parameters unless ``bf16_optimizer_states``), and
+    :func:`read_precision` checks the values."""
+    blk = r.data.get("bf16", r.data.get("bfloat16"))
+    if not isinstance(blk, dict) or blk.get("enabled") is not True:
+        return False, False
+    return blk.get("bf16_master_weights_and_grads") is True, blk.get("bf16_optimizer_states") is True
 
 
 def read_precision(r: Block, ignored: dict) -> AmpSpec | None:
@@ -62,17 +73,31 @@ def read_precision(r: Block, ignored: dict) -> AmpSpec | None:
                 fp16.raw(k)  # they tune the dynamic scale only
         out = AmpSpec(torch.float16, kw)
     elif onbf:
-        for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
-            if bf16.get(k, False, "bool"):
-                raise ValueError(
-                    f"from_deepspeed: {bf16.key(k)} true: zerofn's amp keeps fp32 master weights and "
-                    "optimizer state; remove it or set it false"
-                )
-        out = AmpSpec(torch.bfloat16, {})
+        masters = bf16.get("bf16_master_weights_and_grads", False, "bool")
+        if bf16.get("bf16_optimizer_states", False, "bool") and not masters:
+            raise ValueError(
+                f"from_deepspeed: {bf16.key('bf16_optimizer_states')} true needs bf16_master_weights_and_grads "
+                "true (DeepSpeed refuses it too): set both, or remove bf16_optimizer_states"
+            )
+        # bf16 masters: no fp32 copy, the optimizer updates the bf16 parameters with bf16 gradients (its
+        # moments in fp32, or in bf16 with bf16_optimizer_states: the optimizer's mu_dtype / nu_dtype).
+        out = AmpSpec(torch.bfloat16, {"master_dtype": torch.bfloat16} if masters else {})
     for blk, on in ((fp16, on16), (bf16, onbf)):
         if blk is not None and on:
             for k in blk.leftover():
-                ignored[blk.key(k)] = "no equivalent in zerofn's amp"
+                if k not in PRECISION_IGNORED:
+                    raise ValueError(
+                        f"from_deepspeed: {blk.key(k)}: not a key of DeepSpeed's {blk.path} block that zerofn knows "
+                        "(ignoring it could change the numbers): check its spelling, or remove it. Known: enabled, "
+                        + (
+                            "loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale, "
+                            "consecutive_hysteresis, fp16_master_weights_and_grads, auto_cast, "
+                            if blk is fp16
+                            else "bf16_master_weights_and_grads, bf16_optimizer_states, "
+                        )
+                        + ", ".join(sorted(PRECISION_IGNORED))
+                    )
+                ignored[blk.key(k)] = PRECISION_IGNORED[k]
     # The dtype gradients travel in: communication_data_type, else fp32_allreduce.
     comm = r.raw("communication_data_type")
     fp32_reduce = r.raw("fp32_allreduce", False)

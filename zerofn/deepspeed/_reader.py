@@ -13,6 +13,7 @@ import numbers
 import os
 from typing import Any
 
+from zerofn.deepspeed._auto import FILLED_BY
 from zerofn.deepspeed._keys import AUTO, AUTO_HINTS
 
 __all__ = ["Block", "asks_nothing", "auto_error", "load_config", "value_as"]
@@ -58,10 +59,21 @@ class Block:
 
 
 def auto_error(key: str) -> ValueError:
+    """The error for an "auto" left in the config: what to write, and the training_args field that fills it.
+
+    (Under ``training_args=`` every "auto" a field fills is filled before the reader runs, so what is
+    left is an "auto" no Trainer argument fills.)
+    """
     hint = AUTO_HINTS.get(key.rsplit(".", 1)[-1], "the value itself")
+    field = FILLED_BY.get(key)
+    if field is None:
+        return ValueError(
+            f'from_deepspeed: {key} is "auto", which no Hugging Face Trainer argument fills (the Trainer leaves it '
+            f"to DeepSpeed as it is): write {hint}"
+        )
     return ValueError(
-        f'from_deepspeed: {key} is "auto", which the Hugging Face Trainer fills in from its own arguments; '
-        f"zerofn has no Trainer to resolve it: write {hint}"
+        f'from_deepspeed: {key} is "auto", which the Hugging Face Trainer fills in from its own arguments: pass '
+        f"training_args= ({field}), or write {hint}"
     )
 
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from zerofn.deepspeed._keys import ZERO_ALIASES, ZERO_ANYWAY, ZERO_ERRORS, ZERO_IGNORED, ZERO_QUIET
+from zerofn.deepspeed._keys import (
+    OFFLOAD_KNOWN,
+    ZERO_ALIASES,
+    ZERO_ANYWAY,
+    ZERO_BLOCK_ERRORS,
+    ZERO_ERRORS,
+    ZERO_IGNORED,
+    ZERO_QUIET,
+    ZERO_READ,
+)
 from zerofn.deepspeed._reader import Block, value_as
 
 __all__ = ["ZeroSpec", "read_remat", "read_zero"]
@@ -88,8 +97,9 @@ def read_zero(r: Block, ignored: dict) -> ZeroSpec:
             ratio = opt.get("ratio", 1.0, "float")
             if ratio != 1.0:
                 ignored[opt.key("ratio")] = "offload moves the whole optimizer state"
-            for k in opt.leftover():
-                ignored[opt.key(k)] = "tunes DeepSpeed's own NVMe buffers (zerofn streams sub-groups of sub_group_size)"
+            _offload_leftover(
+                opt, ignored, "tunes DeepSpeed's own NVMe buffers (zerofn streams sub-groups of sub_group_size)"
+            )
     if par is not None:
         device = par.get("device", "cpu", "str")
         if device not in ("cpu", "nvme", "none"):
@@ -113,8 +123,7 @@ def read_zero(r: Block, ignored: dict) -> ZeroSpec:
                 )
             z.offload_params, z.offload_device = True, "cpu"
             pins.append(par.get("pin_memory", None, "bool"))
-            for k in par.leftover():
-                ignored[par.key(k)] = "tunes DeepSpeed's NVMe parameter buffers"
+            _offload_leftover(par, ignored, "tunes DeepSpeed's NVMe parameter buffers")
     pins.append(legacy_pin)
     z.pin_memory = next((p for p in pins if p is not None), False)  # DeepSpeed's default: not pinned
     if z.sub_group_elems is not None and z.offload_device != "nvme":
@@ -122,6 +131,10 @@ def read_zero(r: Block, ignored: dict) -> ZeroSpec:
     for k, msg in ZERO_ERRORS.items():
         if blk.get(k, False, "bool"):
             raise ValueError(f"from_deepspeed: {blk.key(k)} true: {msg}")
+    for k, msg in ZERO_BLOCK_ERRORS.items():
+        v = blk.raw(k)
+        if v is not None and v is not False and not (isinstance(v, dict) and v.get("enabled", True) is False):
+            raise ValueError(f"from_deepspeed: {blk.key(k)} is set: {msg}")
     for k in blk.leftover():
         v = blk.raw(k)
         if k in ZERO_ANYWAY:
@@ -132,8 +145,24 @@ def read_zero(r: Block, ignored: dict) -> ZeroSpec:
             if v is not False and v is not None and v not in ZERO_QUIET.get(k, ()):
                 ignored[blk.key(k)] = ZERO_IGNORED[k]
         else:
-            ignored[blk.key(k)] = "unknown key"
+            raise ValueError(
+                f"from_deepspeed: {blk.key(k)}: not a zero_optimization key zerofn knows (DeepSpeed refuses unknown "
+                "keys here too, and ignoring it could change the numbers): check its spelling, or remove it. Known: "
+                + ", ".join(sorted(ZERO_READ | set(ZERO_ANYWAY) | set(ZERO_IGNORED) | set(ZERO_ERRORS)))
+            )
     return z
+
+
+def _offload_leftover(blk: Block, ignored: dict, why: str) -> None:
+    """The keys of an offload block zerofn does not read: DeepSpeed's buffer settings are warned, others refused."""
+    for k in blk.leftover():
+        if k not in OFFLOAD_KNOWN:
+            raise ValueError(
+                f"from_deepspeed: {blk.key(k)}: not an offload key zerofn knows (DeepSpeed refuses unknown keys here "
+                f"too): check its spelling, or remove it. Known: "
+                + ", ".join(sorted(OFFLOAD_KNOWN | {"device", "pin_memory", "ratio"}))
+            )
+        ignored[blk.key(k)] = why
 
 
 def read_remat(r: Block, ignored: dict) -> bool:
