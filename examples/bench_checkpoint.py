@@ -65,10 +65,44 @@ import sys
 import tempfile
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from cli_paths import existing_dir  # noqa: E402
+
+
+def parse_args(argv=None):
+    """The command line, its paths checked (standard library only: run before torch is imported)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--models", nargs="+", default=["64x2", "128x5"], help="GPT sizes as DIMxLAYERS")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--train-steps", type=int, default=3, help="steps before the first checkpoint")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--warmup-rounds", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--systems", nargs="*", default=None, help="only systems whose name contains one of these")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="an existing directory to write in (a temporary folder is made in it and removed; default: the "
+        "system's temporary directory)",
+    )
+    args = p.parse_args(argv)
+    if args.dir is not None:
+        existing_dir(
+            p,
+            "--dir",
+            args.dir,
+            f"create it first (mkdir -p {args.dir}), or leave --dir out to write in the system's temporary directory",
+        )
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()  # a wrong command line or path fails here, before torch is imported
+
+import torch  # noqa: E402
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for  # noqa: E402
 from zerofn.transforms import shard_optimizer, shard_params  # noqa: E402
 
@@ -449,18 +483,7 @@ def report(results: list, args) -> list[str]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--models", nargs="+", default=["64x2", "128x5"], help="GPT sizes as DIMxLAYERS")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    p.add_argument("--train-steps", type=int, default=3, help="steps before the first checkpoint")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--warmup-rounds", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    p.add_argument("--systems", nargs="*", default=None, help="only systems whose name contains one of these")
-    p.add_argument("--dir", default=None, help="where to write (a temporary folder is made in it and removed)")
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     root = tempfile.mkdtemp(prefix="zf-bench-ckpt-", dir=args.dir)
     try:
         results = zf.spawn(bench_rank, args.world, args, root)

@@ -518,6 +518,15 @@ def parse_args(argv=None):
         p.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
     if min(args.dim, args.layers, args.vocab, args.seq_len, args.batch, args.steps, args.nproc) < 1 or args.warmup < 0:
         p.error("sizes, --steps and --nproc must be at least 1, --warmup at least 0")
+    if args.out is not None:  # checked before the run, which takes minutes
+        where = os.path.dirname(os.path.abspath(args.out))
+        if os.path.isdir(args.out):
+            p.error(f"--out {args.out} is a directory; pass the name of a file to write")
+        if not os.path.isdir(where):
+            p.error(
+                f"--out {args.out}: the directory it goes in, {where}, does not exist; create it (mkdir -p "
+                f"{where}) or pass a file in an existing directory"
+            )
     return args
 
 

@@ -31,10 +31,40 @@ import sys
 import tempfile
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from cli_paths import existing_dir  # noqa: E402
+
+
+def parse_args(argv=None):
+    """The command line, its path checked (standard library only: run before torch is imported)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=int, default=16_000_000)
+    p.add_argument(
+        "--path",
+        default=tempfile.gettempdir(),
+        help="an existing directory on the disk to stream from (temporary files are made in it and removed)",
+    )
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--only-overlap", action="store_true", help="run the fourth measurement alone")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="the fourth measurement's bucket size")
+    p.add_argument("--batch", type=int, default=8, help="the fourth measurement's sequences per step")
+    args = p.parse_args(argv)
+    existing_dir(
+        p,
+        "--path",
+        args.path,
+        f"create it first (mkdir -p {args.path}) on the disk to measure, or leave --path out to use the system's "
+        "temporary directory",
+    )
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()  # a wrong command line or path fails here, before torch is imported
+
+import torch  # noqa: E402
 from zerofn.transforms import offload  # noqa: E402
 
 import zerofn as zf  # noqa: E402
@@ -192,15 +222,7 @@ def overlap(rounds: int, bucket_bytes: int, batch_size: int = 8, per_round: int 
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--params", type=int, default=16_000_000)
-    p.add_argument("--path", default=tempfile.gettempdir(), help="a directory on the disk to stream from")
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--only-overlap", action="store_true", help="run the fourth measurement alone")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="the fourth measurement's bucket size")
-    p.add_argument("--batch", type=int, default=8, help="the fourth measurement's sequences per step")
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     torch.set_num_threads(1)
     if not args.only_overlap:
         cpu_update(args.params, args.repeat)

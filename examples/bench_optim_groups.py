@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -352,6 +353,15 @@ def main(argv=None):
     p.add_argument("--skip-moments", action="store_true", help="only the timed comparisons")
     p.add_argument("--json", default=None, metavar="FILE", help="also write every figure here")
     args = p.parse_args(argv)
+    if args.json is not None:  # checked before the run, which takes minutes
+        where = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json):
+            p.error(f"--json {args.json} is a directory; pass the name of a file to write")
+        if not os.path.isdir(where):
+            p.error(
+                f"--json {args.json}: the directory it goes in, {where}, does not exist; create it (mkdir -p "
+                f"{where}) or pass a file in an existing directory"
+            )
     start = time.perf_counter()
     results: dict = {"args": vars(args)}
     if not args.skip_groups:

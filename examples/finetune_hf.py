@@ -32,27 +32,13 @@ import sys
 import time
 import warnings
 
-import torch
-import torch.nn.functional as F
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpt import MarkovCorpus  # noqa: E402
-from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params  # noqa: E402
-
-import zerofn as zf  # noqa: E402
-
-PAD = 0  # the padding token (masked out of attention and of the loss)
-STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
+from cli_paths import existing_file, output_dir, output_file  # noqa: E402
 
 
 def parse_args(argv=None):
+    """The command line, its paths checked (standard library only: run before torch is imported)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--model",
@@ -62,7 +48,7 @@ def parse_args(argv=None):
         "default: a tiny Llama config built in code",
     )
     p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank on q_proj, v_proj (0: full fine-tuning)")
-    p.add_argument("--zero", type=int, default=0, choices=sorted(STAGES), help="ZeRO stage (0 = plain data parallel)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (0 = plain data parallel)")
     p.add_argument("--amp", choices=["bf16", "fp16"], default=None, help="mixed precision (fp32 master weights)")
     p.add_argument("--offload", choices=["cpu"], default=None, help="optimizer state (and amp's masters) in CPU RAM")
     ckpt = p.add_mutually_exclusive_group()
@@ -95,7 +81,44 @@ def parse_args(argv=None):
         p.error("--save-every and --keep must be at least 1")
     if args.lr is None:
         args.lr = 1e-2 if args.lora else 3e-3
+    if args.model is not None and os.path.isdir(args.model):
+        existing_file(
+            p,
+            "--model",
+            os.path.join(args.model, "config.json"),
+            "a model directory holds a config.json (save_pretrained writes one); pass one that does, or a config "
+            "JSON file, or leave --model out for the built-in tiny Llama",
+        )
+    elif args.model is not None and not os.path.isfile(args.model):
+        p.error(
+            f"--model {args.model}: no such file or directory; pass a local model directory (with a config.json) "
+            "or a config JSON file, or leave --model out for the built-in tiny Llama"
+        )
+    output_dir(p, "--ckpt-dir", args.ckpt_dir)
+    output_dir(p, "--export", args.export)
+    output_file(p, "--jsonl", args.jsonl)
+    output_dir(p, "--tensorboard", args.tensorboard)
     return args
+
+
+if __name__ == "__main__":
+    parse_args()  # a wrong command line or path fails here, before torch and transformers are imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from gpt import MarkovCorpus  # noqa: E402
+from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params  # noqa: E402
+
+import zerofn as zf  # noqa: E402
+
+PAD = 0  # the padding token (masked out of attention and of the loss)
+STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def load_config(spec: str | None):
@@ -224,10 +247,10 @@ def export(args, step, state, cfg, weights, rank: int, vocab: int) -> None:
 
 
 def main(argv=None) -> None:
+    args = parse_args(argv)
     import transformers
 
     transformers.logging.set_verbosity_error()
-    args = parse_args(argv)
     # transformers 5 renamed gradient_checkpointing_* (the old names still work, with a FutureWarning)
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     if args.quiet:

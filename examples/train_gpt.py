@@ -46,22 +46,17 @@ import signal
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for, unigram_entropy  # noqa: E402
-from zerofn.transforms import amp, remat, shard_grads, shard_optimizer, shard_params  # noqa: E402
+from cli_paths import existing_file, output_dir, output_file  # noqa: E402
 
-import zerofn as zf  # noqa: E402
-
-STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
 DEFAULT_SAVE_EVERY = 50
 
 
 def parse_args(argv=None):
+    """The command line, its paths checked (standard library only: run before torch is imported)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--zero", type=int, default=0, choices=sorted(STAGES), help="ZeRO stage (0 = plain data parallel)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (0 = plain data parallel)")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch", type=int, default=32, help="global batch (sequences), split over ranks")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per update on each rank")
@@ -129,7 +124,24 @@ def parse_args(argv=None):
         p.error("--save-every and --keep must be at least 1")
     if args.schedule_steps is None:
         args.schedule_steps = args.steps
+    existing_file(p, "--deepspeed", args.deepspeed, "pass a DeepSpeed config JSON file (e.g. examples/ds_config.json)")
+    output_dir(p, "--ckpt-dir", args.ckpt_dir)
+    output_file(p, "--out", args.out)
+    output_file(p, "--jsonl", args.jsonl)
+    output_dir(p, "--tensorboard", args.tensorboard)
     return args
+
+
+if __name__ == "__main__":
+    parse_args()  # a wrong command line or path fails here, before torch is imported
+
+import torch  # noqa: E402
+from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for, unigram_entropy  # noqa: E402
+from zerofn.transforms import amp, remat, shard_grads, shard_optimizer, shard_params  # noqa: E402
+
+import zerofn as zf  # noqa: E402
+
+STAGES = {0: lambda s: s, 1: shard_optimizer, 2: shard_grads, 3: shard_params}
 
 
 def first_attempt() -> bool:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from zerofn.plan import parse_size
@@ -27,6 +28,28 @@ _DTYPES = {
 
 def _size(text: str) -> int:
     return int(parse_size(text))  # the planner's parser of sizes (5GB, 500MiB, 1TB)
+
+
+def _check_paths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The paths of ``consolidate`` and ``verify``, before anything is read: a usage error (exit status 2)
+    that says what to pass. ``consolidate``'s output goes in a directory that must exist (with
+    ``--max-shard-size`` the output is itself a directory, made there)."""
+    if os.path.isfile(args.path):
+        p.error(f"{args.path} is a file; pass the checkpoint's directory (the one that holds its manifest.json)")
+    if not os.path.isdir(args.path):
+        p.error(
+            f"{args.path}: no such checkpoint directory; pass a directory zf.checkpoint.save wrote (the one that "
+            "holds its manifest.json; zf.checkpoint.latest(DIR) gives the newest under DIR)"
+        )
+    if args.command == "consolidate":
+        where = os.path.dirname(os.path.abspath(args.out))
+        if args.max_shard_size is None and os.path.isdir(args.out):
+            p.error(f"{args.out} is a directory; pass the .safetensors file to write (or --max-shard-size to split)")
+        if not os.path.isdir(where):
+            p.error(
+                f"{args.out}: the directory it goes in, {where}, does not exist; create it (mkdir -p {where}) or "
+                "write into an existing directory"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("verify", help="check every file of a checkpoint against its manifest")
     v.add_argument("path")
     args = p.parse_args(argv)
+    _check_paths(p, args)
 
     import torch
 

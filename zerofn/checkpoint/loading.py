@@ -146,7 +146,12 @@ def _fill(sources: _Sources, part: Part, lays: dict) -> None:
     if isinstance(value, FileTensor) and len(segs) == 1 and _link_whole(saved, value, segs[0], part):
         return
     chunk = max(1, CHUNK_BYTES // 4)
+    target = flat if flat is not None else staged  # the host tensor a range may be read straight into
     for seg in segs:
+        if target is not None and target.device.type == "cpu" and target.dtype == saved.dtype(seg.source):
+            # The saved bytes are the held ones: read them in place, with no buffer and no copy.
+            saved.read(seg.source, seg.src_lo, seg.src_lo + (seg.hi - seg.lo), out=target[seg.lo : seg.hi])
+            continue
         for a in range(seg.lo, seg.hi, chunk):
             b = min(seg.hi, a + chunk)
             data = saved.read(seg.source, seg.src_lo + (a - seg.lo), seg.src_lo + (b - seg.lo))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from typing import NamedTuple
 
 import torch
@@ -115,6 +116,7 @@ class Saved:
             v.sort(key=lambda p: p.lo)
         self.keys = {s.key for s in self.pieces} | set(self.small)
         self._readers: dict[str, Reader] = {}
+        self._fds: dict[str, int] = {}  # a second descriptor per file, for whole blocks read in place
         for fname, rec in m["files"].items():  # every file there and of its size, before any is read
             full = os.path.join(self.path, fname)
             if not os.path.exists(full):
@@ -134,6 +136,37 @@ class Saved:
         for r in self._readers.values():
             r.close()
         self._readers.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _read_into(self, fname: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes ``offset..`` of ``fname``, every block checked against its CRC-32.
+
+        A block that ``out`` covers whole is read straight into ``out`` and checked there (no copy of
+        its bytes); the partial blocks at either end go through the file's :class:`Reader`, which
+        keeps the last one for the next range. A block whose bytes do not check is read again through
+        the :class:`Reader`, which raises the file's error.
+        """
+        r = self.reader(fname)
+        end, pos = offset + len(out), offset
+        if not hasattr(os, "preadv") or end > r.size:
+            r.read_into(offset, out)
+            return
+        if fname not in self._fds:
+            self._fds[fname] = os.open(os.path.join(self.path, fname), os.O_RDONLY)
+        fd = self._fds[fname]
+        while pos < end:
+            i = pos // r.block
+            b0, b1 = i * r.block, min((i + 1) * r.block, r.size)
+            if pos == b0 and b1 <= end:
+                dst = out[pos - offset : b1 - offset]
+                if os.preadv(fd, [dst], pos) != len(dst) or zlib.crc32(dst) != r.crcs[i]:
+                    r.read_into(pos, dst)
+            else:
+                b1 = min(b1, end)
+                r.read_into(pos, out[pos - offset : b1 - offset])
+            pos = b1
 
     def has(self, key: str) -> bool:
         return key in self.keys
@@ -149,10 +182,15 @@ class Saved:
         pieces = self.pieces.get(source, [])
         return pieces[0].dtype if pieces else self.layouts[source.kind][source.bucket].dtype
 
-    def read(self, source: Source, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of a saved bucket of a quantity, in the saved dtype."""
+    def read(self, source: Source, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of a saved bucket of a quantity, in the saved dtype.
+
+        ``out``: a contiguous 1-D CPU tensor of ``hi - lo`` elements in the saved dtype to read into
+        (by default a new one); returned.
+        """
         pieces = self.pieces.get(source, [])
-        out = torch.empty(hi - lo, dtype=self.dtype(source))
+        if out is None:
+            out = torch.empty(hi - lo, dtype=self.dtype(source))
         if hi == lo:
             return out
         size = out.element_size()
@@ -164,7 +202,7 @@ class Saved:
             if p.lo > pos:
                 break
             end = min(hi, p.hi)
-            self.reader(p.file).read_into(p.offset + (pos - p.lo) * size, view[(pos - lo) * size : (end - lo) * size])
+            self._read_into(p.file, p.offset + (pos - p.lo) * size, view[(pos - lo) * size : (end - lo) * size])
             pos = end
             if pos == hi:
                 return out

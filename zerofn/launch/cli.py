@@ -66,6 +66,12 @@ def _flags() -> tuple[set[str], set[str]]:
 
 def torchrun_args(argv: list[str]) -> list[str]:
     """torchrun's command line for ``python -m zerofn run`` ``argv``."""
+    flags, script = _translate(argv)
+    return flags + script
+
+
+def _translate(argv: list[str]) -> tuple[list[str], list[str]]:
+    """torchrun's flags for ``argv``, and the script with its own arguments."""
     valued, boolean = _flags()
     out: list[str] = []
     i = 0
@@ -105,7 +111,22 @@ def torchrun_args(argv: list[str]) -> list[str]:
     named = {t.partition("=")[0] for t in out}
     if nnodes in ("1", "1:1") and not named & set(RENDEZVOUS):
         out.append("--standalone")  # one machine: a local rendezvous on a free port
-    return out + script
+    return out, script
+
+
+def _missing_script(flags: list[str], script: list[str]) -> str | None:
+    """What is wrong with the script's path (None: nothing), before torchrun starts ranks that fail on it."""
+    if {t.partition("=")[0] for t in flags} & {"-m", "--module", "--no-python", "--no_python"}:
+        return None  # a module's name, or a program found on PATH
+    path = script[0]
+    if os.path.isdir(path):
+        return f"python -m zerofn run: {path} is a directory; pass the training script (a .py file) to run"
+    if not os.path.isfile(path):
+        return (
+            f"python -m zerofn run: {path}: no such script; pass the path of the training script to run "
+            "(or -m MODULE for a module)"
+        )
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.split("Example:")[0].strip())
         return 0
-    args = torchrun_args(argv)
+    flags, script = _translate(argv)
+    problem = _missing_script(flags, script)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    args = flags + script
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning banner
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

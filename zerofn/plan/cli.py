@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 import torch
@@ -110,6 +111,25 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--inference counts 2-byte weights; --fp32 is for training")
     if args.bf16_moments and args.inference:
         p.error("--inference holds no optimizer state; --bf16-moments is for training")
+    if args.model is not None and not os.path.exists(args.model):
+        p.error(
+            f"--model {args.model}: no such file or directory; pass a Hugging Face config.json or the model "
+            "directory that holds one"
+        )
+    if (
+        args.model is not None
+        and os.path.isdir(args.model)
+        and not os.path.isfile(os.path.join(args.model, "config.json"))
+    ):
+        p.error(
+            f"--model {args.model}: the directory holds no config.json; pass a Hugging Face model directory or its config.json"
+        )
+    if args.plot is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        where = os.path.dirname(os.path.abspath(args.plot))
+        p.error(
+            f"--plot {args.plot}: the directory it goes in, {where}, does not exist; create it (mkdir -p {where}) "
+            "or pass a file in an existing directory"
+        )
     if args.plot:
         try:
             importlib.import_module("matplotlib")
