@@ -84,7 +84,9 @@ def torch_reference(nesterov, schedule, dtype, steps=STEPS):
     matrices = [p for p in model.parameters() if p.ndim == 2]
     rest = [p for p in model.parameters() if p.ndim != 2]
     muon_opt = torch.optim.Muon(matrices, lr=MUON_LR, nesterov=nesterov)
-    adamw_opt = torch.optim.AdamW(rest, lr=ADAMW_LR, weight_decay=0.01)
+    # fused: the kernel zf.optim.adamw runs (torch's foreach AdamW rounds otherwise on some CPUs, e.g. AVX2 against
+    # AVX-512, in the last bits of a float32 update)
+    adamw_opt = torch.optim.AdamW(rest, lr=ADAMW_LR, weight_decay=0.01, fused=True)
     lr_sched = torch.optim.lr_scheduler.LambdaLR(muon_opt, lambda c: _schedule(c) / MUON_LR) if schedule else None
     for i in range(steps):
         b = batch_for(i, GLOBAL_BATCH, dtype)
