@@ -98,11 +98,26 @@ def _training_args(transformers, tmp_path, fields):
     return args
 
 
+def _trainer_config(hfds, config):
+    """transformers' HfTrainerDeepSpeedConfig for ``config``. Without deepspeed installed (it is not a test
+    dependency) transformers gives the class no base; the Trainer's resolution, its own methods, is then run on
+    accelerate's config base (the one transformers uses when deepspeed is there), which reads dicts only."""
+    if importlib.util.find_spec("deepspeed") is not None:
+        return hfds.HfTrainerDeepSpeedConfig(config)
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+    methods = {k: v for k, v in vars(hfds.HfTrainerDeepSpeedConfig).items() if k not in ("__init__", "__dict__")}
+    ds = type("HfTrainerDeepSpeedConfig", (HfDeepSpeedConfig,), methods)(config)
+    ds._dtype, ds.mismatches = None, []
+    hfds.set_hf_deepspeed_config(ds)  # as its constructor does; unset below
+    return ds
+
+
 def _trainer_resolves(hf, config, args):
     """The config as the Trainer resolves it: trainer_config_process(args), then trainer_config_finalize with
     the model and num_training_steps = max_steps."""
     _, hfds, model = hf
-    ds = hfds.HfTrainerDeepSpeedConfig(copy.deepcopy(config))
+    ds = _trainer_config(hfds, copy.deepcopy(config))
     try:
         ds.trainer_config_process(args)
         ds.trainer_config_finalize(args, model, args.max_steps)
