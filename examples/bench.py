@@ -12,21 +12,25 @@ every block.
 
     python examples/bench.py                 # 2 gloo ranks on this machine
     python examples/bench.py --world 2 --steps 30 --dim 256 --layers 4
+    python examples/bench.py --shape v512    # vocabulary 512, 128 tokens, AdamW betas (0.9, 0.95), decay 0.01
     python examples/bench.py --remat         # activation checkpointing's memory and cost
 
 Every system trains the same GPT on the same data from the same seed, in the
-same ranks; timed steps of the systems are interleaved in rounds so that a
-noisy machine slows them alike. Reported per system: median step time and
-its ratio to DDP's, optimizer-state bytes per rank, bytes held between
-steps and peak live tensor bytes during one step (zf.memory.track), and the
-collective traffic of one step, all measured in this one run.
+same ranks; the systems take turns in rounds so that a noisy machine slows
+them alike. Reported per system: the step time of a loop of --steps
+consecutive steps (synchronised only before and after it; the median over
+the rounds) and its ratio to DDP's round by round, the step time with a
+barrier before every step (which leaves out what a step leaves in flight),
+optimizer-state bytes per rank, bytes held between steps and peak live
+tensor bytes during one step (zf.memory.track), the collective traffic of
+one step and the final loss, all measured in this one run.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from zerofn.bench import Config, run
+from zerofn.bench import SHAPES, Config, run
 from zerofn.bench.systems import DDP, DDP_CHECKPOINT, FSDP2, STAGES, ZERO, composition_name
 
 
@@ -43,9 +47,10 @@ def main(argv=None):
     defaults = Config(systems=())
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=defaults.world)
+    p.add_argument("--shape", choices=list(SHAPES), default=next(iter(SHAPES)), help="vocabulary, length, AdamW")
     p.add_argument("--dim", type=int, default=defaults.dim)
     p.add_argument("--layers", type=int, default=defaults.layers)
-    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the shape's)")
     p.add_argument("--batch", type=int, default=defaults.batch, help="sequences per rank")
     p.add_argument("--steps", type=int, default=defaults.steps, help="timed steps per system per round")
     p.add_argument("--rounds", type=int, default=defaults.rounds)
@@ -55,12 +60,15 @@ def main(argv=None):
     p.add_argument("--amp", action="store_true", help="add every zerofn stage under amp(bf16)")
     p.add_argument("--remat", action="store_true", help="add every zerofn system under remat, and torch checkpoint")
     args = p.parse_args(argv)
+    shape = dict(SHAPES[args.shape])
+    if args.seq_len is not None:
+        shape["seq_len"] = args.seq_len
     cfg = Config(
         systems=systems(args.amp, args.remat),
         world=args.world,
         dim=args.dim,
         layers=args.layers,
-        seq_len=args.seq_len,
+        **shape,
         batch=args.batch,
         steps=args.steps,
         rounds=args.rounds,
@@ -71,14 +79,14 @@ def main(argv=None):
     results = run(cfg)
     print(f"GPT {cfg.parameters():,} parameters, {cfg.world} gloo ranks, batch {cfg.batch} x {cfg.seq_len} per rank")
     print(
-        f"{'system':<46}{'step ms':>9}{'vs DDP':>8}{'opt state MiB':>15}{'held MiB':>10}{'peak in step':>14}"
-        f"{'peak MiB':>10}{'traffic MiB':>13}{'loss':>8}"
+        f"{'system':<46}{'step ms':>9}{'vs DDP':>8}{'barrier ms':>12}{'opt state MiB':>15}{'held MiB':>10}"
+        f"{'peak in step':>14}{'peak MiB':>10}{'traffic MiB':>13}{'loss':>11}"
     )
     for m in results.systems:
         print(
-            f"{m.name:<46}{m.ms:>9.1f}{m.ratio:>8.3f}{m.optimizer / 2**20:>15.2f}{m.held / 2**20:>10.2f}"
-            f"{m.peak_in_step / 2**20:>14.2f}{m.peak / 2**20:>10.2f}"
-            f"{m.traffic / 2**20:>13.2f}{m.loss:>8.4f}"
+            f"{m.name:<46}{m.ms:>9.1f}{m.ratio:>8.3f}{m.barrier_ms:>12.1f}{m.optimizer / 2**20:>15.2f}"
+            f"{m.held / 2**20:>10.2f}{m.peak_in_step / 2**20:>14.2f}{m.peak / 2**20:>10.2f}"
+            f"{m.traffic / 2**20:>13.2f}{m.loss:>11.6f}"
         )
     if args.remat:
         ms = {m.name: m.ms for m in results.systems}

@@ -1,13 +1,40 @@
 """Run the systems on local gloo ranks and measure them: time, memory, traffic, loss.
 
-:func:`run` starts ``Config.world`` ranks with ``zf.spawn``; each rank runs
+:func:`run` starts ``Config.world`` ranks with ``zf.spawn`` (:func:`run_all`: once for several
+configs, one after the other); each rank runs
 :func:`bench_rank`, which builds every chosen system in turn (the same GPT
 from the same seed, the same data), warms it up, measures the memory it holds
 and allocates, counts one step's traffic, and then times all the systems in
-rounds: each round runs ``steps`` steps of every system in turn (each round
-starting from the next system), so that a machine that slows down for a
-while slows them alike and the ratios between systems come from one run. :func:`run` gathers what the ranks measured into
-one :class:`Measured` per system.
+rounds: each round runs every system in turn (each round starting from the
+next system), so that a machine that slows down for a while slows them alike
+and the ratios between systems come from one run. :func:`run` gathers what
+the ranks measured into one :class:`Measured` per system.
+
+A system's turn in a round is timed twice:
+
+- **loop**: ``steps`` consecutive steps, as a training loop runs them, with
+  a barrier before the first and after the last and nothing in between: the
+  wall time over ``steps``. What a step leaves in flight (zerofn's publish
+  all-gather, which the next forward waits for) is paid inside the loop,
+  where a user pays it. This is the step time the report gives. Right
+  before it (or, every other turn, right after it) the *reference*, a
+  second torch DDP built like the one in the table, runs a loop of its
+  own; a system's ratio is its loop over the reference loop beside it, so
+  that a machine whose load changes from second to second moves both alike.
+  The reference trains steps of its own: every system in the table trains
+  the same number of steps.
+- **barrier per step**: ``barrier_steps`` steps more, each started at a
+  barrier and timed alone. gloo's barrier waits for the work still in
+  flight, so this leaves out what a step overlaps with the next one; kept as
+  a second figure to show the difference.
+
+The loss is the last step's, as a tensor, averaged over the ranks after the
+timed steps, so that no step waits for it.
+
+How busy the machine was: during every loop the ranks read the CPU time the
+whole machine spent busy (``/proc/stat``, where there is one) and their own
+(``time.process_time``); what is left is other processes', reported as a
+share of the machine's CPU time (:attr:`Results.others_cpu`).
 
 Memory is measured with ``zf.memory.track``, which counts every live tensor
 storage made inside a block (on the CPU too); see :mod:`zerofn.memory`.
@@ -16,6 +43,8 @@ storage made inside a block (on the CPU too); see :mod:`zerofn.memory`.
 from __future__ import annotations
 
 import functools
+import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,9 +55,9 @@ from tqdm import tqdm
 import zerofn as zf
 from zerofn import collectives as C
 from zerofn.bench.gpt import GPT, GPTConfig, MarkovCorpus
-from zerofn.bench.systems import DDP, DEEPSPEED, SYSTEMS, build
+from zerofn.bench.systems import DDP, DEEPSPEED, SYSTEMS, AdamWConfig, build
 
-__all__ = ["QUICK", "Config", "Measured", "Results", "bench_rank", "run"]
+__all__ = ["QUICK", "SHAPES", "Config", "Measured", "Results", "bench_rank", "gather_results", "run", "run_all"]
 
 
 @dataclass(frozen=True)
@@ -49,16 +78,31 @@ class Config:
     heads: int = 4
     seq_len: int = 64
     vocab: int = 64
+    tie_embeddings: bool = True  # the output head shares the token embedding
     batch: int = 8  # sequences per rank
-    steps: int = 5  # timed steps per system per round
+    lr: float = 1e-3  # AdamW's, for every system
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.1
+    steps: int = 4  # consecutive steps per system per round, timed as one loop (beside a loop of the reference)
     rounds: int = 6  # short rounds: a busy spell of the machine falls on every system alike
+    barrier_steps: int = 2  # per system per round, each timed alone from a barrier (the second figure)
     warmup: int = 3
     threads: int = 1  # intra-op threads per rank
     bucket_mb: float = 25.0  # gradient bucket size of zerofn and DDP
     progress: bool = True  # progress bars on rank 0 (stderr)
 
     def model(self) -> GPTConfig:
-        return GPTConfig(vocab=self.vocab, seq_len=self.seq_len, dim=self.dim, heads=self.heads, layers=self.layers)
+        return GPTConfig(
+            vocab=self.vocab,
+            seq_len=self.seq_len,
+            dim=self.dim,
+            heads=self.heads,
+            layers=self.layers,
+            tie_embeddings=self.tie_embeddings,
+        )
+
+    def adamw(self) -> AdamWConfig:
+        return AdamWConfig(lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
 
     def parameters(self) -> int:
         """The model's parameter count (the tied embedding once)."""
@@ -66,8 +110,16 @@ class Config:
             return sum(p.numel() for p in GPT(self.model()).parameters())
 
 
-# --quick: a tiny model and one short round, for CI and for trying the harness out.
-QUICK = dict(dim=32, layers=2, heads=4, seq_len=16, batch=2, steps=2, rounds=1, warmup=1)
+# --quick: a tiny model and one short round, for CI and for trying the harness out (the sizes of each shape).
+QUICK = dict(dim=32, layers=2, heads=4, seq_len=16, batch=2, steps=2, rounds=1, warmup=1, barrier_steps=1)
+
+# The model shapes the report compares on: Config fields over the defaults. The first is the defaults'
+# (3.19 M parameters); the second (3.45 M) has a larger vocabulary with an output head of its own, longer
+# sequences and AdamW as GPT-style training sets it.
+SHAPES: dict[str, dict] = {
+    "v64": {},
+    "v512": dict(vocab=512, seq_len=128, tie_embeddings=False, betas=(0.9, 0.95), weight_decay=0.01),
+}
 
 
 @dataclass
@@ -76,14 +128,22 @@ class Measured:
 
     Attributes:
         name: the system.
-        ms: the slowest rank's median step time, in milliseconds.
-        ratio: ``ms`` over torch DDP's ``ms`` in the same run (None without DDP).
+        ms: the step time of a loop of consecutive steps, in milliseconds: per round, the slowest
+            rank's wall time of the loop over its steps; the median over the rounds.
+        ratio: the median over the rounds of the loop's time over the reference's beside it (a torch
+            DDP run just before or just after it), None when nothing was timed.
         params: parameter bytes held between steps.
         optimizer: optimizer-state bytes held between steps.
         held: every byte the system keeps between steps (measured).
         peak_in_step: the most bytes allocated at once during one step, beyond ``held``.
         traffic: collective bytes of one step, in the ZeRO paper's units.
         loss: the loss of the last timed step (mean over ranks).
+        ratio_range: the smallest and the largest of the rounds' ratios.
+        round_ms: each round's loop step time (ms).
+        round_ratios: each round's ratio to the reference: ratios to any other system, round by round.
+        barrier_ms: the step time with a barrier before every step: the slowest rank's median over
+            those steps.
+        barrier_ratio: ``barrier_ms`` over the table's torch DDP's (None without it).
     """
 
     name: str
@@ -95,6 +155,17 @@ class Measured:
     peak_in_step: int
     traffic: int
     loss: float
+    ratio_range: tuple[float, float] | None = None
+    round_ms: tuple[float, ...] = ()
+    round_ratios: tuple[float, ...] = ()
+    barrier_ms: float = 0.0
+    barrier_ratio: float | None = None
+
+    def against(self, other: Measured) -> tuple[float, float, float]:
+        """This system's loop step time over ``other``'s, round by round, each through the reference loop
+        beside it: (median, smallest, largest)."""
+        ratios = [a / b for a, b in zip(self.round_ratios, other.round_ratios)]
+        return statistics.median(ratios), min(ratios), max(ratios)
 
     @property
     def peak(self) -> int:
@@ -109,10 +180,30 @@ class Measured:
 
 @dataclass
 class Results:
+    """What a run measured: one :class:`Measured` per system.
+
+    Attributes:
+        others_cpu: the CPU time that processes other than the ranks used during the timed loops, as a
+            share of the machine's (all its cores over the loop's wall time): the median and the largest
+            over every loop of the run; None where ``/proc/stat`` cannot be read.
+    """
+
     config: Config
     systems: list[Measured]
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why it did not run
     seconds: float = 0.0  # wall time of the whole run
+    others_cpu: tuple[float, float] | None = None
+
+
+def _machine_busy() -> float | None:
+    """Seconds of CPU time the whole machine has spent busy since boot, all cores (None: not on Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def _try_build(name, make):
@@ -139,7 +230,7 @@ def bench_rank(cfg: Config) -> tuple[dict[str, dict], dict[str, str]]:
     systems, figures, skipped = {}, {}, {}
 
     def warmed_up(name):
-        system = build(name, model_cfg, bucket, cfg.batch)
+        system = build(name, model_cfg, bucket, cfg.batch, cfg.adamw())
         for _ in range(cfg.warmup):
             system.step(batch)
         return system
@@ -157,44 +248,141 @@ def bench_rank(cfg: Config) -> tuple[dict[str, dict], dict[str, str]]:
         systems[name] = system
         figures[name] = dict(held=held, peak_in_step=t.peak, traffic=traffic, **system.state())
 
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    losses: dict[str, float] = {}
+    # The reference: another torch DDP, built like the one in the table, that runs a loop beside every
+    # system's loop (before it in one round, after it in the next), so that each ratio compares loops
+    # seconds apart, not a round apart. It trains steps of its own: every system in the table trains the
+    # same number of steps, so that their losses can be compared.
+    reference = warmed_up(DDP) if systems else None
+    loops: dict[str, list[float]] = {name: [] for name in systems}  # per round: the loop's time per step
+    beside: dict[str, list[float]] = {name: [] for name in systems}  # per round: the reference's, beside it
+    load: dict[str, list[tuple]] = {name: [] for name in systems}  # per loop: (wall, own CPU, machine busy) s
+    single: dict[str, list[float]] = {name: [] for name in systems}  # steps timed one by one, at a barrier
+    last: dict[str, torch.Tensor] = {}
+
+    def loop(name: str, system) -> float:
+        C.barrier()
+        t0, own, busy = time.perf_counter(), time.process_time(), _machine_busy()
+        for _ in range(cfg.steps):
+            out = system.step(batch)
+        C.barrier()  # gloo's barrier also waits for what the last step left in flight
+        wall, after = time.perf_counter() - t0, _machine_busy()
+        load[name].append((wall, time.process_time() - own, None if busy is None or after is None else after - busy))
+        if system is not reference:
+            last[name] = out
+        return wall / cfg.steps
+
     with tqdm(total=cfg.rounds * len(systems), desc="timing", disable=not show, leave=False) as bar:
         order = list(systems)
         for r in range(cfg.rounds):
-            for name in order[r % len(order) :] + order[: r % len(order)]:  # each round starts one later
+            for k, name in enumerate(order[r % len(order) :] + order[: r % len(order)]):  # each round one later
                 system = systems[name]
-                for _ in range(cfg.steps):
+                if (r + k) % 2 == 0:
+                    beside[name].append(loop(name, reference))
+                    loops[name].append(loop(name, system))
+                else:
+                    loops[name].append(loop(name, system))
+                    beside[name].append(loop(name, reference))
+                for _ in range(cfg.barrier_steps):
                     C.barrier()
                     t0 = time.perf_counter()
-                    losses[name] = float(system.step(batch))
-                    times[name].append(time.perf_counter() - t0)
+                    last[name] = system.step(batch)
+                    single[name].append(time.perf_counter() - t0)
                 bar.update()
     for name in systems:
-        figures[name].update(median=statistics.median(times[name]), loss=losses[name])
+        loss = float(C.all_reduce(last[name].detach().float().clone(), "mean"))
+        barrier = statistics.median(single[name]) if single[name] else math.nan
+        figures[name].update(
+            loops=loops[name], beside=beside[name], load=load[name], barrier=barrier, loss=loss, cores=os.cpu_count()
+        )
     return figures, skipped
+
+
+def _bench_ranks(cfgs: list[Config]) -> list[tuple[dict[str, dict], dict[str, str], float]]:
+    out = []
+    for cfg in cfgs:
+        start = time.perf_counter()
+        figures, skipped = bench_rank(cfg)
+        out.append((figures, skipped, time.perf_counter() - start))
+    return out
 
 
 def run(cfg: Config) -> Results:
     """Run ``cfg`` on ``cfg.world`` local gloo ranks and gather the figures of every system."""
-    if cfg.steps < 1 or cfg.rounds < 1:
-        raise ValueError(f"steps and rounds must be at least 1, got steps={cfg.steps}, rounds={cfg.rounds}")
-    unknown = [n for n in cfg.systems if n not in SYSTEMS]
-    if unknown:
-        raise ValueError(f"unknown systems {unknown}; the systems are: {', '.join(SYSTEMS)}")
-    start = time.perf_counter()
-    per_rank = zf.spawn(bench_rank, cfg.world, cfg)
-    figures = [f for f, _ in per_rank]
-    names = [n for n in cfg.systems if n in figures[0]]
-    ms = {n: 1e3 * max(f[n]["median"] for f in figures) for n in names}
-    measured = [
-        Measured(
-            name=n,
-            ms=ms[n],
-            ratio=ms[n] / ms[DDP] if DDP in ms else None,
-            loss=figures[0][n]["loss"],
-            **{k: max(f[n][k] for f in figures) for k in ("params", "optimizer", "held", "peak_in_step", "traffic")},
+    return run_all([cfg])[0]
+
+
+def run_all(cfgs: list[Config]) -> list[Results]:
+    """Run every config of ``cfgs`` (one per model shape) in turn on the same ranks, started once."""
+    for cfg in cfgs:
+        if cfg.steps < 1 or cfg.rounds < 1:
+            raise ValueError(f"steps and rounds must be at least 1, got steps={cfg.steps}, rounds={cfg.rounds}")
+        unknown = [n for n in cfg.systems if n not in SYSTEMS]
+        if unknown:
+            raise ValueError(f"unknown systems {unknown}; the systems are: {', '.join(SYSTEMS)}")
+    worlds = {cfg.world for cfg in cfgs}
+    if len(worlds) != 1:
+        raise ValueError(
+            f"the configs ask for different numbers of ranks ({sorted(worlds)}); run_all starts one set of "
+            "ranks for all of them: give every config the same world, or call run() once per world"
         )
-        for n in names
-    ]
-    return Results(config=cfg, systems=measured, skipped=per_rank[0][1], seconds=time.perf_counter() - start)
+    per_rank = zf.spawn(_bench_ranks, worlds.pop(), list(cfgs))
+    return [gather_results(cfg, [r[k] for r in per_rank]) for k, cfg in enumerate(cfgs)]
+
+
+def gather_results(cfg: Config, per_rank: list[tuple[dict[str, dict], dict[str, str], float]]) -> Results:
+    """One :class:`Results` from what every rank measured of ``cfg``: per rank, (figures by system,
+    skipped systems, seconds), as :func:`bench_rank` measures them (with the seconds it took)."""
+    figures = [f for f, _, _ in per_rank]
+    names = [n for n in cfg.systems if n in figures[0]]
+    # A loop's time is its slowest rank's; a step timed alone, likewise (the median).
+    rounds = {n: [1e3 * max(ts) for ts in zip(*(f[n]["loops"] for f in figures))] for n in names}
+    beside = {n: [1e3 * max(ts) for ts in zip(*(f[n]["beside"] for f in figures))] for n in names}
+    barrier = {n: 1e3 * max(f[n]["barrier"] for f in figures) for n in names}
+
+    def ratios(n):
+        rs = [a / b for a, b in zip(rounds[n], beside[n])]
+        return (statistics.median(rs), (min(rs), max(rs)), tuple(rs)) if rs else None
+
+    measured = []
+    for n in names:
+        ratio = ratios(n)
+        measured.append(
+            Measured(
+                name=n,
+                ms=statistics.median(rounds[n]),
+                ratio=None if ratio is None else ratio[0],
+                loss=figures[0][n]["loss"],
+                **{
+                    k: max(f[n][k] for f in figures) for k in ("params", "optimizer", "held", "peak_in_step", "traffic")
+                },
+                ratio_range=None if ratio is None else ratio[1],
+                round_ms=tuple(rounds[n]),
+                round_ratios=() if ratio is None else ratio[2],
+                barrier_ms=barrier[n],
+                barrier_ratio=barrier[n] / barrier[DDP] if DDP in barrier else None,
+            )
+        )
+    return Results(
+        config=cfg,
+        systems=measured,
+        skipped=per_rank[0][1],
+        seconds=max(r[2] for r in per_rank),
+        others_cpu=_others_cpu(figures, names),
+    )
+
+
+def _others_cpu(figures: list[dict], names: list[str]) -> tuple[float, float] | None:
+    """The median and largest share of the machine's CPU time that other processes used in a loop."""
+    shares = []
+    for n in names:
+        loads = [f[n].get("load") for f in figures]
+        if any(x is None for x in loads):
+            return None
+        for per_rank in zip(*loads):  # one loop: (wall, own CPU, machine busy) on every rank
+            busy = per_rank[0][2]  # every rank read the same machine; rank 0's reading
+            if busy is None:
+                return None
+            wall = max(w for w, _, _ in per_rank)
+            own = sum(c for _, c, _ in per_rank)
+            shares.append(max(0.0, busy - own) / (figures[0][n]["cores"] * wall))
+    return (statistics.median(shares), max(shares)) if shares else None

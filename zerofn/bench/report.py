@@ -1,8 +1,9 @@
 """The benchmark's report: a markdown table, notes on how each figure is made, and PNG plots.
 
 :func:`write` puts ``report.md`` and, when matplotlib is installed (the
-``plot`` extra), ``step_time.png``, ``memory.png`` and ``traffic.png`` in a
-folder; the markdown links the plots by relative paths. Without matplotlib
+``plot`` extra), for each model shape ``step_time_<k>.png``, ``memory_<k>.png``
+and ``traffic_<k>.png`` in a folder (k = 1, 2, ... in the order of the
+shapes); the markdown links the plots by relative paths. Without matplotlib
 the markdown says that the plots were not made.
 
 Example:
@@ -17,25 +18,41 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import statistics
 import sys
 
 import torch
 
 import zerofn
 from zerofn.bench.harness import Results
+from zerofn.bench.systems import DDP, DEEPSPEED, FSDP2, ZERO, composition_name
 
-__all__ = ["PLOTS", "machine", "markdown", "plot", "table", "write"]
+__all__ = ["PAIRS", "PLOTS", "machine", "markdown", "pairs", "plot", "shape", "table", "write"]
 
-# file name -> what it shows
+# file name stem -> what it shows (one file per model shape: <stem>_<k>.png)
 PLOTS = {
-    "step_time.png": "Step time against torch DDP, measured in the same run",
-    "memory.png": "Bytes per rank: held between steps, and the most allocated during a step",
-    "traffic.png": "Collective traffic per step per rank",
+    "step_time": "Step time (a loop of consecutive steps) against torch DDP, measured in the same rounds",
+    "memory": "Bytes per rank: held between steps, and the most allocated during a step",
+    "traffic": "Collective traffic per step per rank",
 }
 
+# Each zerofn stage against the peers that shard the same: (zerofn, peer).
+PAIRS = tuple(
+    (composition_name(stage), peer)
+    for stage, peers in (
+        ("train_step", (DDP,)),
+        ("shard_optimizer", (DDP, ZERO, DEEPSPEED[0])),
+        ("shard_grads", (DDP, DEEPSPEED[1])),
+        ("shard_params", (FSDP2, DEEPSPEED[2])),
+    )
+    for peer in peers
+)
 
-def _deepspeed_version() -> str:
-    """ ", DeepSpeed <version>" when DeepSpeed is installed (its systems are then in the table)."""
+
+def _deepspeed_version(runs: list[Results]) -> str:
+    """ ", DeepSpeed <version>" when DeepSpeed's systems are in a table."""
+    if not any(m.name in DEEPSPEED for r in runs for m in r.systems):
+        return ""
     try:
         from importlib.metadata import version
 
@@ -65,6 +82,23 @@ def _unit(results: Results) -> tuple[str, int]:
     return ("MiB", 2**20) if 4 * results.config.parameters() >= 2**20 else ("KiB", 2**10)
 
 
+def _r(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}"
+
+
+def shape(results: Results) -> str:
+    """The model and optimizer of a run, in words."""
+    c = results.config
+    n = c.parameters()
+    unit, scale = _unit(results)
+    return (
+        f"GPT of {n:,} parameters ({4 * n / scale:.2f} {unit} in fp32): dim {c.dim}, {c.layers} layers, "
+        f"{c.heads} heads, vocabulary {c.vocab}{'' if c.tie_embeddings else ' (output head untied)'}, "
+        f"sequences of {c.seq_len}, {_n(c.batch, 'sequence')} per rank; "
+        f"AdamW lr {c.lr:g}, betas ({c.betas[0]:g}, {c.betas[1]:g}), weight decay {c.weight_decay:g}"
+    )
+
+
 def table(results: Results) -> str:
     """The markdown table, one row per system that ran."""
     unit, scale = _unit(results)
@@ -73,6 +107,8 @@ def table(results: Results) -> str:
         "system",
         "step ms",
         "vs DDP",
+        "vs DDP min",
+        "vs DDP max",
         f"params {unit}",
         f"optimizer {unit}",
         f"other held {unit}",
@@ -81,32 +117,101 @@ def table(results: Results) -> str:
         f"traffic {unit}/step",
         "traffic / Ψ",
         "loss",
+        "barrier step ms",
+        "barrier vs DDP",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     for m in results.systems:
+        lo, hi = m.ratio_range or (None, None)
         cells = [
             m.name,
             f"{m.ms:.1f}",
-            "n/a" if m.ratio is None else f"{m.ratio:.2f}",
+            _r(m.ratio),
+            _r(lo),
+            _r(hi),
             *(f"{b / scale:.2f}" for b in (m.params, m.optimizer, m.other_held, m.peak_in_step, m.peak)),
             f"{m.traffic / scale:.2f}",
             f"{m.traffic / psi:.2f}",
-            f"{m.loss:.4f}",
+            f"{m.loss:.6f}",
+            f"{m.barrier_ms:.1f}",
+            _r(m.barrier_ratio),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def markdown(results: Results, command: str, plots: list[str] | None, no_plots: str = "") -> str:
-    """The whole report; ``plots`` are the PNG file names written beside it (None: none were)."""
-    c = results.config
-    n = c.parameters()
-    unit, scale = _unit(results)
+def pairs(results: Results) -> str:
+    """A markdown table of each zerofn stage against its peers (:data:`PAIRS`), round by round; "" when
+    no pair ran."""
+    by_name = {m.name: m for m in results.systems}
+    rows = []
+    for ours, peer in PAIRS:
+        if ours in by_name and peer in by_name:
+            med, lo, hi = by_name[ours].against(by_name[peer])
+            rows.append(f"| `{ours}` | {peer} | {med:.2f} | {lo:.2f} | {hi:.2f} |")
+    if not rows:
+        return ""
+    return "\n".join(["| zerofn | against | step time ratio | min | max |", "|---|---|---:|---:|---:|", *rows])
+
+
+def _loss_spread(results: Results) -> str:
+    """The largest difference between the final losses of the fp32 systems, in words."""
+    fp32 = [m for m in results.systems if "amp(" not in m.name]
+    if len(fp32) < 2:
+        return ""
+    lo, hi = min(fp32, key=lambda m: m.loss), max(fp32, key=lambda m: m.loss)
+    if f"{lo.loss:.6f}" == f"{hi.loss:.6f}":
+        return f"The fp32 systems' final losses agree to 6 decimals ({lo.loss:.6f})."
+    return (
+        f"The fp32 systems' final losses lie within {hi.loss - lo.loss:.1e} of each other "
+        f"({lo.loss:.6f}, {lo.name}, to {hi.loss:.6f}, {hi.name})."
+    )
+
+
+def _noise(results: Results) -> str:
+    """How far the rounds' ratios to DDP spread, in words."""
+    words = []
+    if results.others_cpu is not None:
+        median, most = results.others_cpu
+        words.append(
+            f"Other processes used {100 * median:.0f} % of the machine's CPU time during the median timed loop "
+            f"(at most {100 * most:.0f} %)."
+        )
+    ddp = next((m for m in results.systems if m.name == DDP and m.ratio_range), None)
+    if ddp is not None:
+        lo, hi = ddp.ratio_range
+        words.append(
+            f"torch DDP against the reference, the same system, measured {ddp.ratio:.2f} ({lo:.2f} to {hi:.2f} "
+            "over the rounds): the noise floor of every ratio."
+        )
+    spreads = [m.ratio_range[1] - m.ratio_range[0] for m in results.systems if m.ratio_range]
+    if spreads and results.config.rounds > 1:
+        words.append(
+            f"Over the {results.config.rounds} rounds a system's ratio spread by "
+            f"{statistics.median(spreads):.2f} (max - min, the median over the systems; the widest "
+            f"{max(spreads):.2f})."
+        )
+    return " ".join(words)
+
+
+def markdown(
+    results: Results | list[Results],
+    command: str,
+    plots: list[list[str]] | list[str] | None,
+    no_plots: str = "",
+) -> str:
+    """The whole report: one section per model shape (``results``: one run per shape); ``plots`` are the
+    PNG file names written beside it, per shape (None: none were)."""
+    runs = [results] if isinstance(results, Results) else list(results)
+    if plots and isinstance(plots[0], str):
+        plots = [plots]
+    c = runs[0].config
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    seconds = sum(r.seconds for r in runs)
     lines = [
         "# Benchmark: zerofn's compositions against torch DDP, ZeroRedundancyOptimizer and FSDP2",
         "",
-        f"Generated {now} in {results.seconds:.0f} s. To regenerate it, from the repository root:",
+        f"Generated {now} in {seconds:.0f} s. To regenerate it, from the repository root:",
         "",
         f"    {command}",
         "",
@@ -114,24 +219,51 @@ def markdown(results: Results, command: str, plots: list[str] | None, no_plots: 
         "|---|---|",
         f"| machine | {machine()} |",
         f"| software | torch {torch.__version__}, Python {platform.python_version()}, zerofn {zerofn.__version__}"
-        f"{_deepspeed_version()} |",
+        f"{_deepspeed_version(runs)} |",
         f"| ranks | {c.world} gloo ranks on this machine, {_n(c.threads, 'intra-op thread')} each |",
-        f"| model | the GPT of `zerofn.bench.gpt`: {n:,} parameters ({4 * n / scale:.2f} {unit} in fp32), "
-        f"dim {c.dim}, {c.layers} layers, {c.heads} heads, vocabulary {c.vocab}, sequences of {c.seq_len} |",
-        f"| batch | {_n(c.batch, 'sequence')} per rank, the same at every step; AdamW; one seed for all systems |",
-        f"| timing | {_n(c.warmup, 'warm-up step')}, then {_n(c.rounds, 'round')} of {_n(c.steps, 'timed step')} "
-        "per system; the systems take turns within each round |",
-        "",
-        table(results),
+        f"| models | {_n(len(runs), 'shape')} of the GPT of `zerofn.bench.gpt`, below; the same batch at every "
+        "step; AdamW, no gradient clipping; one seed for all systems |",
+        f"| timing | {_n(c.warmup, 'warm-up step')}, then {_n(c.rounds, 'round')}; in each round every system "
+        f"in turn (each round starting one system later) runs a loop of {_n(c.steps, 'consecutive step')}, "
+        "timed as a whole, beside a loop of the reference (a second torch DDP) run just before or just after "
+        f"it, and then {_n(c.barrier_steps, 'step')} more each started at a barrier |",
         "",
     ]
-    if results.skipped:
-        lines += ["Not measured here:", ""] + [f"- {name}: {why}" for name, why in results.skipped.items()] + [""]
+    for k, run in enumerate(runs):
+        lines += [f"## {k + 1}. {shape(run)}", "", table(run), ""]
+        if run.skipped:
+            lines += ["Not measured here:", ""] + [f"- {name}: {why}" for name, why in run.skipped.items()] + [""]
+        against = pairs(run)
+        if against:
+            lines += ["Each zerofn stage against the peers that shard the same (loop step time, round by round):", ""]
+            lines += [against, ""]
+        words = " ".join(w for w in (_noise(run), _loss_spread(run)) if w)
+        if words:
+            lines += [words, ""]
+        if plots:
+            lines += [f"![{PLOTS[p.rsplit('_', 1)[0]]}]({p})\n" for p in plots[k]]
+    if not plots:
+        lines += [f"No plots: {no_plots or 'matplotlib is not installed'} (`pip install zerofn[plot]`).", ""]
     lines += [
         "How each figure is made (per rank; where the ranks differ, the largest):",
         "",
-        "- **step ms**: each rank's median step time over the timed steps (every step starts at a barrier), "
-        "the slowest rank's. **vs DDP**: that over torch DDP's, both from this run.",
+        "- **step ms**: what a training loop waits for. In each round a system runs its steps back to back, "
+        "with a barrier before the first and after the last (gloo's barrier also waits for the collectives "
+        "still in flight) and nothing in between; the loop's wall time over its steps, the slowest rank's, "
+        "is the round's figure, and **step ms** is the median over the rounds. **vs DDP** is the median over "
+        "the rounds of the round's figure over the reference's beside it: a second torch DDP, built like the "
+        "one in the table, whose loop runs right before the system's (every other turn right after it), so "
+        "that both see the machine in the same state; torch DDP's own row is DDP against that second DDP, "
+        "the noise floor. **min** and **max** are the smallest and largest of those ratios, which say how "
+        "noisy the machine was. The zerofn-against-peer ratios are the rounds' ratios of ratios. The share of "
+        "the "
+        "machine's CPU time that other processes took during the loops is read from `/proc/stat` less the "
+        "ranks' own CPU time: on a shared machine every figure moves with it.",
+        "- **barrier step ms**, **barrier vs DDP**: the same systems timed step by step, each step started at "
+        "a barrier: each rank's median over those steps, the slowest rank's, and its ratio to DDP's. The "
+        "barrier waits for the work a step leaves in flight (zerofn's publish all-gather of stages 1 and 2, "
+        "which the next forward waits for), so this figure leaves that work out and the loop's is the one "
+        "to read. DDP's all-reduce runs inside its backward and is in both.",
         "- **params**, **optimizer**: bytes of the distinct tensor storages held between steps, counted from "
         "the state: `zf.memory.state_bytes` for zerofn; the parameters and the optimizer's state tensors "
         "(a DTensor's local shard) for the others. Gradients are not held between steps by any system "
@@ -144,25 +276,23 @@ def markdown(results: Results, command: str, plots: list[str] | None, no_plots: 
         "(`zf.memory.track`): activations, gradients, gathered parameters. **peak** = held + peak in step.",
         "- **traffic**: bytes of collectives in one step, in the ZeRO paper's units (an all-reduce of n bytes "
         "counts 2n, a reduce-scatter or all-gather of a full tensor of n bytes counts n, a broadcast n); in a "
-        f"ring each rank sends (N-1)/N of that. **traffic / Ψ** is that over the fp32 parameter bytes, "
-        f"Ψ = {4 * n / scale:.2f} {unit}: the paper gives 2 for DDP, ZeRO-1 and ZeRO-2, 3 for ZeRO-3. "
+        "ring each rank sends (N-1)/N of that. **traffic / Ψ** is that over the fp32 parameter bytes Ψ: "
+        "the paper gives 2 for DDP, ZeRO-1 and ZeRO-2, 3 for ZeRO-3. "
         "All of it is counted, none computed from a formula: zerofn's steps count their own "
         '(`metrics["comm_bytes"]`); for torch (and DeepSpeed) the harness wraps torch.distributed\'s '
         "collective functions for one step, on a second instance of the system built only for counting "
         "(DDP's there gets torch's `allreduce_hook`, so that its bucket all-reduces pass through them; "
         "DeepSpeed's on the timed engine itself, with no second engine in the process).",
-        "- **loss**: the last timed step's, mean over ranks. Every fp32 system trains the same model on the "
-        "same batch for the same number of steps, so their losses agree to a few digits; bf16 ones differ a "
-        "little, and DeepSpeed's drift apart over the run (its fused Adam rounds differently from torch's "
-        "AdamW, which zerofn's matches bit for bit; on a small model they agree step by step to 3 digits "
-        "over the first 15 steps). The batch does not change from step to step, so the loss falls below what the corpus allows: "
-        "it shows that the systems agree, not how well they learn.",
+        "- **loss**: the last timed step's, mean over ranks (taken after the timed steps, so that no step "
+        "waits for it). Every fp32 system trains the same model on the same batch for the same number of "
+        "steps with the same AdamW and no gradient clipping, so their losses agree to rounding; bf16 ones "
+        "differ a little. DeepSpeed clips the global gradient norm to `gradient_clipping`, 1.0 when its config "
+        "leaves it out (DeepSpeed 0.19.8's default), so the harness sets it to 0; DeepSpeed's fused Adam then "
+        "matches torch's AdamW step for step (with the default, its loss leaves the others' once a gradient's "
+        "norm exceeds 1). The batch does not change from step to step, so the loss "
+        "falls below what the corpus allows: it shows that the systems agree, not how well they learn.",
         "",
     ]
-    if plots:
-        lines += [f"![{PLOTS[p]}]({p})\n" for p in plots]
-    else:
-        lines += [f"No plots: {no_plots or 'matplotlib is not installed'} (`pip install zerofn[plot]`).", ""]
     return "\n".join(lines)
 
 
@@ -170,8 +300,9 @@ def _colour(name: str) -> str:
     return "#7f7f7f" if name.startswith(("torch", "DeepSpeed")) else "#1f77b4"
 
 
-def plot(results: Results, out: str) -> list[str]:
-    """Write the PNGs of ``PLOTS`` into ``out``; returns their file names. Needs matplotlib."""
+def plot(results: Results, out: str, k: int = 1) -> list[str]:
+    """Write the PNGs of ``PLOTS`` for the ``k``-th shape into ``out`` (``<stem>_<k>.png``); returns their
+    file names. Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,32 +314,37 @@ def plot(results: Results, out: str) -> list[str]:
     colours = [_colour(n) for n in names]
     height = 1.2 + 0.32 * len(names)
     psi = 4 * results.config.parameters()
+    c = results.config
+    model = f"GPT {c.parameters() / 1e6:.2f} M, vocabulary {c.vocab}, {c.seq_len} tokens"
 
-    def figure(title: str, xlabel: str):
+    def figure(stem: str, xlabel: str):
         fig, ax = plt.subplots(figsize=(8, height))
-        ax.set_title(title, fontsize=10)
+        ax.set_title(f"{PLOTS[stem]}\n{model}", fontsize=9)
         ax.set_xlabel(xlabel)
         ax.set_yticks(range(len(names)), names, fontsize=8)
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
         return fig, ax
 
-    def save(fig, name: str) -> str:
+    def save(fig, stem: str) -> str:
+        name = f"{stem}_{k}.png"
         fig.tight_layout()
         fig.savefig(os.path.join(out, name), dpi=100)
         plt.close(fig)
         return name
 
     written = []
-    fig, ax = figure(PLOTS["step_time.png"], "step time / torch DDP's (lower is faster)")
+    fig, ax = figure("step_time", "step time / torch DDP's, median and range over the rounds (lower is faster)")
     ratios = [m.ratio or 0.0 for m in systems]
-    ax.barh(range(len(names)), ratios, color=colours)
+    spans = [m.ratio_range or (r, r) for m, r in zip(systems, ratios)]
+    err = [[r - lo for r, (lo, _) in zip(ratios, spans)], [hi - r for r, (_, hi) in zip(ratios, spans)]]
+    ax.barh(range(len(names)), ratios, color=colours, xerr=err, error_kw=dict(lw=0.8, capsize=2))
     ax.axvline(1.0, color="black", lw=0.8)
-    for i, r in enumerate(ratios):
-        ax.text(r, i, f" {r:.2f}", va="center", fontsize=7)
-    written.append(save(fig, "step_time.png"))
+    for i, (r, (_, hi)) in enumerate(zip(ratios, spans)):
+        ax.text(hi, i, f" {r:.2f}", va="center", fontsize=7)
+    written.append(save(fig, "step_time"))
 
-    fig, ax = figure(PLOTS["memory.png"], unit)
+    fig, ax = figure("memory", unit)
     left = [0.0] * len(names)
     parts = (
         ("params", lambda m: m.params),
@@ -221,26 +357,28 @@ def plot(results: Results, out: str) -> list[str]:
         ax.barh(range(len(names)), widths, left=left, label=label)
         left = [a + b for a, b in zip(left, widths)]
     ax.legend(fontsize=7, loc="lower right")
-    written.append(save(fig, "memory.png"))
+    written.append(save(fig, "memory"))
 
-    fig, ax = figure(PLOTS["traffic.png"], f"{unit} per step")
+    fig, ax = figure("traffic", f"{unit} per step")
     ax.barh(range(len(names)), [m.traffic / scale for m in systems], color=colours)
-    for k in (2, 3):
-        ax.axvline(k * psi / scale, color="black", lw=0.8, ls="--")
-        ax.text(k * psi / scale, -0.6, f" {k}Ψ", fontsize=7)
-    written.append(save(fig, "traffic.png"))
+    for times in (2, 3):
+        ax.axvline(times * psi / scale, color="black", lw=0.8, ls="--")
+        ax.text(times * psi / scale, -0.6, f" {times}Ψ", fontsize=7)
+    written.append(save(fig, "traffic"))
     return written
 
 
-def write(results: Results, out: str, command: str) -> str:
-    """Write ``report.md`` (and the plots, when matplotlib is there) into ``out``; returns the report's path."""
+def write(results: Results | list[Results], out: str, command: str) -> str:
+    """Write ``report.md`` (and the plots, when matplotlib is there) into ``out`` for one run per model
+    shape; returns the report's path."""
+    runs = [results] if isinstance(results, Results) else list(results)
     os.makedirs(out, exist_ok=True)
     try:
-        plots, why = plot(results, out), ""
+        plots, why = [plot(r, out, k + 1) for k, r in enumerate(runs)], ""
     except ImportError as e:
         plots, why = None, f"matplotlib could not be imported ({e})"
         print(f"zerofn.bench: {why}; writing the report without plots", file=sys.stderr)
     path = os.path.join(out, "report.md")
     with open(path, "w") as f:
-        f.write(markdown(results, command, plots, why))
+        f.write(markdown(runs, command, plots, why))
     return path

@@ -1,12 +1,24 @@
 """The systems the benchmark trains, and how their collective traffic is counted.
 
 A system is one way to train the GPT of :mod:`zerofn.bench.gpt` with AdamW
-(the same learning rate and weight decay everywhere, no clipping): a zerofn
+(the same :class:`AdamWConfig` everywhere, no gradient clipping): a zerofn
 composition such as ``amp(shard_params(train_step), bf16)``, a torch peer
 (DDP, ZeroRedundancyOptimizer, FSDP2) or, when ``import deepspeed`` works,
 DeepSpeed's ZeRO stages. :func:`build` makes one by name, inside the ranks,
 from the same seed; every system built from the same name trains the same
 model on the same data.
+
+Every fp32 system does the same math: torch's AdamW (zerofn's equals it,
+DeepSpeed's fused Adam computes the same update) with the same
+hyper-parameters and no clipping. DeepSpeed clips the global gradient norm
+to ``gradient_clipping`` of its config, 1.0 when the config leaves it out
+(``GRADIENT_CLIPPING_DEFAULT`` in ``deepspeed/runtime/constants.py`` of
+DeepSpeed 0.19.8; older releases had 0), so :func:`deepspeed_config` sets it
+to 0. With the default, DeepSpeed's rows trained another model: on the
+benchmark's first GPT, 20 steps of ZeRO-1 ended at a loss of 2.4967 against
+DDP's 2.6646 (the losses part at the third step), and the same with torch's
+AdamW inside DeepSpeed (2.4967): the clipping, not the optimizer. With
+clipping off, ZeRO-1, 2 and 3 match DDP to 1e-6 at every step.
 
 Traffic is counted in the ZeRO paper's units, the ones ``zerofn.collectives``
 uses: an all-reduce of n bytes counts 2n, a reduce-scatter or all-gather whose
@@ -46,9 +58,38 @@ from zerofn import collectives as C
 from zerofn.bench.gpt import GPT, GPTConfig, loss_fn_for
 from zerofn.placement import held_bytes
 
-__all__ = ["ALL", "SYSTEMS", "System", "build", "composition_name", "counting", "deepspeed_installed"]
+__all__ = [
+    "ALL",
+    "SYSTEMS",
+    "AdamWConfig",
+    "System",
+    "build",
+    "composition_name",
+    "counting",
+    "deepspeed_config",
+    "deepspeed_installed",
+]
 
-LR, WD = 1e-3, 0.1
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    """The AdamW every system trains with (torch's ``torch.optim.AdamW`` arguments).
+
+    Example:
+        >>> AdamWConfig(betas=(0.9, 0.95)).torch_kwargs()["betas"]
+        (0.9, 0.95)
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+    def torch_kwargs(self) -> dict[str, Any]:
+        return dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+
+LR, WD = AdamWConfig.lr, AdamWConfig.weight_decay
 
 DDP = "torch DDP"
 ZERO = "torch ZeroRedundancyOptimizer"
@@ -63,7 +104,9 @@ class System:
     """One system, built inside a rank.
 
     Attributes:
-        step: trains one step on a batch and returns the loss (mean over ranks).
+        step: trains one step on a batch and returns its loss as a tensor, without waiting for
+            anything (the torch systems: this rank's loss; zerofn: the mean over ranks, which its
+            step computes anyway); the harness averages the last one over the ranks.
         state: bytes this rank holds between steps, ``{"params", "optimizer"}``.
         count: trains one step like ``step`` and returns the collective bytes
             this rank moved in a step, in the ZeRO paper's units.
@@ -197,7 +240,7 @@ def _torch_step(forward, backward, update):
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
         backward(loss)
         update()
-        return C.all_reduce(loss.detach(), "mean")  # zerofn reports the mean over ranks too
+        return loss.detach()  # this rank's: no collective a torch user would not issue
 
     return step
 
@@ -219,7 +262,15 @@ def _count_on_twin(make: Callable[[], System], step: Callable, batch: torch.Tens
     return c.bytes
 
 
-def _torch(kind: str, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int = 0, *, counted: bool = False) -> System:
+def _torch(
+    kind: str,
+    cfg: GPTConfig,
+    bucket_bytes: int,
+    batch_per_rank: int = 0,
+    adamw: AdamWConfig = AdamWConfig(),
+    *,
+    counted: bool = False,
+) -> System:
     """torch DDP (``"ddp"``), ZeroRedundancyOptimizer (``"zero"``), FSDP2 (``"fsdp2"``), or DDP with checkpoint."""
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -247,16 +298,16 @@ def _torch(kind: str, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int = 0
 
             wrapped.register_comm_hook(None, allreduce_hook)
     if kind == "zero":
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WD)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **adamw.torch_kwargs())
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+        opt = torch.optim.AdamW(model.parameters(), **adamw.torch_kwargs(), foreach=True)
 
     def update():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     step = _torch_step(wrapped, lambda loss: loss.backward(), update)
-    twin = functools.partial(_torch, kind, cfg, bucket_bytes, counted=True)
+    twin = functools.partial(_torch, kind, cfg, bucket_bytes, batch_per_rank, adamw, counted=True)
     return System(
         step=step,
         state=lambda: {"params": _storage_bytes(model.parameters()), "optimizer": _optimizer_state_bytes(opt)},
@@ -264,20 +315,46 @@ def _torch(kind: str, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int = 0
     )
 
 
-def _deepspeed(stage: int, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int) -> System:
+def deepspeed_config(stage: int, bucket_bytes: int, batch_per_rank: int, adamw: AdamWConfig) -> dict[str, Any]:
+    """The DeepSpeed config of the benchmark's ZeRO ``stage``: fp32, DeepSpeed's AdamW with ``adamw``'s
+    hyper-parameters, and no gradient clipping, as every other system.
+
+    DeepSpeed clips the global gradient norm to ``gradient_clipping``, 1.0 when the config leaves it
+    out (``GRADIENT_CLIPPING_DEFAULT`` in ``deepspeed/runtime/constants.py``); the config sets it to 0.
+
+    Example:
+        >>> c = deepspeed_config(1, 2**20, 8, AdamWConfig())
+        >>> c["gradient_clipping"], c["optimizer"]["params"]["weight_decay"]
+        (0.0, 0.1)
+    """
+    return {
+        "train_micro_batch_size_per_gpu": batch_per_rank,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket_bytes // 4},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": adamw.lr,
+                "betas": list(adamw.betas),
+                "eps": adamw.eps,
+                "weight_decay": adamw.weight_decay,
+            },
+        },
+        "steps_per_print": 10**9,
+    }
+
+
+def _deepspeed(
+    stage: int, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int, adamw: AdamWConfig = AdamWConfig()
+) -> System:
     """DeepSpeed ZeRO ``stage`` in fp32 with its AdamW, on the process group the ranks already have."""
     import deepspeed
 
     C.ensure_initialized()
     torch.manual_seed(0)
     model = GPT(cfg)
-    config = {
-        "train_micro_batch_size_per_gpu": batch_per_rank,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket_bytes // 4},
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
-        "steps_per_print": 10**9,
-    }
+    config = deepspeed_config(stage, bucket_bytes, batch_per_rank, adamw)
     engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     step = _torch_step(engine, engine.backward, engine.step)
     return System(
@@ -316,10 +393,13 @@ def _compose(stage: str, amp: bool, offload: bool, remat: bool) -> Callable:
     return compose
 
 
-def _zerofn(compose: Callable, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int = 0) -> System:
+def _zerofn(
+    compose: Callable, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int = 0, adamw: AdamWConfig = AdamWConfig()
+) -> System:
     torch.manual_seed(0)
     apply = zf.functional(GPT(cfg))
-    step = compose(zf.train_step(loss_fn_for(apply), zf.optim.adamw(LR, weight_decay=WD), bucket_bytes=bucket_bytes))
+    optimizer = zf.optim.adamw(**adamw.torch_kwargs())
+    step = compose(zf.train_step(loss_fn_for(apply), optimizer, bucket_bytes=bucket_bytes))
     box = [step.init(apply.params)]
 
     def run(batch):
@@ -337,8 +417,8 @@ def _zerofn(compose: Callable, cfg: GPTConfig, bucket_bytes: int, batch_per_rank
     return System(step=run, state=state, count=count)
 
 
-# name -> builder(cfg, bucket_bytes, batch_per_rank) -> System
-SYSTEMS: dict[str, Callable[[GPTConfig, int, int], System]] = {
+# name -> builder(cfg, bucket_bytes, batch_per_rank, adamw) -> System
+SYSTEMS: dict[str, Callable[[GPTConfig, int, int, AdamWConfig], System]] = {
     DDP: functools.partial(_torch, "ddp"),
     ZERO: functools.partial(_torch, "zero"),
     FSDP2: functools.partial(_torch, "fsdp2"),
@@ -369,10 +449,12 @@ ALL = (
 )
 
 
-def build(name: str, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int) -> System:
-    """Build the system ``name`` (a key of ``SYSTEMS``) in this rank."""
+def build(
+    name: str, cfg: GPTConfig, bucket_bytes: int, batch_per_rank: int, adamw: AdamWConfig = AdamWConfig()
+) -> System:
+    """Build the system ``name`` (a key of ``SYSTEMS``) in this rank, training with ``adamw``."""
     try:
         make = SYSTEMS[name]
     except KeyError:
         raise ValueError(f"unknown system {name!r}; the systems are: {', '.join(SYSTEMS)}") from None
-    return make(cfg, bucket_bytes, batch_per_rank)
+    return make(cfg, bucket_bytes, batch_per_rank, adamw)

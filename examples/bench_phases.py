@@ -1,0 +1,286 @@
+"""Where a step's time goes: torch DDP against zerofn's shard_optimizer, phase by phase, on 2 gloo ranks.
+
+    python examples/bench_phases.py                       # the benchmark's v512 shape, 40 rounds
+    python examples/bench_phases.py --shape v64 --rounds 20 --json phases.json
+
+It starts its ranks itself (``zf.spawn``); run it with plain ``python``. The
+systems, built as ``python -m zerofn.bench`` builds them (the same GPT, batch
+and AdamW; DDP with 25 MiB buckets and foreach AdamW), take turns in rounds:
+each runs ``--steps`` consecutive steps with a barrier before and after the
+loop only. Besides ``ddp`` and ``zf1`` (``shard_optimizer``) there are
+``zf0`` (zerofn's plain step: an all-reduce instead of the reduce-scatter
+and all-gather), ``ddp-nosync`` (DDP's backward under ``no_sync()``: no
+all-reduce, so what the all-reduce costs DDP is the difference) and
+``ddp-fused`` (DDP with ``torch.optim.AdamW(fused=True)``, the kernel
+zerofn's AdamW runs).
+
+zerofn's phases are timed by wrapping, from outside, the functions of the
+step that do them (any that a version of zerofn lacks is left out):
+``_check_batch`` (the batch-shape check, one small blocking all-reduce),
+the forward (the ``loss_fn``), backward with the gradient sink's work in it
+(the bucket buffer, the adds into it, the launch of each reduction), the
+wait for the reductions after backward (``GradSink.finish``), ``_unscale``,
+``_stats`` (the loss and gradient-norm all-reduce, blocking), the update
+and the publish; and every wait on a collective by its kind. Each phase has
+its wall time and the CPU time of the rank's main thread
+(``time.thread_time``): on a shared machine the CPU time moves far less
+than the wall time.
+
+Rounds in which other processes used more than ``--quiet`` of the
+machine's CPU time (``/proc/stat`` less the ranks' own, in any system's
+loop) are left out of the medians when at least 3 rounds remain; the script
+says how many it kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import zerofn as zf
+from zerofn import collectives as C
+from zerofn.bench import SHAPES, Config
+from zerofn.bench.gpt import GPT, MarkovCorpus, loss_fn_for
+
+SYSTEMS = ("ddp", "zf1", "zf0", "ddp-nosync", "ddp-fused")
+WALL: dict[str, float] = collections.defaultdict(float)
+CPU: dict[str, float] = collections.defaultdict(float)
+CURRENT = ["zf1"]  # the system whose phases the wrappers are timing
+
+
+def _add(label: str, wall: float, cpu: float) -> None:
+    WALL[f"{CURRENT[0]}: {label}"] += wall
+    CPU[f"{CURRENT[0]}: {label}"] += cpu
+
+
+def _timed(label: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t, c = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _add(label, time.perf_counter() - t, time.thread_time() - c)
+
+    return wrapper
+
+
+def _wrap(owner, name: str, label: str) -> None:
+    fn = getattr(owner, name, None)
+    if fn is not None:
+        setattr(owner, name, _timed(label, fn))
+
+
+def _patch() -> None:
+    from zerofn.transforms.shard_optimizer import ShardedReduction
+
+    import zerofn.optim as O
+    from zerofn import reduction, storage
+    from zerofn import step as steps
+
+    _wrap(steps, "_check_batch", "check_batch (batch-shape all-reduce, blocking)")
+    _wrap(steps.Step, "_forward_backward", "forward + backward")
+    _wrap(reduction.GradSink, "buffer", "  in backward: bucket buffer (zeros, pending adds)")
+    _wrap(reduction.GradSink, "_add", "  in backward: gradient add_ into the bucket")
+    _wrap(reduction.Reduction, "reduce", "  in backward: launch all-reduce")
+    _wrap(ShardedReduction, "reduce", "  in backward: launch reduce-scatter")
+    _wrap(reduction.GradSink, "finish", "wait for the reductions after backward")
+    _wrap(steps, "_unscale", "unscale + bucket norms")
+    _wrap(steps, "_stats", "stats all-reduce (loss, gradient norm; blocking)")
+    _wrap(O, "update_params", "update")
+    _wrap(storage.Storage, "publish", "publish (launch the all-gathers)")
+    wait = C.Handle.wait
+
+    def timed_wait(self):
+        t, c = time.perf_counter(), time.thread_time()
+        try:
+            return wait(self)
+        finally:
+            kind = getattr(self, "_kind", getattr(self, "kind", "collective"))
+            _add(f"  (inside the above) wait for {kind}", time.perf_counter() - t, time.thread_time() - c)
+
+    C.Handle.wait = timed_wait
+
+
+def _machine_busy() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
+
+
+def _phases(prefix: str, parts) -> None:
+    for label, fn in parts:
+        t, c = time.perf_counter(), time.thread_time()
+        fn()
+        WALL[f"{prefix}: {label}"] += time.perf_counter() - t
+        CPU[f"{prefix}: {label}"] += time.thread_time() - c
+
+
+def _ddp(cfg: Config, name: str):
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = GPT(cfg.model())
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
+    kind = {"fused": True} if name == "ddp-fused" else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), **cfg.adamw().torch_kwargs(), **kind)
+
+    def backward(loss):
+        if name == "ddp-nosync":
+            with ddp.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+
+    def step(batch):
+        box = {}
+
+        def forward():
+            logits = ddp(batch[:, :-1])
+            box["loss"] = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+        _phases(
+            name,
+            [
+                ("forward", forward),
+                ("backward (DDP's all-reduce inside)", lambda: backward(box["loss"])),
+                ("optimizer.step", opt.step),
+                ("zero_grad", lambda: opt.zero_grad(set_to_none=True)),
+            ],
+        )
+
+    return step
+
+
+def _zerofn(cfg: Config, name: str):
+    from zerofn.transforms import shard_optimizer
+
+    torch.manual_seed(0)
+    apply = zf.functional(GPT(cfg.model()))
+    loss_fn = _timed("  forward (inside forward + backward)", loss_fn_for(apply))
+    step = zf.train_step(loss_fn, zf.optim.adamw(**cfg.adamw().torch_kwargs()), bucket_bytes=int(cfg.bucket_mb * 2**20))
+    step = shard_optimizer(step) if name == "zf1" else step
+    box = [step.init(apply.params)]
+
+    def run(batch):
+        CURRENT[0] = name
+        t, c = time.perf_counter(), time.thread_time()
+        box[0], _ = step(box[0], batch)
+        _add("step", time.perf_counter() - t, time.thread_time() - c)
+
+    return run
+
+
+def rank_fn(cfg: Config, names: list[str]) -> dict:
+    torch.set_num_threads(cfg.threads)
+    _patch()
+    rank, world = C.rank(), C.world_size()
+    data = MarkovCorpus(vocab=cfg.vocab).sample(cfg.batch * world, cfg.seq_len + 1, seed=1)
+    batch = data[rank * cfg.batch : (rank + 1) * cfg.batch]
+    systems = {n: (_zerofn if n.startswith("zf") else _ddp)(cfg, n) for n in names}
+    for run in systems.values():
+        for _ in range(cfg.warmup):
+            run(batch)
+    out = {n: {"loop": [], "proc": [], "busy": [], "phases": []} for n in systems}
+    order = list(systems)
+    for r in range(cfg.rounds):
+        for n in order[r % len(order) :] + order[: r % len(order)]:
+            WALL.clear()
+            CPU.clear()
+            C.barrier()
+            t0, p0, b0 = time.perf_counter(), time.process_time(), _machine_busy()
+            for _ in range(cfg.steps):
+                systems[n](batch)
+            C.barrier()
+            b1 = _machine_busy()
+            out[n]["loop"].append((time.perf_counter() - t0) / cfg.steps)
+            out[n]["proc"].append((time.process_time() - p0) / cfg.steps)
+            out[n]["busy"].append(None if b0 is None or b1 is None else (b1 - b0) / cfg.steps)
+            out[n]["phases"].append({k: (WALL[k] / cfg.steps, CPU[k] / cfg.steps) for k in WALL})
+    return out
+
+
+def report(per_rank: list[dict], quiet: float) -> str:
+    names = list(per_rank[0])
+    rounds = len(per_rank[0][names[0]]["loop"])
+    cores = os.cpu_count() or 1
+
+    def others(n, i):
+        busy = per_rank[0][n]["busy"][i]
+        if busy is None:
+            return 0.0
+        wall = max(p[n]["loop"][i] for p in per_rank)
+        return max(0.0, busy - sum(p[n]["proc"][i] for p in per_rank)) / (cores * wall)
+
+    kept = [i for i in range(rounds) if all(others(n, i) <= quiet for n in names)]
+    if len(kept) < 3:
+        kept = list(range(rounds))
+    loop = {n: [1e3 * max(p[n]["loop"][i] for p in per_rank) for i in kept] for n in names}
+    ref = names[0]
+    lines = [
+        f"{len(kept)} of {rounds} rounds kept (other processes under {100 * quiet:.0f} % of the machine's CPU "
+        "in every system's loop, or all rounds when fewer than 3 were)",
+        "",
+        f"{'system':<12}{'loop ms/step':>14}{'vs ' + ref:>10}{'min':>7}{'max':>7}   process CPU ms/step per rank",
+    ]
+    for n in names:
+        ratios = [a / b for a, b in zip(loop[n], loop[ref])]
+        cpu = ", ".join(f"{1e3 * statistics.median(p[n]['proc'][i] for i in kept):.1f}" for p in per_rank)
+        lines.append(
+            f"{n:<12}{statistics.median(loop[n]):>14.1f}{statistics.median(ratios):>10.3f}"
+            f"{min(ratios):>7.3f}{max(ratios):>7.3f}   {cpu}"
+        )
+    lines += ["", "Phases, ms per step, the median over the kept rounds: wall time (main thread's CPU time)"]
+    for n in names:
+        keys = sorted({k for p in per_rank for i in kept for k in p[n]["phases"][i]})
+        for k in keys:
+            cells = []
+            for p in per_rank:
+                wall = statistics.median(p[n]["phases"][i].get(k, (0.0, 0.0))[0] for i in kept)
+                cpu = statistics.median(p[n]["phases"][i].get(k, (0.0, 0.0))[1] for i in kept)
+                cells.append(f"{1e3 * wall:8.2f} ({1e3 * cpu:6.2f})")
+            lines.append(f"  {k:<72}" + "   ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=list(SHAPES), default="v512")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:4]))
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--steps", type=int, default=3, help="consecutive steps per system per round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dim", type=int, help="model width (default: the shape's)")
+    p.add_argument("--layers", type=int, help="blocks (default: the shape's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the shape's)")
+    p.add_argument("--batch", type=int, help="sequences per rank (default 8)")
+    p.add_argument("--bucket-mb", type=float, help="gradient bucket size of both, MiB (default: the benchmark's)")
+    p.add_argument("--quiet", type=float, default=0.15, help="the largest share of the machine others may use")
+    p.add_argument("--json", help="write every rank's figures here")
+    args = p.parse_args(argv)
+    sizes = dict(SHAPES[args.shape])
+    for key in ("dim", "layers", "seq_len", "batch", "bucket_mb"):
+        if getattr(args, key) is not None:
+            sizes[key] = getattr(args, key)
+    cfg = Config(systems=(), rounds=args.rounds, steps=args.steps, warmup=args.warmup, **sizes)
+    per_rank = zf.spawn(rank_fn, cfg.world, cfg, list(args.systems))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(per_rank, f)
+    print(f"GPT {cfg.parameters():,} parameters, {cfg.world} gloo ranks, batch {cfg.batch} x {cfg.seq_len} per rank")
+    print(report(per_rank, args.quiet))
+
+
+if __name__ == "__main__":
+    main()
