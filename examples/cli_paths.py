@@ -20,24 +20,26 @@ def _parent(path: str) -> str:
     return os.path.dirname(os.path.abspath(path))
 
 
-def existing_dir(p: argparse.ArgumentParser, flag: str, path: str | None, hint: str) -> None:
-    """``path`` (None: not given) must be a directory; ``hint`` says what to do instead."""
+def _existing(p: argparse.ArgumentParser, flag: str, path: str | None, hint: str, kind: str) -> None:
+    """``path`` (None: not given) must be an existing ``kind`` ("directory" or "file")."""
     if path is None:
         return
-    if os.path.isfile(path):
-        p.error(f"{flag} {path} is a file, not a directory; {hint}")
-    if not os.path.isdir(path):
-        p.error(f"{flag} {path}: no such directory; {hint}")
+    is_kind, is_other = (os.path.isdir, os.path.isfile) if kind == "directory" else (os.path.isfile, os.path.isdir)
+    other = "file" if kind == "directory" else "directory"
+    if is_other(path):
+        p.error(f"{flag} {path} is a {other}, not a {kind}; {hint}")
+    if not is_kind(path):
+        p.error(f"{flag} {path}: no such {kind}; {hint}")
+
+
+def existing_dir(p: argparse.ArgumentParser, flag: str, path: str | None, hint: str) -> None:
+    """``path`` (None: not given) must be a directory; ``hint`` says what to do instead."""
+    _existing(p, flag, path, hint, "directory")
 
 
 def existing_file(p: argparse.ArgumentParser, flag: str, path: str | None, hint: str) -> None:
     """``path`` (None: not given) must be a file; ``hint`` says what to pass instead."""
-    if path is None:
-        return
-    if os.path.isdir(path):
-        p.error(f"{flag} {path} is a directory, not a file; {hint}")
-    if not os.path.isfile(path):
-        p.error(f"{flag} {path}: no such file; {hint}")
+    _existing(p, flag, path, hint, "file")
 
 
 def output_file(p: argparse.ArgumentParser, flag: str, path: str | None) -> None:

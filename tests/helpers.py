@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +137,45 @@ def train(step, state, batch_fn, steps, global_batch, world, rank):
         for m in range(k):
             state, metrics = step(state, rank_slice(local, m, k))
     return state, metrics
+
+
+class ConfigRun(NamedTuple):
+    """A DeepSpeed config trained beside the composition written by hand for it (see :func:`config_vs_hand`)."""
+
+    step: Any  # from the config
+    state: Any
+    metrics: dict
+    hand: Any  # written by hand
+    hand_state: Any
+    total: int  # the config's train_batch_size
+    equal: bool  # the two steps' parameters are bit for bit equal
+    moved: bool  # and differ from the initial ones
+
+
+def config_vs_hand(config: dict, by_hand, steps: int, *, warn: str = "error", **kw) -> ConfigRun:
+    """Train ``from_deepspeed(config, loss_fn, **kw)`` and ``by_hand(loss_fn)`` (a Step) for ``steps`` updates
+    on this rank's slice of the same MLP batches; ``warn``: the warnings filter around ``from_deepspeed``
+    ("error": the config maps without a warning)."""
+    import warnings
+
+    from zerofn import collectives as C
+    from zerofn.deepspeed import from_deepspeed
+
+    rank, world = C.rank(), C.world_size()
+    with warnings.catch_warnings():
+        warnings.simplefilter(warn)
+        _, apply, loss_fn = make_mlp()
+        step, batch = from_deepspeed(config, loss_fn, **kw)
+    total = batch.train_batch_size
+    state, metrics = train(step, step.init(apply.params), mlp_batch, steps, total, world, rank)
+    ours = step.full_params(state)
+    _, apply2, loss_fn2 = make_mlp()
+    hand = by_hand(loss_fn2)
+    hand_state, _ = train(hand, hand.init(apply2.params), mlp_batch, steps, total, world, rank)
+    theirs = hand.full_params(hand_state)
+    equal = all(torch.equal(ours[k], theirs[k]) for k in ours)
+    moved = not all(torch.equal(ours[k], v.to(ours[k].dtype)) for k, v in make_mlp()[1].params.items())
+    return ConfigRun(step, state, metrics, hand, hand_state, total, equal, moved)
 
 
 def compositions() -> dict:

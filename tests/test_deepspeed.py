@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import make_mlp, mlp_batch, train
+from helpers import config_vs_hand, make_mlp, mlp_batch, train
 
 import zerofn as zf
 from zerofn import collectives as C
@@ -378,26 +378,16 @@ def _rank_table(tmp: str) -> dict:
     rank, world = C.rank(), C.world_size()
     out = {}
     for name, (config, by_hand) in _table(tmp).items():
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # every table config maps without a warning
-            _, apply, loss_fn = make_mlp()
-            step, batch = from_deepspeed(config, loss_fn)
-        total = batch.train_batch_size
-        state, metrics = train(step, step.init(apply.params), mlp_batch, 5, total, world, rank)
-        ours = step.full_params(state)
-        _, apply2, loss_fn2 = make_mlp()
-        hand = by_hand(loss_fn2, tmp)
+        r = config_vs_hand(config, lambda f, by_hand=by_hand: by_hand(f, tmp), 5)  # maps without a warning
+        step, hand, total = r.step, r.hand, r.total
         assert hand.accumulate_steps == step.accumulate_steps and total == 8
-        state2, _ = train(hand, hand.init(apply2.params), mlp_batch, 5, total, world, rank)
-        theirs = hand.full_params(state2)
-        equal = all(torch.equal(ours[k], theirs[k]) for k in ours)
-        moved = not all(torch.equal(ours[k], v) for k, v in make_mlp()[1].params.items())
         # Interchangeable: the hand-written step updates the from_deepspeed state once more, and vice versa.
-        state, _ = train(hand, state, mlp_batch, 1, total, world, rank)
-        state2, _ = train(step, state2, mlp_batch, 1, total, world, rank)
+        state, _ = train(hand, r.state, mlp_batch, 1, total, world, rank)
+        state2, _ = train(step, r.hand_state, mlp_batch, 1, total, world, rank)
         ours, theirs = hand.full_params(state), step.full_params(state2)
         swapped = all(torch.equal(ours[k], theirs[k]) for k in ours)
-        out[name] = (equal, moved, _parts(step) == _parts(hand), swapped, step.name, hand.name, float(metrics["loss"]))
+        same = _parts(step) == _parts(hand)
+        out[name] = (r.equal, r.moved, same, swapped, step.name, hand.name, float(r.metrics["loss"]))
     return out
 
 

@@ -4,22 +4,19 @@ trained on 2 gloo ranks against the composition written by hand: bit for bit.
 The styles: a Hugging Face Trainer config with "auto" everywhere (for each ZeRO stage, resolved from the
 Trainer's arguments), BERT pre-training with LAMB (DeepSpeed's bing_bert configs: fp16, no bias correction,
 the trust ratio clamped), Adam without bias correction (BERT fine-tuning), fp16 with every loss-scale key,
-CPU offload of the optimizer state, and bf16 master weights.
+and CPU offload of the optimizer state (bf16 master weights: tests/test_deepspeed_optimizers.py trains that config).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
-from helpers import make_mlp, mlp_batch, train
+from helpers import config_vs_hand
 from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_params
 
 import zerofn as zf
-from zerofn import collectives as C
 from zerofn import optim as O
-from zerofn.deepspeed import from_deepspeed
 
 HIDDEN = 8  # the hidden size the "auto" sizes derive from (the MLP has no Hugging Face config)
 ARGS = dict(  # a Trainer's arguments, as a dict of TrainingArguments' fields
@@ -163,44 +160,17 @@ def _table() -> dict:
             min_scale=0.5,
         ),
     )
-    out["bf16_master_weights"] = (
-        {
-            "train_batch_size": 8,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-            "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
-            "zero_optimization": {"stage": 2},
-        },
-        {},
-        lambda f: amp(
-            shard_grads(
-                zf.train_step(f, O.adamw(1e-2, weight_decay=0.1, mu_dtype=torch.float32, nu_dtype=torch.float32))
-            ),
-            torch.bfloat16,
-            master_dtype=torch.bfloat16,
-        ),
-    )
     return out
 
 
 def _rank_corpus() -> dict:
-    rank, world = C.rank(), C.world_size()
     out = {}
     for name, (config, kw, by_hand) in _table().items():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # steps_per_print and friends: one warning, checked elsewhere
-            _, apply, loss_fn = make_mlp()
-            step, batch = from_deepspeed(config, loss_fn, **kw)
-        total = batch.train_batch_size
-        state, metrics = train(step, step.init(apply.params), mlp_batch, 4, total, world, rank)
-        ours = step.full_params(state)
-        _, apply2, loss_fn2 = make_mlp()
-        hand = by_hand(loss_fn2)
-        state2, _ = train(hand, hand.init(apply2.params), mlp_batch, 4, total, world, rank)
-        theirs = hand.full_params(state2)
-        equal = all(torch.equal(ours[k], theirs[k]) for k in ours)
-        moved = not all(torch.equal(ours[k], v) for k, v in make_mlp()[1].params.items())
-        out[name] = (equal, moved, step.name, hand.name, step.accumulate_steps, hand.accumulate_steps, total)
-        out[name] += (float(metrics["loss"]),)
+        # steps_per_print and friends: one warning, checked elsewhere
+        r = config_vs_hand(config, by_hand, 4, warn="ignore", **kw)
+        s, h = r.step, r.hand
+        out[name] = (r.equal, r.moved, s.name, h.name, s.accumulate_steps, h.accumulate_steps, r.total)
+        out[name] += (float(r.metrics["loss"]),)
     return out
 
 

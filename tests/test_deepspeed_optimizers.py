@@ -6,14 +6,12 @@ hand, bit for bit. The 1-bit and 0/1 optimizers are refused."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
-from helpers import make_mlp, mlp_batch, train
+from helpers import config_vs_hand, make_mlp, mlp_batch
 
 import zerofn as zf
-from zerofn import collectives as C
 from zerofn import optim as O
 from zerofn.deepspeed import from_deepspeed
 
@@ -373,32 +371,12 @@ def _table() -> dict:
 
 
 def _rank_table() -> dict:
-    rank, world = C.rank(), C.world_size()
     out = {}
     for name, (config, by_hand) in _table().items():
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # every config maps without a warning
-            _, apply, loss_fn = make_mlp()
-            step, batch = from_deepspeed(config, loss_fn)
-        total = batch.train_batch_size
-        state, metrics = train(step, step.init(apply.params), mlp_batch, 5, total, world, rank)
-        ours = step.full_params(state)
-        _, apply2, loss_fn2 = make_mlp()
-        hand = by_hand(loss_fn2)
-        state2, _ = train(hand, hand.init(apply2.params), mlp_batch, 5, total, world, rank)
-        theirs = hand.full_params(state2)
-        equal = all(torch.equal(ours[k], theirs[k]) for k in ours)
-        moved = not all(torch.equal(ours[k], v.to(ours[k].dtype)) for k, v in make_mlp()[1].params.items())
-        dtypes = sorted({str(t.dtype) for t in zf.tree.tree_leaves(state.opt_state) if isinstance(t, torch.Tensor)})
-        out[name] = (
-            equal,
-            moved,
-            step.name,
-            hand.name,
-            step.precision == hand.precision,
-            float(metrics["loss"]),
-            dtypes,
-        )
+        r = config_vs_hand(config, by_hand, 5)  # every config maps without a warning
+        dtypes = sorted({str(t.dtype) for t in zf.tree.tree_leaves(r.state.opt_state) if isinstance(t, torch.Tensor)})
+        same = r.step.precision == r.hand.precision
+        out[name] = (r.equal, r.moved, r.step.name, r.hand.name, same, float(r.metrics["loss"]), dtypes)
     return out
 
 
