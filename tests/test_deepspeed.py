@@ -361,6 +361,23 @@ def _table(tmp: str) -> dict:
                 sub_group_bytes=500 * 12,
             ),
         ),
+        "params_in_ram_optimizer_on_nvme": (  # ZeRO-Infinity's arrangement for a model larger than the GPU
+            {
+                "train_batch_size": 8,
+                "optimizer": adamw,
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": nvme("ds-inf")},
+                    "offload_param": {"device": "cpu"},
+                },
+            },
+            lambda f, _: offload(
+                shard_params(zf.train_step(f, O.adamw(1e-2, weight_decay=0.1))),
+                "nvme",
+                path=nvme("hand-inf"),
+                params="cpu",
+            ),
+        ),
         "remat_small_buckets": (  # reduce_bucket_size counts elements: 50 fp32 elements are 200 bytes
             {
                 "train_micro_batch_size_per_gpu": 2,

@@ -27,10 +27,10 @@ def _train(shard, where, use_amp, world, rank, root):
         step = amp(step, torch.bfloat16)
     if where in ("cpu", "cpu-overlap"):  # the update before the step returns, or alongside the next forward
         step = offload(step, "cpu", params=shard == "zero3", overlap=where == "cpu-overlap")
-    elif where == "nvme":
+    elif where in ("nvme", "nvme-cpu-params"):  # the optimizer state in files; the parameter shards in RAM too
         path = os.path.join(root, f"{shard}-{use_amp}")
         os.makedirs(path, exist_ok=True)
-        step = offload(step, "nvme", path=path, sub_group_bytes=4096)
+        step = offload(step, "nvme", path=path, sub_group_bytes=4096, params="cpu" if where != "nvme" else False)
     state = step.init(apply.params)
     state, _ = train(step, state, transformer_batch, STEPS, GLOBAL_BATCH, world, rank)
     return step.full_params(state), zf.memory.state_bytes(state)["by_placement"], step.name
@@ -42,7 +42,7 @@ def _rank_compare(root):
     for shard in SHARDS:
         for use_amp in (False, True):
             ref = _train(shard, None, use_amp, world, rank, root)[0]
-            for where in ("cpu", "cpu-overlap", "nvme"):
+            for where in ("cpu", "cpu-overlap", "nvme") + (("nvme-cpu-params",) if shard == "zero3" else ()):
                 params, placement, name = _train(shard, where, use_amp, world, rank, os.path.join(root, where))
                 same = all(torch.equal(params[n], ref[n]) for n in ref)
                 out[(shard, use_amp, where)] = (same, placement, name)
@@ -57,7 +57,7 @@ def test_offload_changes_no_number(ranks, world, tmp_path):
         for (shard, use_amp, where), (same, placement, name) in out.items():
             assert same, f"{where} {shard} amp={use_amp} world={world} rank={rank}"
             assert name.startswith("offload(")
-            if where == "nvme":
+            if where.startswith("nvme"):
                 assert placement.get("nvme", 0) > 0  # the moments (and amp's master) are in files
 
 
@@ -175,6 +175,12 @@ def test_bad_paths_are_refused_before_anything_runs(tmp_path):
         offload(base, "gpu")
     with pytest.raises(ValueError, match="needs shard_params"):
         offload(base, params=True).init(make_transformer(extras=False)[1].params)
+    with pytest.raises(ValueError, match=r'params="nvme" \(parameter shards streamed from files\) is not supported'):
+        offload(base, "nvme", path=str(tmp_path), params="nvme")
+    with pytest.raises(ValueError, match=r'params=True places the parameter shards where the optimizer state is'):
+        offload(base, "nvme", path=str(tmp_path), params=True)
+    with pytest.raises(ValueError, match=r'params must be False, True or "cpu", got \'gpu\''):
+        offload(base, params="gpu")
 
 
 def test_files_of_another_model_are_refused(tmp_path):
@@ -254,6 +260,12 @@ def test_each_state_declares_its_parts_and_placement(tmp_path):
 
     state, declared, where = parts(lambda s: offload(shard_params(s), "cpu", params=True))
     assert where == "cpu" and [type(p) for p in declared] == [roles.Inner]  # the parameters are on the host
+
+    (tmp_path / "z3").mkdir()
+    state, declared, where = parts(lambda s: offload(shard_params(s), "nvme", path=str(tmp_path / "z3"), params="cpu"))
+    assert where == "nvme" and [type(p) for p in declared] == [roles.Inner]
+    assert all(t.device.type == "cpu" for t in state.params)  # the shards rest in RAM (the placement's own)
+    assert zf.memory.state_bytes(state)["by_placement"]["nvme"] > 0
 
     state, declared, where = parts(lambda s: offload(s, "nvme", path=str(tmp_path)))
     assert where == "nvme" and [type(p) for p in declared] == [roles.Inner]

@@ -14,9 +14,11 @@ next forward, ``early`` starts it during backward. On a CPU-only machine the
 same code runs: the host copy is a separate placement with its own buffers,
 not a shortcut.
 
-``params=True`` (with ``shard_params``): the parameter shards themselves live
-on the host; each unit's shard is copied in just before its all-gather, so
-the ``prefetch`` of ``shard_params`` brings it in ahead of use.
+``params="cpu"`` (with ``shard_params``; ``True`` says the same beside
+``device="cpu"``): the parameter shards themselves live on the host, with
+the optimizer state in RAM or on NVMe; each unit's shard is copied in just
+before its all-gather, so the ``prefetch`` of ``shard_params`` brings it in
+ahead of use.
 
 ``device="nvme"``: every optimizer-state tensor that is shaped like the
 parameters (Adam's moments, amp's master weights) lives in files under
@@ -82,7 +84,7 @@ def offload(
     device: str = "cpu",
     *,
     path: str | os.PathLike | None = None,
-    params: bool = False,
+    params: bool | str = False,
     sub_group_bytes: int = DEFAULT_SUB_GROUP_BYTES,
     pin_memory: bool = True,
     overlap: bool | None = None,
@@ -95,7 +97,10 @@ def offload(
         step: a Step. Called without it, returns a decorator.
         device: ``"cpu"`` or ``"nvme"``.
         path: a writable directory for ``"nvme"``'s files (one sub-directory per rank).
-        params: also keep parameter shards on the host (needs ``shard_params``; ``"cpu"`` only).
+        params: where the parameter shards rest between uses (needs ``shard_params``): ``False`` (on
+            the device the step computes on), ``"cpu"`` (host RAM, pinned when CUDA is present; each
+            unit's shard is copied in just before its all-gather) with the optimizer state in RAM or on
+            NVMe, or ``True``: the optimizer state's own placement, for ``device="cpu"``.
         sub_group_bytes: ``"nvme"``: bytes of optimizer state streamed per sub-group.
         pin_memory: pin host buffers when CUDA is present.
         overlap: ``"cpu"``: run the host update on a worker thread, bucket by
@@ -134,8 +139,7 @@ def offload(
         raise ValueError(f'offload: device must be "cpu" or "nvme", got {device!r}')
     if not isinstance(sub_group_bytes, int) or sub_group_bytes < 4096:
         raise ValueError(f"offload: sub_group_bytes must be an int >= 4096, got {sub_group_bytes!r}")
-    if params and device != "cpu":
-        raise ValueError('offload: params=True keeps parameter shards in CPU RAM; use device="cpu"')
+    params = _param_placement(params, device)
     if delay not in (0, 1) or isinstance(delay, bool):
         raise ValueError(
             f"offload: delay must be 0 (update before the next forward) or 1 (one step late), got {delay!r}"
@@ -172,7 +176,29 @@ def offload(
     step = step.extend(
         Extension("offload", options, wrap_optimizer=wrap, check=_needs_units if params else None, updates_late=late)
     )
-    return step.replace(storage=step.storage.replace(param_placement="cpu")) if params else step
+    return step.replace(storage=step.storage.replace(param_placement=params)) if params else step
+
+
+def _param_placement(params: Any, device: str) -> str | None:
+    """``offload``'s ``params`` as a placement ("cpu"), or None: the parameters stay on the device."""
+    if params is False or params is None:
+        return None
+    if params is True:
+        if device == "cpu":
+            return "cpu"
+        raise ValueError(
+            'offload: params=True places the parameter shards where the optimizer state is, and parameters on '
+            'NVMe are not supported yet; keep them in CPU RAM beside the optimizer state on NVMe: '
+            'offload(step, "nvme", path=..., params="cpu")'
+        )
+    if params == "cpu":
+        return "cpu"
+    if params == "nvme":
+        raise ValueError(
+            'offload: params="nvme" (parameter shards streamed from files) is not supported yet; keep them in '
+            'CPU RAM: params="cpu", with the optimizer state on NVMe (device="nvme") or in RAM (device="cpu")'
+        )
+    raise ValueError(f'offload: params must be False, True or "cpu", got {params!r}')
 
 
 def _needs_units(step: Step) -> None:

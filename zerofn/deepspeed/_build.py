@@ -148,7 +148,10 @@ def from_deepspeed(
         sub = DEFAULT_SUB_GROUP_BYTES
         if zero.sub_group_elems is not None:
             sub = max(4096, zero.sub_group_elems * _state_bytes_per_element(step, precision))
-        step = offload(step, "nvme", path=zero.nvme_path, sub_group_bytes=sub, pin_memory=zero.pin_memory)
+        params = "cpu" if zero.offload_params else False
+        step = offload(
+            step, "nvme", path=zero.nvme_path, params=params, sub_group_bytes=sub, pin_memory=zero.pin_memory
+        )
     elif zero.offload_device == "cpu":
         step = offload(step, "cpu", params=zero.offload_params, pin_memory=zero.pin_memory)
     if remat_on:

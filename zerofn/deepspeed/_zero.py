@@ -107,7 +107,7 @@ def read_zero(r: Block, ignored: dict) -> ZeroSpec:
         if device == "nvme":
             raise ValueError(
                 f'from_deepspeed: {par.key("device")} "nvme": zerofn keeps parameter shards in CPU RAM, not on NVMe; '
-                'write "device": "cpu" (the optimizer state can still go to NVMe only without offload_param)'
+                'write "device": "cpu" (the optimizer state can go to NVMe beside it: offload_optimizer "device": "nvme")'
             )
         if device == "cpu":
             if z.stage != 3:
@@ -115,13 +115,11 @@ def read_zero(r: Block, ignored: dict) -> ZeroSpec:
                     f"from_deepspeed: zero_optimization.offload_param needs stage 3, got stage {z.stage} "
                     '(DeepSpeed refuses it too): set "stage": 3 or remove offload_param'
                 )
-            if z.offload_device == "nvme":
-                raise ValueError(
-                    'from_deepspeed: zero_optimization.offload_param "cpu" with offload_optimizer "nvme": zerofn '
-                    'updates host-resident shards on the host, so both must be "cpu"; write offload_optimizer '
-                    '"device": "cpu" or remove offload_param'
-                )
-            z.offload_params, z.offload_device = True, "cpu"
+            # The shards in RAM; the optimizer state where offload_optimizer puts it (RAM, or files on NVMe
+            # as ZeRO-Infinity's configs write it), and in RAM beside them when it names no device.
+            z.offload_params = True
+            if z.offload_device != "nvme":
+                z.offload_device = "cpu"
             pins.append(par.get("pin_memory", None, "bool"))
             _offload_leftover(par, ignored, "tunes DeepSpeed's NVMe parameter buffers")
     pins.append(legacy_pin)
