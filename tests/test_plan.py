@@ -41,7 +41,7 @@ COMBOS += [(s, mp, None, False, True) for s in (0, 1, 2, 3) for mp in (False, Tr
 # On 2 ranks also NVMe files and ZeRO-3's parameters in CPU RAM, and a step for every composition (elsewhere
 # offloaded compositions are only initialised: the optimizer state's placement changes no activation).
 MORE = [(s, mp, "nvme", False, False) for s in (0, 1, 2, 3) for mp in (False, True)]
-MORE += [(3, mp, "cpu", True, False) for mp in (False, True)]
+MORE += [(3, mp, where, True, False) for mp in (False, True) for where in ("cpu", "nvme")]
 STEP_ALL = 2
 
 
@@ -69,9 +69,9 @@ def _rank_measure(root: str) -> list[dict]:
             step = amp(step, torch.bfloat16)
         path = None
         if where == "nvme":
-            path = os.path.join(root, f"w{world}_s{stage}_mp{int(mp)}")
+            path = os.path.join(root, f"w{world}_s{stage}_mp{int(mp)}_p{int(host_params)}")
             os.makedirs(path, exist_ok=True)
-            step = offload(step, "nvme", path=path)
+            step = offload(step, "nvme", path=path, params="cpu" if host_params else False)
         elif where == "cpu":
             step = offload(step, "cpu", params=host_params)
         if rm:
@@ -292,6 +292,43 @@ def test_verdict_13b_over_2x24gb_needs_offload():
     assert on_gpu.grads == 2 * psi / n and on_gpu.update == 4 * psi / n
 
 
+QWEN25_14B = {
+    "model_type": "qwen2",
+    "hidden_size": 5120,
+    "intermediate_size": 13824,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
+
+
+def test_verdict_qwen_14b_over_2x24gb_fits_with_params_in_ram_and_the_optimizer_on_nvme(tmp_path):
+    """Qwen2.5-14B, 2 x 24 GB GPUs, 128 GB of RAM and 2 TB of NVMe, 2048 tokens, micro-batch 1: every composition
+    with the optimizer state on a GPU or in RAM is short of GPU memory or of RAM (the optimizer in RAM needs 18
+    bytes per parameter, 266 GB); parameter shards in RAM with the optimizer state on NVMe fit (with remat), and
+    that is the planner's recommendation."""
+    shape = model_shape(QWEN25_14B)
+    kw = dict(gpus=2, seq=2048, micro_batch=1)
+    limits = dict(gpu_memory=24e9, cpu_memory=128e9, nvme=2e12)
+    rows = compositions(shape, **kw)
+    fit = [e for e in rows if e.fits(**limits)]
+    assert fit and all((e.stage, e.optimizer_offload, e.param_offload) == (3, "nvme", "cpu") for e in fit), [
+        e.label for e in fit
+    ]
+    assert min(e.cpu_per_node for e in rows if e.optimizer_offload == "cpu") > limits["cpu_memory"]
+    best = fit[0]
+    assert best.params == 0 and best.cpu_per_node >= 2 * shape.params  # the bf16 shards live in RAM
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN25_14B))
+    r = _cli(
+        *("--model", str(config), "--gpus", "2", "--gpu-memory", "24GB", "--cpu-memory", "128GB"),
+        *("--nvme", "2TB", "--seq", "2048", "--micro-batch", "1"),
+    )
+    assert f"recommendation: {best.label} (" in r.stdout, r.stdout
+
+
 def test_verdict_124m_gpt_fits_one_12gb_gpu_untransformed():
     gpt2 = {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024}
     gpt2 = model_shape(gpt2)
@@ -306,8 +343,8 @@ def test_verdict_124m_gpt_fits_one_12gb_gpu_untransformed():
 def test_impossible_compositions_are_refused():
     with pytest.raises(ValueError, match="stage=3"):
         estimate(1e9, stage=2, optimizer_offload="cpu", param_offload="cpu")
-    with pytest.raises(ValueError, match='optimizer_offload="cpu"'):
-        estimate(1e9, stage=3, optimizer_offload="nvme", param_offload="cpu")
+    with pytest.raises(ValueError, match='optimizer_offload="cpu" or "nvme"'):
+        estimate(1e9, stage=3, param_offload="cpu")
     with pytest.raises(ValueError, match="stage must be"):
         estimate(1e9, stage=4)
     with pytest.raises(ValueError, match="optimizer_offload must be"):

@@ -23,7 +23,8 @@ ahead of use.
 ``device="nvme"``: every optimizer-state tensor that is shaped like the
 parameters (Adam's moments, amp's master weights) lives in files under
 ``path`` (one file per tensor per rank, in two generations); counters stay
-in the state pytree. The update streams the files in sub-groups of
+in the state pytree. Backward lands the gradients in host buffers bucket by
+bucket, as for ``"cpu"``. The update streams the files in sub-groups of
 ``sub_group_bytes``: a background thread reads the next sub-group and another
 writes the previous one while the current one is updated, so RAM held for
 optimizer state is a few sub-groups whatever the model size. New state goes
@@ -160,7 +161,7 @@ def offload(
         )
     pin = bool(pin_memory) and torch.cuda.is_available()
     if device == "nvme":
-        options: HostOptions | NvmeOptions = NvmeOptions(_check_path(path), sub_group_bytes)
+        options: HostOptions | NvmeOptions = NvmeOptions(_check_path(path), sub_group_bytes, pin)
         wrap = functools.partial(nvme_optimizer, options=options)
         late = None
     else:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from zerofn.transforms.offload._pending import Landing
 
 from zerofn import collectives as C
 from zerofn import optim as O
@@ -53,6 +54,7 @@ class NvmeOptions:
 
     root: str
     sub_group_bytes: int
+    pin: bool = False  # pinned host gradient buffers (CUDA present and pin_memory asked for)
 
 
 class FileEntry(NamedTuple):
@@ -112,10 +114,13 @@ class NvmeFiles:
 
 
 class NvmeState(NamedTuple):
-    """Optimizer state on NVMe: the small leaves (step counts) in memory, the rest in files."""
+    """Optimizer state on NVMe: the small leaves (step counts) in memory, the rest in files, and a host
+    buffer per bucket that backward's gradients land in (scratch, kept from step to step as the host
+    engine keeps its own: the device never holds the whole gradient partition)."""
 
     small: list
     files: NvmeFiles
+    grads: Any = None  # bucket key -> its host gradient buffer
 
     placement = "nvme"  # where the optimizer state lives (the state's printout shows it)
 
@@ -160,7 +165,21 @@ class NvmeEngine:
 
     def transformation(self) -> O.GradientTransformation:
         pure = O.in_place(self.init, self.update_in_place, "offload")
-        return pure._replace(bind=lambda view: NvmeEngine(self.inner, self.options, view).transformation())
+        return pure._replace(
+            start_update=self.start_update,
+            bind=lambda view: NvmeEngine(self.inner, self.options, view).transformation(),
+        )
+
+    def start_update(self, state: NvmeState, params: dict, previous: Any) -> Landing:
+        """Backward's gradients copied into the host buffers bucket by bucket as each lands (and freed on
+        the device), then the streamed update from there (``commit``)."""
+        return Landing(
+            state,
+            params,
+            self.options.pin,
+            lambda extra: self.update_in_place(state.grads, state, params, **extra),
+            previous,
+        )
 
     def on(self, key: str, a: int, b: int) -> O.GradientTransformation:
         """The inner optimizer for elements ``[a, b)`` of bucket ``key``, as the one leaf ``"x"``."""
@@ -225,7 +244,7 @@ class NvmeEngine:
                 for j, pos in enumerate(probe.big):
                     write_at(files.file(f"{k}_{j}", 0), leaves[pos], a)
         _write_manifest(rank_dir, signature, 0)
-        return NvmeState(small, files)
+        return NvmeState(small, files, _host_grads(params, self.options.pin))
 
     @torch.no_grad()
     def update_in_place(self, grads: dict, state: NvmeState, params: dict, **extra) -> NvmeState:
@@ -283,7 +302,16 @@ class NvmeEngine:
                 flat_p[a:b].copy_(buf)
         _write_manifest(files.root, files.signature, new)
         new_files = dataclasses.replace(files, generation=new)
-        return NvmeState(new_small if new_small is not None else state.small, new_files)
+        return NvmeState(new_small if new_small is not None else state.small, new_files, state.grads)
+
+
+def _host_grads(params: dict, pin: bool) -> dict:
+    """A host buffer per bucket for its gradient: fp32 (amp's gradients reach the optimizer in fp32), or
+    wider for a wider parameter."""
+    return {
+        k: torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pin)
+        for k, p in params.items()
+    }
 
 
 def nvme_optimizer(inner: O.GradientTransformation, *, options: NvmeOptions) -> O.GradientTransformation:

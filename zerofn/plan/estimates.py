@@ -178,8 +178,10 @@ def _label(stage: int, optimizer_offload: str | None, param_offload: str | None,
     else:
         text = "DDP" if stage == 0 else f"ZeRO-{stage}"
     where = {"cpu": "CPU", "nvme": "NVMe"}
-    if optimizer_offload and param_offload:
+    if optimizer_offload and param_offload == optimizer_offload:
         text += f" + optimizer and params on {where[optimizer_offload]}"
+    elif optimizer_offload and param_offload:
+        text += f" + params on {where[param_offload]}, optimizer on {where[optimizer_offload]}"
     elif optimizer_offload:
         text += f" + optimizer on {where[optimizer_offload]}"
     elif param_offload:
@@ -231,7 +233,8 @@ def estimate(
             ``mu_dtype``/``nu_dtype`` say otherwise; ``optimizer=None`` still counts fp32 moments).
         optimizer_offload: None, ``"cpu"`` or ``"nvme"`` (``offload``).
         param_offload: ``"cpu"`` to rest ZeRO-3's parameter shards in CPU RAM
-            (``offload(..., params=True)``: needs stage 3 and ``"cpu"``).
+            (``offload(..., params="cpu")``: needs stage 3 and the optimizer state
+            off the GPU, ``"cpu"`` or ``"nvme"``).
         remat: activations recomputed per block.
         inference: 2-byte weights only (no gradients or optimizer state);
             stage 0 replicates them, stage 3 shards them.
@@ -287,9 +290,10 @@ def estimate(
         raise ValueError("estimate: inference holds no optimizer state and saves no activations")
     if param_offload and stage != 3:
         raise ValueError("estimate: parameters rest on the host only under ZeRO-3 (stage=3)")
-    if param_offload and not inference and optimizer_offload != "cpu":
+    if param_offload and not inference and optimizer_offload is None:
         raise ValueError(
-            'estimate: parameters on the host come with the optimizer state in CPU RAM (optimizer_offload="cpu")'
+            "estimate: parameters on the host come with the optimizer state off the GPU, in CPU RAM or on NVMe "
+            '(optimizer_offload="cpu" or "nvme")'
         )
     gpus, nodes = int(gpus), int(nodes)
     if gpus < 1 or nodes < 1:
@@ -387,7 +391,7 @@ def estimate(
     update = 4 * shard if masters else min(bucket_bytes, (2 if low else 4) * shard)
     cpu = nvme = 0
     state = param_bytes + opt_state
-    if optimizer_offload == "cpu":
+    if optimizer_offload:
         # Each bucket's reduced gradient leaves for the host as backward lands it (cast to fp32 first
         # under mixed precision), so there is no update transient and the GPU holds a few buckets of
         # gradient: when a bucket completes, its gradients and its buffer and the bucket before it in
@@ -397,15 +401,16 @@ def estimate(
         copy = min(4 * shard, 2 * bucket) if masters else 0
         grads = max(3 * bucket, 2 * bucket + copy) if whole > 2 * bucket_bytes else max(2 * whole, whole + copy)
         update = 0
-        host_params = pb * shard  # a host copy of what the optimizer updates, or the parameters themselves
         gbuf = (2 if low else 4) * shard  # the host's gradient buffer (bf16 without master weights)
-        cpu = opt_state + gbuf + (0 if param_offload else host_params)  # + the fp32 gradient buffer
-        state += gbuf + (0 if param_offload else host_params)
-        if param_offload:
-            cpu += param_bytes
+        state += gbuf
+        cpu = gbuf + (param_bytes if param_offload else 0)
+    if optimizer_offload == "cpu":
+        host_params = pb * shard  # a host copy of what the optimizer updates, or the parameters themselves
+        cpu += opt_state + (0 if param_offload else host_params)
+        state += 0 if param_offload else host_params
     elif optimizer_offload == "nvme":
         nvme = (2 * k + pb) * shard  # two generations of the state files and the parameters' staging copy
-        cpu = NVME_SUB_GROUPS_IN_RAM * min(NVME_SUB_GROUP_BYTES, k * shard)
+        cpu += NVME_SUB_GROUPS_IN_RAM * min(NVME_SUB_GROUP_BYTES, k * shard)
     return Estimate(
         **common,
         params=0 if param_offload else param_bytes,
@@ -449,5 +454,6 @@ def compositions(
         for stage in (0, 1, 2, 3):
             for dev in _DEVICES:
                 rows.append(estimate(params, stage=stage, optimizer_offload=dev, remat=r, **kwargs))
-        rows.append(estimate(params, stage=3, optimizer_offload="cpu", param_offload="cpu", remat=r, **kwargs))
+        for dev in ("cpu", "nvme"):  # ZeRO-3's parameter shards in CPU RAM, the optimizer state in RAM or on NVMe
+            rows.append(estimate(params, stage=3, optimizer_offload=dev, param_offload="cpu", remat=r, **kwargs))
     return sorted(rows, key=Estimate.order)
