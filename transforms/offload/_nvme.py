@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from zerofn.transforms.offload._pending import Landing
 
 from zerofn import collectives as C
 from zerofn import optim as O
@@ -113,14 +112,35 @@ class NvmeFiles:
         )
 
 
+@dataclass(eq=False)
+class GradFiles:
+    """A file per bucket that backward's gradients land in, under the rank's directory (scratch: written by
+    each update's backward, read by its update, never saved). A pytree leaf: placement and bytes show."""
+
+    root: str
+    shapes: dict  # bucket key -> (numel, dtype)
+    placement: str = field(default="nvme", init=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n * dtype.itemsize for n, dtype in self.shapes.values())
+
+    def tensor(self, key: str) -> FileTensor:
+        n, dtype = self.shapes[key]
+        return FileTensor(os.path.join(self.root, f"{key}.grad"), dtype, n)
+
+    def __repr__(self) -> str:
+        return f"GradFiles({self.root}, {len(self.shapes)} files, {self.nbytes / 2**20:.2f} MiB)"
+
+
 class NvmeState(NamedTuple):
-    """Optimizer state on NVMe: the small leaves (step counts) in memory, the rest in files, and a host
-    buffer per bucket that backward's gradients land in (scratch, kept from step to step as the host
-    engine keeps its own: the device never holds the whole gradient partition)."""
+    """Optimizer state on NVMe: the small leaves (step counts) in memory, the rest in files, and a file
+    per bucket that backward's gradients land in (:class:`GradFiles`: neither the device nor RAM ever
+    holds the whole gradient partition)."""
 
     small: list
     files: NvmeFiles
-    grads: Any = None  # bucket key -> its host gradient buffer
+    grads: GradFiles | None = None
 
     placement = "nvme"  # where the optimizer state lives (the state's printout shows it)
 
@@ -170,16 +190,10 @@ class NvmeEngine:
             bind=lambda view: NvmeEngine(self.inner, self.options, view).transformation(),
         )
 
-    def start_update(self, state: NvmeState, params: dict, previous: Any) -> Landing:
-        """Backward's gradients copied into the host buffers bucket by bucket as each lands (and freed on
-        the device), then the streamed update from there (``commit``)."""
-        return Landing(
-            state,
-            params,
-            self.options.pin,
-            lambda extra: self.update_in_place(state.grads, state, params, **extra),
-            previous,
-        )
+    def start_update(self, state: NvmeState, params: dict, previous: Any) -> FileLanding:
+        """Backward's gradients written to their files bucket by bucket as each lands (and freed on the
+        device), then the streamed update reading them from there (``commit``)."""
+        return FileLanding(self, state, params)
 
     def on(self, key: str, a: int, b: int) -> O.GradientTransformation:
         """The inner optimizer for elements ``[a, b)`` of bucket ``key``, as the one leaf ``"x"``."""
@@ -244,10 +258,22 @@ class NvmeEngine:
                 for j, pos in enumerate(probe.big):
                     write_at(files.file(f"{k}_{j}", 0), leaves[pos], a)
         _write_manifest(rank_dir, signature, 0)
-        return NvmeState(small, files, _host_grads(params, self.options.pin))
+        grads = GradFiles(rank_dir, {k: (p.numel(), _grad_dtype(p.dtype)) for k, p in params.items()})
+        for k in keys:  # at their size, nothing written: each update's backward writes them whole
+            with open(grads.tensor(k).path, "wb") as f:
+                f.truncate(grads.tensor(k).numel() * grads.tensor(k).itemsize)
+        return NvmeState(small, files, grads)
 
     @torch.no_grad()
     def update_in_place(self, grads: dict, state: NvmeState, params: dict, **extra) -> NvmeState:
+        return self.stream(state, params, extra, grads=grads)
+
+    @torch.no_grad()
+    def stream(self, state: NvmeState, params: dict, extra: dict, *, grads=None, landed=None) -> NvmeState:
+        """The update, streamed sub-group by sub-group. The gradients: ``grads`` (bucket key -> the reduced
+        gradient), or, when None, ``state.grads``' files, which backward landed them in in the dtypes
+        ``landed`` gives (see :class:`FileLanding`); each sub-group's gradient is read beside its state."""
+        on_disk = grads is None
         files = state.files
         old, new = files.generation, 1 - files.generation
         plans = {k: self.plan(k, p.numel(), p.dtype) for k, p in params.items()}
@@ -257,17 +283,20 @@ class NvmeEngine:
             with concurrent.futures.ThreadPoolExecutor(2) as io:
                 for k in params:
                     probe, spans = plans[k]
-                    flat_p, flat_g = params[k].reshape(-1), grads[k].reshape(-1)
+                    flat_p = params[k].reshape(-1)
+                    flat_g = None if on_disk else grads[k].reshape(-1)
                     n = flat_p.numel()
                     olds = [files.tensor(f"{k}_{j}", dt, n, old) for j, dt in enumerate(probe.big_dtypes)]
                     news = [files.tensor(f"{k}_{j}", dt, n, new) for j, dt in enumerate(probe.big_dtypes)]
                     staged = files.tensor(f"{k}_next", flat_p.dtype, n, 0)
-                    reading = io.submit(_read_group, olds, spans[0]) if spans else None
+                    sources = olds + ([state.grads.tensor(k)] if on_disk else [])
+                    reading = io.submit(_read_group, sources, spans[0]) if spans else None
                     writes: list = []
                     for i, (a, b) in enumerate(spans):
                         big = reading.result()
                         if i + 1 < len(spans):  # read the next sub-group while this one is updated
-                            reading = io.submit(_read_group, olds, spans[i + 1])
+                            reading = io.submit(_read_group, sources, spans[i + 1])
+                        g_file = big.pop() if on_disk else None
                         leaves: list = [None] * (len(probe.big) + len(state.small))
                         for pos, t in zip(probe.big, big):
                             leaves[pos] = t
@@ -275,7 +304,7 @@ class NvmeEngine:
                         leaves = [t if t is not None else next(rest) for t in leaves]
                         sub = T.tree_unflatten(probe.treedef, leaves)
                         p = {"x": flat_p[a:b].to("cpu", copy=True)}
-                        g = {"x": flat_g[a:b].to("cpu", copy=True)}
+                        g = {"x": g_file.to(landed[k]) if on_disk else flat_g[a:b].to("cpu", copy=True)}
                         sub = O.update_params(self.on(k, a, b), g, sub, p, **extra)
                         out = T.tree_leaves(sub)
                         new_small = [t for i2, t in enumerate(out) if i2 not in probe.big]
@@ -305,13 +334,73 @@ class NvmeEngine:
         return NvmeState(new_small if new_small is not None else state.small, new_files, state.grads)
 
 
-def _host_grads(params: dict, pin: bool) -> dict:
-    """A host buffer per bucket for its gradient: fp32 (amp's gradients reach the optimizer in fp32), or
-    wider for a wider parameter."""
-    return {
-        k: torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pin)
-        for k, p in params.items()
-    }
+def _grad_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """A gradient's dtype in its file: fp32 (amp's gradients reach the optimizer in fp32), or wider for a
+    wider parameter; a narrower gradient goes there and back exactly."""
+    return torch.promote_types(param_dtype, torch.float32)
+
+
+class FileLanding(O.PendingUpdate):
+    """Each bucket's gradient written to its file as backward lands it, on a writer thread (overlapping
+    the rest of backward), from a host copy (pinned and non-blocking on CUDA; on the CPU the gradient
+    itself) that lives only until its write is done; at most ``IN_FLIGHT`` are waiting at once. ``commit`` streams the update from the files."""
+
+    IN_FLIGHT = 2
+
+    def __init__(self, engine: NvmeEngine, state: NvmeState, params: dict) -> None:
+        self.engine, self.state, self.params = engine, state, params
+        self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerofn-nvme-grads")
+        self.writes: list = []
+        self.landed: dict = {}  # bucket key -> the dtype its gradient arrived in
+
+    def grad(self, key: str, grad: torch.Tensor) -> None:
+        pin = self.engine.options.pin and grad.device.type == "cuda"
+        dtype, event = _grad_dtype(grad.dtype), None
+        if grad.device.type == "cpu" and grad.dtype == dtype:
+            host = grad  # handed over: written as it is, no copy
+        else:
+            host = torch.empty(grad.shape, dtype=dtype, pin_memory=pin)
+            host.copy_(grad, non_blocking=pin)
+        if pin:
+            event = torch.cuda.Event()
+            event.record()
+        self.landed[key] = grad.dtype
+        file = self.state.grads.tensor(key)
+        self.writes.append(self.writer.submit(_land, file, host, event))
+        while len(self.writes) > self.IN_FLIGHT:
+            self.writes.pop(0).result()
+
+    def _written(self) -> None:
+        try:
+            for w in self.writes:
+                w.result()
+        finally:
+            self.writes = []
+            self.writer.shutdown()
+
+    def commit(self, **extra: Any) -> NvmeState:
+        try:
+            self._written()
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"offload(nvme): a gradient could not be written under {self.state.grads.root} ({e.strerror}). "
+                "Nothing was changed: the state from before this step is intact. Free space (or pass another "
+                "path) and run the step again.",
+            ) from e
+        return self.engine.stream(self.state, self.params, extra, landed=self.landed)
+
+    def cancel(self) -> None:
+        try:
+            self._written()
+        except OSError:
+            pass  # a gradient file is scratch: the state is as it was, and the step's own error goes on
+
+
+def _land(file: FileTensor, host: torch.Tensor, event: Any) -> None:
+    if event is not None:
+        event.synchronize()
+    file.write(0, host)
 
 
 def nvme_optimizer(inner: O.GradientTransformation, *, options: NvmeOptions) -> O.GradientTransformation:

@@ -401,15 +401,17 @@ def estimate(
         copy = min(4 * shard, 2 * bucket) if masters else 0
         grads = max(3 * bucket, 2 * bucket + copy) if whole > 2 * bucket_bytes else max(2 * whole, whole + copy)
         update = 0
-        gbuf = (2 if low else 4) * shard  # the host's gradient buffer (bf16 without master weights)
+        # where the gradients land: a host buffer ("cpu"), or a file per bucket ("nvme"); bf16 without masters
+        gbuf = (2 if low else 4) * shard
         state += gbuf
-        cpu = gbuf + (param_bytes if param_offload else 0)
+        cpu = param_bytes if param_offload else 0
     if optimizer_offload == "cpu":
         host_params = pb * shard  # a host copy of what the optimizer updates, or the parameters themselves
-        cpu += opt_state + (0 if param_offload else host_params)
+        cpu += opt_state + gbuf + (0 if param_offload else host_params)
         state += 0 if param_offload else host_params
     elif optimizer_offload == "nvme":
-        nvme = (2 * k + pb) * shard  # two generations of the state files and the parameters' staging copy
+        # two generations of the state files, the parameters' staging copy and the gradients' files
+        nvme = (2 * k + pb) * shard + gbuf
         cpu += NVME_SUB_GROUPS_IN_RAM * min(NVME_SUB_GROUP_BYTES, k * shard)
     return Estimate(
         **common,
