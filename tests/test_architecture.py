@@ -27,7 +27,7 @@ ROOT = pathlib.Path(zerofn.__file__).parent
 TRANSFORMS_DIR = pathlib.Path(zerofn.transforms.__file__).parent
 
 LAYERS = {  # bottom first
-    "leaves": ("zerofn.tree", "zerofn._io", "zerofn._safetensors", "zerofn.counters"),
+    "leaves": ("zerofn.tree", "zerofn._io", "zerofn._safetensors", "zerofn.counters", "zerofn.alloc"),
     "core": (
         "zerofn.step",
         "zerofn.reduction",

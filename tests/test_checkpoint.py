@@ -137,6 +137,84 @@ def test_round_trip_every_composition_bit_for_bit(ranks, tmp_path):
         assert sum(written) <= 2 * held + 64 * 1024, (name, written, held)
 
 
+# ---------------------------------------------------------------- a fresh state holds nothing the load does not write
+
+
+def _held(state) -> tuple[dict, dict, list]:
+    """Every bucket range a state holds (files read, padding included), its small tensors, and every
+    tensor leaf of it (scratch included)."""
+    from zerofn._io import FileTensor
+    from zerofn.checkpoint.parts import layouts, state_parts
+
+    held = state_parts(state, C.rank(), layouts(state))
+    parts = {
+        (p.key, p.bucket): p.value.read() if isinstance(p.value, FileTensor) else p.value.detach().reshape(-1).clone()
+        for p in held.parts
+    }
+    small = {k: v.clone() for k, v in held.small.items()}
+    tree = (state.params, state.frozen, state.buffers, state.opt_state, state.loss_scale, state.extra)
+    leaves = [t.detach().clone() for t in zf.tree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return parts, small, leaves
+
+
+def _poisoned(parts: dict) -> list:
+    return sorted({key for (key, _), t in parts.items() if t.is_floating_point() and t.isnan().any()})
+
+
+def _rank_fresh_load(root: str, names: list) -> dict:
+    from zerofn import alloc
+
+    out = {}
+    for name in names:
+        step, apply, _ = _build(name, nvme=f"{root}/nvme-{name}-saved")
+        state = _train(step, step.init(apply.params), 0, 3)
+        zf.checkpoint.save(state, f"{root}/{name}")
+        saved = _held(state)
+        # What step.init(structure_only=True) leaves unwritten, filled with NaN here.
+        probe_step, probe_apply, _ = _build(name, seed=1, nvme=f"{root}/nvme-{name}-probe")
+        with alloc.unfilled(poison=float("nan")):
+            unwritten = _poisoned(_held(probe_step.init(probe_apply.params, structure_only=True))[0])
+        fresh_step, _, _ = _build(name, seed=2, nvme=f"{root}/nvme-{name}-fresh")
+        with alloc.unfilled(poison=float("nan")):
+            fresh = _held(zf.checkpoint.load(f"{root}/{name}", fresh_step))
+        live_step, live_apply, _ = _build(name, seed=3, nvme=f"{root}/nvme-{name}-live")
+        live = _held(zf.checkpoint.load(f"{root}/{name}", live_step, state=live_step.init(live_apply.params)))
+        out[name] = {
+            "unwritten": unwritten,
+            "nonfinite": _poisoned(fresh[0]) + [i for i, t in enumerate(fresh[2]) if not t.isfinite().all()],
+            "parts_as_saved": [k for k in saved[0] if not torch.equal(fresh[0].get(k), saved[0][k])],
+            # Small tensors (counts, the loss scale) are made filled, and some (shard_params' unit order) start
+            # afresh on load: as in a state init filled.
+            "small_as_live": [k for k in live[1] if not torch.equal(fresh[1].get(k), live[1][k])],
+            "leaves_as_live": len(fresh[2]) == len(live[2]) and all(map(torch.equal, fresh[2], live[2])),
+        }
+    return out
+
+
+def test_a_fresh_load_writes_every_value_init_left_unwritten(ranks, tmp_path):
+    names = [
+        "plain",
+        "shard_optimizer",
+        "shard_grads",
+        "shard_params",
+        "amp",
+        "shard_params+amp",
+        "offload",
+        "shard_params+offload_params",
+        "nvme",
+        "shard_optimizer+amp+nvme",
+    ]
+    for rank, got in enumerate(ranks(2).run(_rank_fresh_load, str(tmp_path), names)):
+        for name in names:
+            r = got[name]
+            # The state built to be loaded into holds no values: the parameters and the optimizer's
+            # parameter-shaped state (amp's masters, offload's host copies and files among them).
+            assert "params" in r["unwritten"] and any(k.startswith("opt:") for k in r["unwritten"]), (name, r)
+            assert r["nonfinite"] == [], f"{name} rank {rank}: the load left these unwritten: {r['nonfinite']}"
+            assert r["parts_as_saved"] == [] and r["small_as_live"] == [], (name, rank, r)
+            assert r["leaves_as_live"], f"{name} rank {rank}: differs from a load into a state init filled"
+
+
 # ---------------------------------------------------------------- another composition, another world size
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerofn import alloc
 from zerofn import tree as T
 from zerofn.functional import Functional
 from zerofn.state import Bucket, Layout
@@ -325,7 +326,7 @@ class Materialiser:
         for i, b in enumerate(buckets):
             lo, hi = b.shard_range(rank)
             device = device_of(self.named[b.slots[0].name])
-            shards.append(torch.zeros(hi - lo, dtype=b.dtype, device=device))
+            shards.append(alloc.zeros(hi - lo, dtype=b.dtype, device=device))
             for s in b.slots:
                 where[s.name] = (i, s, lo, hi)
 
@@ -337,14 +338,19 @@ class Materialiser:
                 shards[i][a - lo : b - lo].copy_(full.reshape(-1)[a - s.offset : b - s.offset])
             self.ready.pop(name, None)  # at most one module's parameters alive
 
+        # Inside alloc.unfilled (a state built to be loaded into) the shards are allocated only and no
+        # parameter is initialised, but for those of a Hugging Face module whose model's init also sets
+        # buffers the module keeps (as below, rotary frequencies): it runs for them as always.
+        filling = alloc.filling()
         for path, m in self._modules():
-            for pname, _ in m.named_parameters(recurse=False):
-                if _join(path, pname) in where:
-                    copy(_join(path, pname))
-            self.ready.clear()
+            if filling or (id(m) in self.hf and _has_meta_buffers(m)):
+                for pname, _ in m.named_parameters(recurse=False):
+                    if _join(path, pname) in where:
+                        copy(_join(path, pname))
+                self.ready.clear()
             if id(m) in self.hf and next(m.parameters(recurse=False), None) is None:
                 self._init_buffers(m)
-        for name in list(where):  # any the module walk did not reach
+        for name in list(where) if filling else ():  # any the module walk did not reach
             copy(name)
         return shards
 
@@ -454,6 +460,10 @@ def _materialise(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
             buffers[n] = b
             module._buffers[n] = _nan_like(b, device)
     return params, buffers
+
+
+def _has_meta_buffers(module: nn.Module) -> bool:
+    return any(b is not None and b.device.type == "meta" for b in module._buffers.values())
 
 
 def _nan_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -78,7 +78,7 @@ from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.loss import _Loss
 from torch.utils._pytree import tree_map_only
 
-from zerofn import counters
+from zerofn import alloc, counters
 from zerofn import optim as O
 from zerofn import tree as T
 from zerofn._io import FileTensor
@@ -243,7 +243,7 @@ def master_weights(inner: O.GradientTransformation) -> O.GradientTransformation:
     """
 
     def init(params):
-        master = T.tree_map(lambda p: p.detach().to(torch.float32, copy=True), params)
+        master = T.tree_map(lambda p: alloc.copy_of(p, torch.float32), params)  # unfilled under alloc.unfilled
         return MasterState(master, inner.init(master))
 
     @torch.no_grad()
@@ -299,7 +299,8 @@ class MixedPrecision(Precision):
             # MixedPrecision does: batch_norm needs them alike, and takes bf16 inputs.
             # Under compute="param" the fp32 modules keep theirs too: they run in fp32.
             return t
-        return t.detach().to(self.dtype).requires_grad_(t.requires_grad)
+        # Inside zerofn.alloc.unfilled (a state built to be loaded into), the cast holds no values.
+        return alloc.copy_of(t, self.dtype).requires_grad_(t.requires_grad)
 
     def autocast(self, device: str):
         if self.compute == "param":

@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
+from zerofn import alloc, counters, keys
 from zerofn import collectives as C
-from zerofn import counters, keys
 from zerofn import optim as O
 from zerofn import tree as T
 from zerofn.closure import find_functional
@@ -185,9 +185,21 @@ class Step:
         ``step.full_params``. ``keep_module=True`` leaves the module as it
         was (a second copy of the parameters beside the state).
 
+        ``structure_only=True`` builds the state only to be overwritten, as
+        ``zf.checkpoint.load`` does: the ranks' params are not compared, and
+        the parameter buckets, the optimizer's moments and the copies
+        wrappers keep of the parameters (amp's masters, offload's host
+        copies) are allocated without being written (see
+        :mod:`zerofn.alloc`); counts and scratch are made as always. Its
+        values are undefined until a load fills every one of them.
+
         Collective: call it on every rank, with the same params (under
         torchrun it joins the process group, and the ranks' states must match).
         """
+        with alloc.unfilled() if structure_only else contextlib.nullcontext():
+            return self._init(params, keep_module, structure_only)
+
+    def _init(self, params: Any, keep_module: bool, structure_only: bool) -> TrainState:
         for e in self.extensions:
             if e.check is not None:
                 e.check(self)

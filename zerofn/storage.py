@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from zerofn import alloc
 from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn.functional import Functional, PendingParams
@@ -111,10 +112,9 @@ def split_params(params: Any, where: str) -> ParamSplit:
 
 
 def to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A copy of ``t`` in its own host buffer (pinned when ``pin``; non-blocking from a device then)."""
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-    out.copy_(t, non_blocking=pin)
-    return out
+    """A copy of ``t`` in its own host buffer (pinned when ``pin``; non-blocking from a device then);
+    inside :func:`zerofn.alloc.unfilled`, the buffer only (its values are to be overwritten)."""
+    return alloc.copy_of(t, device="cpu", pin_memory=pin)
 
 
 @dataclass(frozen=True)
@@ -173,9 +173,11 @@ class Storage:
         )
         flats = []
         for b in layout.buckets:
-            flat = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
-            for s in b.slots:
-                flat[s.offset : s.offset + s.numel].copy_(trainable[s.name].detach().reshape(-1))
+            # Inside alloc.unfilled (a state built to be loaded into): allocated only, no seed copied.
+            flat = alloc.zeros(b.padded, dtype=b.dtype, device=b.device)
+            if alloc.filling():
+                for s in b.slots:
+                    flat[s.offset : s.offset + s.numel].copy_(trainable[s.name].detach().reshape(-1))
             flats.append(flat)
         return Held(tuple(flats), frozen, layout)
 

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -346,6 +347,86 @@ def test_meta_hugging_face_model_uses_its_own_init(ranks):
         # the rotary frequencies (buffers) are materialised too, so a step runs on the model built on meta
         assert buffers and all(d != "meta" for d in buffers.values()), buffers
         assert loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+def _shifted():
+    """A Hugging Face model with a module that holds a parameter and a buffer its model's init sets."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class ShiftedConfig(PretrainedConfig):
+        model_type = "zerofn_test_shifted"
+
+    class Shifted(nn.Linear):
+        def __init__(self, n):
+            super().__init__(n, n)
+            self.register_buffer("shift", torch.empty(n), persistent=False)
+
+        def forward(self, x):
+            return super().forward(x) + self.shift
+
+    class ShiftedModel(PreTrainedModel):
+        config_class = ShiftedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.emb, self.mix, self.head = nn.Embedding(64, 8), Shifted(8), nn.Linear(8, 64)
+            self.post_init()
+
+        def _init_weights(self, module):
+            super()._init_weights(module)
+            if isinstance(module, Shifted):
+                with torch.no_grad():
+                    module.shift.copy_(torch.arange(8.0) / 8)
+
+        def forward(self, input_ids, labels):
+            logits = self.head(torch.tanh(self.mix(self.emb(input_ids))))
+            return SimpleNamespace(loss=nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+    with torch.device("meta"):
+        return ShiftedModel(ShiftedConfig())
+
+
+def _rank_hf_meta_load(root: str, kind: str):
+    def build():
+        meta = _llama() if kind == "llama" else _shifted()
+        apply = zf.functional(meta)
+        step = shard_params(
+            zf.train_step(lambda p, ids: apply(p, input_ids=ids, labels=ids).loss, zf.optim.adamw(1e-3))
+        )
+        return step, meta
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    batch = rank_slice(_ids(), rank, world)
+    step, _ = build()
+    torch.manual_seed(SEED)
+    state, _ = step(step.init(step.model().params), batch)
+    zf.checkpoint.save(state, f"{root}/{kind}")
+    saved = {k: v.clone() for k, v in step.full_params(state).items()}
+    _, m = step(state, batch)
+    # A fresh model built on meta, loaded into.
+    step, meta = build()
+    torch.manual_seed(7)
+    loaded = zf.checkpoint.load(f"{root}/{kind}", step, rng=False)
+    drawn = not torch.equal(torch.rand(4), torch.random.manual_seed(7) and torch.rand(4))
+    buffers = {n: b.to("cpu", copy=True) for n, b in meta.named_buffers() if b.device.type != "meta"}
+    full = step.full_params(loaded)
+    _, m2 = step(loaded, batch)
+    return drawn, buffers, max_abs_diff(full, saved), float(m["loss"]), float(m2["loss"])
+
+
+@pytest.mark.parametrize("kind", ["llama", "shifted"])
+def test_a_load_into_a_meta_hugging_face_model_initialises_only_what_it_must(ranks, tmp_path, kind):
+    for drawn, buffers, diff, loss, loaded_loss in ranks(2).run(_rank_hf_meta_load, str(tmp_path), kind):
+        # The buffers the model's init sets are materialised, to its values: Llama's rotary frequencies (in a
+        # module of their own), the shift of a module with a parameter (whose parameters are then initialised
+        # with it, the load overwriting them) ...
+        if kind == "llama":
+            assert {n.rsplit(".", 1)[-1] for n in buffers} == {"inv_freq", "original_inv_freq"}, buffers
+        else:
+            assert set(buffers) == {"mix.shift"} and torch.equal(buffers["mix.shift"], torch.arange(8.0) / 8)
+        # ... and no parameter of Llama's is initialised: the load draws no random numbers.
+        assert not drawn or kind == "shifted", "the load ran the model's initialisation of its parameters"
+        assert diff == 0 and loaded_loss == loss
 
 
 # ---------------------------------------------------------------- errors and init_fn

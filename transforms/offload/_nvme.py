@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from zerofn import alloc
 from zerofn import collectives as C
 from zerofn import optim as O
 from zerofn import tree as T
@@ -242,12 +243,16 @@ class NvmeEngine:
         _check_manifest(rank_dir, signature)
         files = NvmeFiles(rank_dir, entries, 0, signature, tree, roles)
         _fresh(files, 0, keys)
-        # Write generation 0 sub-group by sub-group: init's values for each slice of the parameters.
+        # Write generation 0 sub-group by sub-group: init's values for each slice of the parameters. A state
+        # built to be loaded into (inside alloc.unfilled) gets its files at their size with nothing written
+        # (the load writes every element); its structure is still checked, on the meta device.
+        filling = alloc.filling()
         for k in keys:
             flat = params[k].detach().reshape(-1)
             probe = plans[k].probe
             for a, b in plans[k].spans:
-                leaves, treedef = T.tree_flatten(self.on(k, a, b).init({"x": flat[a:b].to("cpu", copy=True)}))
+                x = flat[a:b].to("cpu", copy=True) if filling else torch.empty(b - a, dtype=flat.dtype, device="meta")
+                leaves, treedef = T.tree_flatten(self.on(k, a, b).init({"x": x}))
                 if treedef != probe.treedef:
                     raise ValueError(
                         f"offload(nvme): the optimizer's state over elements {a}..{b} of bucket {k} has another "
@@ -255,8 +260,11 @@ class NvmeEngine:
                         "streams a bucket's state in sub-groups, so its structure must not depend on which "
                         "elements a sub-group holds. Use offload('cpu') for this optimizer."
                     )
-                for j, pos in enumerate(probe.big):
+                for j, pos in enumerate(probe.big if filling else ()):
                     write_at(files.file(f"{k}_{j}", 0), leaves[pos], a)
+        if not filling:
+            for e in entries:
+                alloc.zeros_file(files.file(e.stem, 0), e.dtype, e.numel)
         _write_manifest(rank_dir, signature, 0)
         grads = GradFiles(rank_dir, {k: (p.numel(), _grad_dtype(p.dtype)) for k, p in params.items()})
         for k in keys:  # at their size, nothing written: each update's backward writes them whole

@@ -133,7 +133,21 @@ def _segments(sources: _Sources, part: Part, lays: dict, dtype: torch.dtype) -> 
     return segs
 
 
+def _gaps(segs: list[_Segment], n: int) -> list[tuple[int, int]]:
+    """The element ranges of ``[0, n)`` no segment covers: the bucket's padding."""
+    out, at = [], 0
+    for seg in sorted(segs, key=lambda s: s.lo):
+        if seg.lo > at:
+            out.append((at, seg.lo))
+        at = max(at, seg.hi)
+    if at < n:
+        out.append((at, n))
+    return out
+
+
 def _fill(sources: _Sources, part: Part, lays: dict) -> None:
+    """Write every element of ``part``: the saved values over each parameter's range, zeros over the
+    padding. A fresh state relies on it: ``step.init(structure_only=True)`` writes none of them."""
     saved = sources.saved
     value = part.value
     flat = None
@@ -147,6 +161,12 @@ def _fill(sources: _Sources, part: Part, lays: dict) -> None:
         return
     chunk = max(1, CHUNK_BYTES // 4)
     target = flat if flat is not None else staged  # the host tensor a range may be read straight into
+    for a, b in _gaps(segs, part.hi - part.lo):
+        if target is not None:
+            target[a:b].zero_()
+        else:
+            for c in range(a, b, chunk):
+                value.write(c, torch.zeros(min(b, c + chunk) - c, dtype=value.dtype))
     for seg in segs:
         if target is not None and target.device.type == "cpu" and target.dtype == saved.dtype(seg.source):
             # The saved bytes are the held ones: read them in place, with no buffer and no copy.

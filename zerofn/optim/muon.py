@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from zerofn import alloc, counters
 from zerofn import collectives as C
-from zerofn import counters
 from zerofn.optim._checks import (
     check_count,
     check_number,
@@ -187,7 +187,7 @@ def _muon(options: _Options, view: ParamView | None) -> GradientTransformation:
         plan_of(params, "muon.init")
         return MuonState(
             count=counters.new(0),
-            momentum=tree_map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params),
+            momentum=tree_map(lambda p: alloc.zeros_like(p), params),
         )
 
     @torch.no_grad()

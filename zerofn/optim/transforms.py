@@ -13,7 +13,7 @@ import struct
 
 import torch
 
-from zerofn import counters
+from zerofn import alloc, counters
 from zerofn.optim._checks import (
     FIX_PARAMS,
     check_count,
@@ -220,8 +220,9 @@ def scale_by_adam(
 
 
 def moments_like(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A zero moment for parameter (or bucket) ``p``, in ``dtype`` (None: ``p``'s)."""
-    return torch.zeros_like(p, dtype=dtype or p.dtype, memory_format=torch.preserve_format)
+    """A zero moment for parameter (or bucket) ``p``, in ``dtype`` (None: ``p``'s); inside
+    :func:`zerofn.alloc.unfilled` (a state built to be loaded into), allocated only."""
+    return alloc.zeros_like(p, dtype=dtype or p.dtype)
 
 
 def _scale_by_adam(
@@ -320,7 +321,7 @@ def _trace(decay: float, nesterov: bool, view: ParamView | None) -> GradientTran
 
     def init(params):
         flat("trace.init", "params", params)
-        return TraceState(trace=tree_map(lambda p: torch.zeros_like(p, memory_format=torch.preserve_format), params))
+        return TraceState(trace=tree_map(lambda p: alloc.zeros_like(p), params))
 
     @torch.no_grad()
     def update(updates, state, params=None, **extra):
