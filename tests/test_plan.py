@@ -446,3 +446,32 @@ def test_cli_inference_and_errors(capsys):
         with pytest.raises(SystemExit) as e:
             plan.main(args)
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_bf16_masters_tabulates_estimate_without_master_weights(capsys):
+    """--bf16-masters (amp(..., master_dtype=torch.bfloat16), DeepSpeed's bf16_master_weights_and_grads) is
+    estimate(..., master_weights=False) row by row, alone (fp32 moments: K = 8) and with --bf16-moments (K = 4)."""
+    base = ["--params", "7e9", "--gpus", "8", "--gpu-memory", "24GB", "--bf16-masters"]
+    for extra, optimizer, k in (
+        ([], None, 8),
+        (["--bf16-moments"], zf.optim.adamw(1e-3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16), 4),
+    ):
+        assert plan.main(base + extra) == 0
+        out = capsys.readouterr().out
+        rows = compositions(7e9, gpus=8, master_weights=False, optimizer=optimizer)
+        with_masters = compositions(7e9, gpus=8, optimizer=optimizer)
+        assert rows[0].optimizer_per_param == k == with_masters[0].optimizer_per_param - 4
+        assert f"model state: 2 + 2 + {k} bytes per parameter" in out and "no fp32 masters" in out
+        lines = {line.split("  ")[0]: line for line in out.splitlines()}
+        for e in rows:
+            cells = [fmt_bytes(x) for x in (e.optimizer, e.model_state, e.total) if x]
+            assert all(c in lines[e.label] for c in cells), (e.label, cells, lines[e.label])
+        best = next(e for e in rows if e.fits(24e9))
+        assert f"recommendation: {best.label} ({fmt_bytes(best.total)} per GPU" in out
+    # ZeRO-2 over 8 GPUs: 24.5 GB per GPU with fp32 masters, 21.0 GB without (the 4 Psi / 8 master gone)
+    zero2 = {e.label: e for e in compositions(7e9, gpus=8, master_weights=False)}["ZeRO-2"]
+    assert fmt_bytes(zero2.state) == "21.0 GB"
+    for wrong in ("--fp32", "--inference"):
+        with pytest.raises(SystemExit) as e:
+            plan.main(base + [wrong])
+        assert e.value.code == 2 and "--bf16-masters drops the fp32 master copy" in capsys.readouterr().err

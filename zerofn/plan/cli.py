@@ -95,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
         help="Adam's moments in bf16 (zf.optim.adamw(..., mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)): "
         "4 bytes of optimizer state per parameter instead of 8",
     )
+    p.add_argument(
+        "--bf16-masters",
+        action="store_true",
+        help="no fp32 master weights: the optimizer updates the bf16 parameters (amp(..., "
+        "master_dtype=torch.bfloat16), DeepSpeed's bf16_master_weights_and_grads): 4 bytes of optimizer state "
+        "per parameter less, and no fp32 gradient copy in the update",
+    )
     p.add_argument("--plot", metavar="FILE.png", help="draw bytes per GPU by composition against the GPU memory")
     return p
 
@@ -111,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--inference counts 2-byte weights; --fp32 is for training")
     if args.bf16_moments and args.inference:
         p.error("--inference holds no optimizer state; --bf16-moments is for training")
+    if args.bf16_masters and (args.fp32 or args.inference):
+        p.error(
+            f"--bf16-masters drops the fp32 master copy of mixed-precision training; --{'fp32' if args.fp32 else 'inference'} "
+            "has none: leave one of the two out"
+        )
     if args.model is not None and not os.path.exists(args.model):
         p.error(
             f"--model {args.model}: no such file or directory; pass a Hugging Face config.json or the model "
@@ -152,10 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         kw["mixed_precision"] = not args.fp32
     if args.bf16_moments:
         kw["optimizer"] = O.adamw(1e-3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)
+    if args.bf16_masters:
+        kw["master_weights"] = False
     rows = compositions(source, inference=args.inference, **kw)
     psi = source.params if isinstance(source, ModelShape) else int(round(source))
     n = args.gpus * args.nodes
     what = "fp32, Adam" if args.fp32 else "bf16 mixed precision, Adam"
+    if args.bf16_masters:
+        what = "bf16 parameters updated in place (no fp32 masters), Adam"
     what += " with bf16 moments" if args.bf16_moments else ""
     what = "inference, fp16/bf16 weights" if args.inference else what
     name = f" ({source.name})" if isinstance(source, ModelShape) and source.name else ""
