@@ -18,8 +18,8 @@ zerofn's phases are timed by wrapping, from outside, the functions of the
 step that do them (any that a version of zerofn lacks is left out):
 ``_check_batch`` (the batch-shape check, one small blocking all-reduce),
 the forward (the ``loss_fn``), backward with the gradient sink's work in it
-(the bucket buffer, the adds into it, the launch of each reduction), the
-wait for the reductions after backward (``GradSink.finish``), ``_unscale``,
+(the bucket buffer and the gradients written into it, the launch of each
+reduction), the wait for the reductions after backward (``GradSink.finish``), ``_unscale``,
 ``_stats`` (the loss and gradient-norm all-reduce, blocking), the update
 and the publish; and every wait on a collective by its kind. Each phase has
 its wall time and the CPU time of the rank's main thread
@@ -88,7 +88,7 @@ def _patch() -> None:
 
     _wrap(steps, "_check_batch", "check_batch (batch-shape all-reduce, blocking)")
     _wrap(steps.Step, "_forward_backward", "forward + backward")
-    _wrap(reduction.GradSink, "buffer", "  in backward: bucket buffer (zeros, pending adds)")
+    _wrap(reduction.GradSink, "buffer", "  in backward: bucket buffer (pending gradients copied in, gaps zeroed)")
     _wrap(reduction.GradSink, "_add", "  in backward: gradient add_ into the bucket")
     _wrap(reduction.Reduction, "reduce", "  in backward: launch all-reduce")
     _wrap(ShardedReduction, "reduce", "  in backward: launch reduce-scatter")

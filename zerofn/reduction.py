@@ -88,10 +88,20 @@ class Reduction:
 class GradSink:
     """Gradient buckets that backward fills and that are reduced as they complete.
 
-    A bucket's buffer is allocated when its first gradient arrives. When
-    ``reduce`` is set, a completed bucket is reduced at once, in bucket order
-    (so every rank issues the same collectives in the same order), while
-    backward goes on. A sharded reduction writes a new partition-sized
+    A bucket's buffer is allocated when the bucket is complete (reduced or
+    carried): until then its gradients wait as autograd handed them over, so
+    that, as with torch's own ``.grad``, gradient memory grows only as
+    backward hands gradients over. The buffer is not zero-filled first
+    (``torch.empty``): each pending gradient is copied into its slot, and
+    only what none wrote (the padding, the slots of parameters that got no
+    gradient) is zeroed, so the bucket is written once instead of zeroed
+    and then read and written again by an add. ``copy_`` gives the
+    gradient's own value, as ``0 + g`` did (it keeps the sign of a ``-0.0``
+    that ``0 + g`` turns into ``+0.0``; the two compare equal).
+
+    When ``reduce`` is set, a completed bucket is reduced at once, in bucket
+    order (so every rank issues the same collectives in the same order),
+    while backward goes on. A sharded reduction writes a new partition-sized
     tensor, so its full bucket is dropped as soon as it lands; at most one
     such reduction is in flight, which bounds the full-size gradient memory
     to two buckets (the one in flight and the one filling) plus the
@@ -130,9 +140,9 @@ class GradSink:
         self.layout, self.reduction, self.rank, self.reduce = layout, reduction, rank, reduce
         self.dtypes = [grad_dtype(b.dtype) for b in layout.buckets]
         self.buffers: list[torch.Tensor | None] = list(carried) if carried is not None else [None] * n
-        # Gradients of a bucket whose buffer does not exist yet: the buffer is allocated
-        # when the bucket is reduced (or carried), so that, as with torch's own .grad,
-        # gradient memory grows only as backward hands gradients over.
+        # Gradients of a bucket whose buffer does not exist yet: the buffer is allocated when the bucket
+        # is reduced (or carried), so that, as with torch's own .grad, gradient memory grows only as
+        # backward hands gradients over.
         self.pending: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(n)]
         self.views: dict[str, torch.Tensor] = {}
         self.where = layout.bucket_of
@@ -163,16 +173,30 @@ class GradSink:
         return leaf, hooks
 
     def buffer(self, i: int) -> torch.Tensor:
-        """Bucket ``i``'s gradient buffer, allocated (with its pending gradients added) on first use."""
+        """Bucket ``i``'s gradient buffer, made on first use: its pending gradients copied into unfilled
+        storage, and only what none of them wrote (padding, parameters without a gradient) zeroed."""
         buf = self.buffers[i]
         if buf is None:
             b = self.layout.buckets[i]
-            buf = self.buffers[i] = torch.zeros(b.padded, dtype=self.dtypes[i], device=b.device)
-        if self.layout.buckets[i].slots[0].name not in self.views:
+            buf = self.buffers[i] = torch.empty(b.padded, dtype=self.dtypes[i], device=b.device)
             self.views.update(self.layout.bucket_views(i, buf))
-        pending, self.pending[i] = self.pending[i], []
-        for name, grad in pending:
-            self._add(name, grad)
+            written: set[str] = set()
+            for name, grad in self.pending[i]:
+                if name in written:  # a second gradient for the same slot
+                    self._add(name, grad)
+                else:
+                    view = self.views[name]
+                    view.copy_(grad.reshape(view.shape))
+                    written.add(name)
+            self.pending[i] = []
+            if len(written) < len(b.slots):
+                for s in b.slots:
+                    if s.name not in written:
+                        buf[s.offset : s.offset + s.numel].zero_()
+            if b.padded > b.numel:
+                buf[b.numel :].zero_()
+        elif self.layout.buckets[i].slots[0].name not in self.views:  # carried sums from earlier micro-steps
+            self.views.update(self.layout.bucket_views(i, buf))
         return buf
 
     def _add(self, name: str, grad: torch.Tensor) -> None:
