@@ -181,7 +181,7 @@ def test_bad_paths_are_refused_before_anything_runs(tmp_path):
         offload(base, params=True).init(make_transformer(extras=False)[1].params)
     with pytest.raises(ValueError, match=r'params="nvme" \(parameter shards streamed from files\) is not supported'):
         offload(base, "nvme", path=str(tmp_path), params="nvme")
-    with pytest.raises(ValueError, match=r'params=True places the parameter shards where the optimizer state is'):
+    with pytest.raises(ValueError, match=r"params=True places the parameter shards where the optimizer state is"):
         offload(base, "nvme", path=str(tmp_path), params=True)
     with pytest.raises(ValueError, match=r'params must be False, True or "cpu", got \'gpu\''):
         offload(base, params="gpu")

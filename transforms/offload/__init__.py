@@ -189,8 +189,8 @@ def _param_placement(params: Any, device: str) -> str | None:
         if device == "cpu":
             return "cpu"
         raise ValueError(
-            'offload: params=True places the parameter shards where the optimizer state is, and parameters on '
-            'NVMe are not supported yet; keep them in CPU RAM beside the optimizer state on NVMe: '
+            "offload: params=True places the parameter shards where the optimizer state is, and parameters on "
+            "NVMe are not supported yet; keep them in CPU RAM beside the optimizer state on NVMe: "
             'offload(step, "nvme", path=..., params="cpu")'
         )
     if params == "cpu":
