@@ -109,19 +109,23 @@ def _rank_round_trip(root: str, names: list) -> dict:
     return out
 
 
+# The compositions a checkpoint round trip covers (save, then load into a live and into a fresh state).
+ROUND_TRIP = [
+    "plain",
+    "shard_optimizer",
+    "shard_grads",
+    "shard_params",
+    "amp",
+    "shard_params+amp",
+    "offload",
+    "shard_params+offload_params",
+    "nvme",
+    "shard_optimizer+amp+nvme",
+]
+
+
 def test_round_trip_every_composition_bit_for_bit(ranks, tmp_path):
-    names = [
-        "plain",
-        "shard_optimizer",
-        "shard_grads",
-        "shard_params",
-        "amp",
-        "shard_params+amp",
-        "offload",
-        "shard_params+offload_params",
-        "nvme",
-        "shard_optimizer+amp+nvme",
-    ]
+    names = ROUND_TRIP
     per_rank = ranks(2).run(_rank_round_trip, str(tmp_path), names)
     for name in names:
         snapshot_equal, resumed_equal, count, _, _ = per_rank[0][name]
@@ -192,18 +196,7 @@ def _rank_fresh_load(root: str, names: list) -> dict:
 
 
 def test_a_fresh_load_writes_every_value_init_left_unwritten(ranks, tmp_path):
-    names = [
-        "plain",
-        "shard_optimizer",
-        "shard_grads",
-        "shard_params",
-        "amp",
-        "shard_params+amp",
-        "offload",
-        "shard_params+offload_params",
-        "nvme",
-        "shard_optimizer+amp+nvme",
-    ]
+    names = ROUND_TRIP
     for rank, got in enumerate(ranks(2).run(_rank_fresh_load, str(tmp_path), names)):
         for name in names:
             r = got[name]
