@@ -21,7 +21,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["FileTensor", "IntegrityError", "digest", "fsync_dir", "read_at", "read_exact", "write_at", "write_json"]
+__all__ = [
+    "FileTensor",
+    "IntegrityError",
+    "digest",
+    "fsync_dir",
+    "new_file",
+    "read_at",
+    "read_exact",
+    "write_at",
+    "write_json",
+]
 
 
 class IntegrityError(ValueError):
@@ -54,6 +64,12 @@ class FileTensor:
 
     def write(self, offset: int, t: torch.Tensor) -> None:
         write_at(self.path, t.detach().to("cpu", self.dtype), offset)
+
+
+def new_file(path: str, nbytes: int) -> None:
+    """Make ``path`` a new file of ``nbytes`` with nothing written: its holes read as zeros."""
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
 
 
 def write_at(path: str, t: torch.Tensor, offset_elems: int) -> None:

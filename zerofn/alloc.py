@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import torch
 
-from zerofn._io import write_at
+from zerofn._io import new_file, write_at
 
 __all__ = ["copy_of", "filling", "unfilled", "zeros", "zeros_file", "zeros_like"]
 
@@ -114,8 +114,7 @@ def copy_of(
 def zeros_file(path: str, dtype: torch.dtype, numel: int) -> None:
     """Make ``path`` a new file of ``numel`` zeros of ``dtype``, at its size with nothing written (its
     holes read as zeros); inside :func:`unfilled` with a ``poison``, filled with that instead."""
-    with open(path, "wb") as f:
-        f.truncate(numel * dtype.itemsize)
+    new_file(path, numel * dtype.itemsize)
     mode = _MODE.get()
     if mode is not None and mode.poison is not None:
         chunk = max(1, 2**22 // dtype.itemsize)

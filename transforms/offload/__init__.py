@@ -25,10 +25,11 @@ parameters (Adam's moments, amp's master weights) lives in files under
 ``path`` (one file per tensor per rank, in two generations); counters stay
 in the state pytree. Backward writes each bucket's gradient to a file as it
 lands (the device and RAM never hold the whole gradient partition), and the
-update reads each sub-group's gradient beside its state. The update streams the files in sub-groups of
-``sub_group_bytes``: a background thread reads the next sub-group and another
-writes the previous one while the current one is updated, so RAM held for
-optimizer state is a few sub-groups whatever the model size. New state goes
+update reads each sub-group's gradient beside its state. The update streams
+the files in sub-groups of ``sub_group_bytes``: a background thread reads
+the next sub-group and another writes the previous one while the current
+one is updated, so RAM held for optimizer state is a few sub-groups
+whatever the model size. New state goes
 to the other generation and the new parameters to a staging file; only when
 every write has succeeded are the parameters copied in and the manifest
 switched, so a failed update (a full disk) leaves the state from before the

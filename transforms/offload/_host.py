@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from zerofn.transforms.offload._pending import Landing, PerBucket, Speculation, launch, mark
+from zerofn.transforms.offload._pending import Landing, PerBucket, Speculation, landing_dtype, launch, mark
 
 from zerofn import optim as O
 from zerofn import tree as T
@@ -128,9 +128,7 @@ class HostEngine:
         pin = self.pin
         host = None if self.params_on_host else T.tree_map(lambda p: to_host(p.detach(), pin), params)
         # fp32 (amp's gradients reach the optimizer in fp32), or wider for a wider parameter
-        grads = T.tree_map(
-            lambda p: torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), pin_memory=pin), params
-        )
+        grads = T.tree_map(lambda p: torch.zeros(p.shape, dtype=landing_dtype(p.dtype), pin_memory=pin), params)
         state = self.kind(host, grads, self.inner.init(params if self.params_on_host else host))
         return state._replace(spare=self.split.spare(state.inner, host)) if self.options.early else state
 

@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from zerofn.transforms.offload._pending import landing_dtype
 
 from zerofn import alloc
 from zerofn import collectives as C
 from zerofn import optim as O
 from zerofn import tree as T
-from zerofn._io import FileTensor, digest, read_exact, write_at, write_json
+from zerofn._io import FileTensor, digest, new_file, read_exact, write_at, write_json
 from zerofn.roles import Inner
 
 __all__ = [
@@ -266,10 +267,10 @@ class NvmeEngine:
             for e in entries:
                 alloc.zeros_file(files.file(e.stem, 0), e.dtype, e.numel)
         _write_manifest(rank_dir, signature, 0)
-        grads = GradFiles(rank_dir, {k: (p.numel(), _grad_dtype(p.dtype)) for k, p in params.items()})
+        grads = GradFiles(rank_dir, {k: (p.numel(), landing_dtype(p.dtype)) for k, p in params.items()})
         for k in keys:  # at their size, nothing written: each update's backward writes them whole
-            with open(grads.tensor(k).path, "wb") as f:
-                f.truncate(grads.tensor(k).numel() * grads.tensor(k).itemsize)
+            g = grads.tensor(k)
+            new_file(g.path, g.numel() * g.itemsize)
         return NvmeState(small, files, grads)
 
     @torch.no_grad()
@@ -342,16 +343,11 @@ class NvmeEngine:
         return NvmeState(new_small if new_small is not None else state.small, new_files, state.grads)
 
 
-def _grad_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    """A gradient's dtype in its file: fp32 (amp's gradients reach the optimizer in fp32), or wider for a
-    wider parameter; a narrower gradient goes there and back exactly."""
-    return torch.promote_types(param_dtype, torch.float32)
-
-
 class FileLanding(O.PendingUpdate):
     """Each bucket's gradient written to its file as backward lands it, on a writer thread (overlapping
     the rest of backward), from a host copy (pinned and non-blocking on CUDA; on the CPU the gradient
-    itself) that lives only until its write is done; at most ``IN_FLIGHT`` are waiting at once. ``commit`` streams the update from the files."""
+    itself) that lives only until its write is done; at most ``IN_FLIGHT`` are waiting at once.
+    ``commit`` streams the update from the files."""
 
     IN_FLIGHT = 2
 
@@ -363,7 +359,7 @@ class FileLanding(O.PendingUpdate):
 
     def grad(self, key: str, grad: torch.Tensor) -> None:
         pin = self.engine.options.pin and grad.device.type == "cuda"
-        dtype, event = _grad_dtype(grad.dtype), None
+        dtype, event = landing_dtype(grad.dtype), None
         if grad.device.type == "cpu" and grad.dtype == dtype:
             host = grad  # handed over: written as it is, no copy
         else:

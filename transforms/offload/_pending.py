@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 __all__ = ["BucketRun", "Done", "Landing", "Launched", "PerBucket", "Speculation", "launch", "mark", "worker"]
 
 
+def landing_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter's gradient lands in on the host (a buffer, or a file): fp32, as amp's gradients
+    reach the optimizer, or wider for a wider parameter; a narrower gradient goes there and back exactly."""
+    return torch.promote_types(param_dtype, torch.float32)
+
+
 class Done:
     """A handle (``wait()``) on work a worker thread finishes: returns once it has, raises what it raised."""
 
