@@ -31,9 +31,9 @@ ROOT = TESTS.parent
 def _transform(name: str, nvme: str | None):
     from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_params
 
-    def nv(s):
+    def nv(s, params=False):
         os.makedirs(nvme, exist_ok=True)
-        return offload(s, "nvme", path=nvme, sub_group_bytes=4096)
+        return offload(s, "nvme", path=nvme, sub_group_bytes=4096, params=params)
 
     table = {
         "plain": [],
@@ -47,6 +47,8 @@ def _transform(name: str, nvme: str | None):
         "nvme": [nv],
         "shard_optimizer+amp+nvme": [shard_optimizer, amp, nv],
         "shard_params+nvme": [shard_params, nv],
+        "shard_params+nvme_params": [shard_params, lambda s: nv(s, "nvme")],
+        "shard_params+amp+nvme_params": [shard_params, amp, lambda s: nv(s, "nvme")],
     }
     return table[name.removesuffix("-lite")]
 
@@ -121,6 +123,8 @@ ROUND_TRIP = [
     "shard_params+offload_params",
     "nvme",
     "shard_optimizer+amp+nvme",
+    "shard_params+nvme_params",
+    "shard_params+amp+nvme_params",
 ]
 
 

@@ -320,23 +320,40 @@ class Materialiser:
         self.ready: dict[str, torch.Tensor] = {}
         self.hf = _hf_models(module)
 
-    def fill(self, buckets: list[Bucket], rank: int) -> list[torch.Tensor]:
-        shards = []
+    def fill(self, buckets: list[Bucket], rank: int, done: Any = None) -> list[torch.Tensor | None]:
+        """This rank's shard of each bucket. ``done(i, shard)``: each shard is handed over as soon as its
+        last parameter is in (and None returned in its place), allocated only when its first one is, so a
+        model built on the meta device is never held whole: a bucket or two at a time. Inside
+        :func:`zerofn.alloc.unfilled` a shard nothing was written to is handed over as None."""
+        shards: list[torch.Tensor | None] = [None] * len(buckets)
         where: dict[str, tuple] = {}
+        left = [len(b.slots) for b in buckets]
+
+        def shard(i: int) -> torch.Tensor:
+            if shards[i] is None:
+                b = buckets[i]
+                lo, hi = b.shard_range(rank)
+                shards[i] = alloc.zeros(hi - lo, dtype=b.dtype, device=device_of(self.named[b.slots[0].name]))
+            return shards[i]
+
         for i, b in enumerate(buckets):
             lo, hi = b.shard_range(rank)
-            device = device_of(self.named[b.slots[0].name])
-            shards.append(alloc.zeros(hi - lo, dtype=b.dtype, device=device))
             for s in b.slots:
                 where[s.name] = (i, s, lo, hi)
+            if done is None:
+                shard(i)
 
         def copy(name: str) -> None:
             i, s, lo, hi = where.pop(name)
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
             full = self._full(name)
             if a < b:
-                shards[i][a - lo : b - lo].copy_(full.reshape(-1)[a - s.offset : b - s.offset])
+                shard(i)[a - lo : b - lo].copy_(full.reshape(-1)[a - s.offset : b - s.offset])
             self.ready.pop(name, None)  # at most one module's parameters alive
+            left[i] -= 1
+            if done is not None and left[i] == 0:
+                done(i, shard(i))
+                shards[i] = None
 
         # Inside alloc.unfilled (a state built to be loaded into) the shards are allocated only and no
         # parameter is initialised, but for those of a Hugging Face module whose model's init also sets
@@ -352,6 +369,11 @@ class Materialiser:
                 self._init_buffers(m)
         for name in list(where) if filling else ():  # any the module walk did not reach
             copy(name)
+        if done is not None:
+            for i, n in enumerate(left):  # not filled (a state to be loaded into): None, or what is in
+                if n:
+                    done(i, shards[i])
+                    shards[i] = None
         return shards
 
     def _modules(self) -> Iterator[tuple[str, nn.Module]]:

@@ -98,6 +98,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from zerofn.transforms._param_files import ShardFiles, ShardReads
 from zerofn.transforms._units import (
     ROOT,
     Intercept,
@@ -116,6 +117,7 @@ from zerofn.transforms.shard_grads import shard_grads
 from zerofn import collectives as C
 from zerofn import counters
 from zerofn import tree as T
+from zerofn._io import FileTensor
 from zerofn.functional import ACTIVE_RUN, Functional
 from zerofn.reduction import GradSink
 from zerofn.state import Bucket, Layout, TrainState
@@ -169,7 +171,13 @@ def shard_params(
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"shard_params: prefetch must be an int >= 0, got {prefetch!r}")
     units = tuple(units) if isinstance(units, (list, tuple)) else units  # hashable, like the rest of a Step
-    storage = UnitStorage(param_placement=step.storage.param_placement, units=units, prefetch=prefetch, init_fn=init_fn)
+    storage = UnitStorage(
+        param_placement=step.storage.param_placement,
+        param_path=step.storage.param_path,
+        units=units,
+        prefetch=prefetch,
+        init_fn=init_fn,
+    )
     have = step.storage if step.storage.gathers_units else None
     if reapply(step, "shard_params", have, storage, "shards parameters"):
         return step
@@ -224,7 +232,14 @@ class UnitStorage(Storage):
             frozen_buckets=tuple(frozen_buckets),
             units=tuple(units),
         )
-        shards = Materialiser(functional.module, named, self.init_fn).fill(buckets + frozen_buckets, rank)
+        fill = Materialiser(functional.module, named, self.init_fn).fill
+        if self.param_placement == "nvme":  # shards at rest in files, each written as soon as it is filled
+            files = ShardFiles(self.param_path, buckets, frozen_buckets, rank, world)
+            shards: list = [None] * (len(buckets) + len(frozen_buckets))
+            fill(buckets + frozen_buckets, rank, done=lambda i, t: shards.__setitem__(i, files.store(i, t)))
+            files.done()
+        else:
+            shards = fill(buckets + frozen_buckets, rank)
         if self.param_placement == "cpu":  # shards at rest in host memory
             shards = [to_host(t, torch.cuda.is_available()) for t in shards]
         flats, frozen = tuple(shards[: len(buckets)]), tuple(shards[len(buckets) :])
@@ -232,7 +247,7 @@ class UnitStorage(Storage):
 
     @contextlib.contextmanager
     def bind(self, state: TrainState, sink: GradSink, model: Callable, extra: dict):
-        runner = _Runner(state, model(), self.prefetch, sink, self.param_placement == "cpu")
+        runner = _Runner(state, model(), self.prefetch, sink, self.param_placement != "device")
         token = ACTIVE_RUN.set(runner)
         try:
             yield runner.placeholders()
@@ -252,7 +267,7 @@ class UnitStorage(Storage):
         return None  # updated in place, gathered when used
 
     def forward(self, state: TrainState, model: Callable, args: tuple, kwargs: dict) -> Any:
-        runner = _Runner(state, model(), self.prefetch, None, self.param_placement == "cpu")
+        runner = _Runner(state, model(), self.prefetch, None, self.param_placement != "device")
         try:
             with torch.no_grad():
                 return runner.run(args, kwargs)
@@ -262,10 +277,16 @@ class UnitStorage(Storage):
     def full_params(self, state: TrainState, model: Callable, masters: tuple | None = None) -> Any:
         layout = state.spec.layout
         dtype = masters[0].dtype if masters else None
-        frozen = [f.to(dtype) if dtype is not None and f.is_floating_point() else f for f in state.frozen]
-        out = whole_params(masters or state.params, layout.buckets, to_device=True)  # one unit's buffer at a time
+        frozen = (f.to(dtype) if dtype is not None and f.is_floating_point() else f for f in _resident(state.frozen))
+        # One unit's buffer at a time (and a shard in a file read only when its bucket's turn comes).
+        out = whole_params(_resident(masters or state.params), layout.buckets, to_device=True)
         out.update(whole_params(frozen, layout.frozen_buckets, to_device=True))
         return T.tree_unflatten(state.spec.treedef, [out[n] for n in layout.names])
+
+
+def _resident(pieces: Any) -> Any:
+    """``pieces`` with each shard that rests in a file read in, one at a time as they are taken."""
+    return (p.read() if isinstance(p, FileTensor) else p for p in pieces)
 
 
 # ---------------------------------------------------------------- the run
@@ -337,6 +358,11 @@ class _LiveUnit:
         """Neither gathered nor on its way: gathering it now issues a collective."""
         return not (self.ready or self.handles)
 
+    @property
+    def files(self) -> list[FileTensor]:
+        """Its shards that rest in files (``offload(..., params="nvme")``), in the order of ``fulls``."""
+        return [shard for _, shard in self.fulls if isinstance(shard, FileTensor)]
+
 
 def _last_block(order: list) -> Any:
     """The last unit other than the root in a forward order (None if there is none)."""
@@ -390,6 +416,9 @@ class _Runner:
                 if not whole:
                     full.untyped_storage().resize_(0)
                     unit.fulls.append((full, shard))
+        # Shards in files: read on an I/O thread ahead of their gathers (a few units' worth at most).
+        on_disk = any(u.files for u in self.units)
+        self.reads = ShardReads(prefetch + 2, torch.cuda.is_available()) if on_disk else None
         self.intercepts: list[Intercept] = []
         try:
             self._watch_calls()
@@ -551,6 +580,8 @@ class _Runner:
             with contextlib.suppress(RuntimeError):
                 self._settled()
         self.copies = {}
+        if self.reads is not None:
+            self.reads.close()
         self.closed = True
 
     # ---------------------------------------------------------- gather and release
@@ -562,11 +593,29 @@ class _Runner:
             self.inflight.wait_bucket(i)
         if not unit.fulls:
             return
+        read = iter(self.reads.take(unit.index, unit.files) if self.reads is not None else ())
         for full, shard in unit.fulls:
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            if self.host_shards:  # bring the shard in from host memory (its own buffer, non-blocking)
+            if isinstance(shard, FileTensor):  # read from its file (ahead, on the I/O thread), into a host buffer
+                shard = next(read)
+            if self.host_shards and shard.device != full.device:  # brought in from host memory, non-blocking
                 shard = torch.empty(shard.shape, dtype=shard.dtype, device=full.device).copy_(shard, non_blocking=True)
             unit.handles.append(C.all_gather(full, shard, async_op=True))
+        self._read_ahead(unit)
+
+    def _read_ahead(self, unit: _LiveUnit) -> None:
+        """Start reading the shards of the units expected after ``unit`` (``prefetch + 1`` of them): the
+        forward's recorded order, then backward's (the forward's reversed), or what backward has left."""
+        if self.reads is None:
+            return
+        if self.backward_queue is not None:
+            order = [u for u in self.backward_queue if u.remaining or u.spec.frozen]
+        else:
+            forward = self.recorded if self.recorded is not None else self._expected_forward()
+            after = forward[forward.index(unit) + 1 :] if unit in forward else forward
+            order = after + list(reversed(forward))
+        for u in [u for u in order if u is not unit and u.idle and u.files][: self.prefetch + 1]:
+            self.reads.ahead(u.index, u.files)
 
     def _ensure(self, unit: _LiveUnit) -> None:
         self._gather(unit)

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -26,9 +26,12 @@ __all__ = [
     "IntegrityError",
     "digest",
     "fsync_dir",
+    "generation_file",
     "new_file",
+    "other_generation",
     "read_at",
     "read_exact",
+    "remove",
     "write_at",
     "write_json",
 ]
@@ -42,15 +45,25 @@ class IntegrityError(ValueError):
 class FileTensor:
     """A 1-D tensor kept in a file rather than in memory (NVMe-offloaded state), as a pytree leaf.
 
-    ``write(offset, t)`` and ``read(offset, n)`` work on elements.
+    ``write(offset, t)`` and ``read(offset, n)`` work on elements. As a leaf of a state it declares
+    where its bytes are (``placement``, ``nbytes``: see :mod:`zerofn.placement`).
     """
 
     path: str
     dtype: torch.dtype
     numel_: int
+    placement: ClassVar[str] = "nvme"
 
     def numel(self) -> int:
         return self.numel_
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.numel_])
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel_ * self.dtype.itemsize
 
     @property
     def itemsize(self) -> int:
@@ -64,6 +77,26 @@ class FileTensor:
 
     def write(self, offset: int, t: torch.Tensor) -> None:
         write_at(self.path, t.detach().to("cpu", self.dtype), offset)
+
+
+def generation_file(root: str, stem: str, generation: int) -> str:
+    """The file of ``stem``'s ``generation`` under ``root``: state rewritten per update alternates
+    between two generations of new files, so a hard link a checkpoint took keeps the bytes it saw."""
+    return os.path.join(root, f"{stem}.g{generation}")
+
+
+def other_generation(path: str) -> str:
+    """The other generation's file of a :func:`generation_file` name."""
+    stem, _, g = path.rpartition(".g")
+    return f"{stem}.g{1 - int(g)}"
+
+
+def remove(path: str) -> None:
+    """Unlink ``path`` if it exists (a hard link to it elsewhere keeps its bytes)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def new_file(path: str, nbytes: int) -> None:

@@ -127,7 +127,10 @@ class Storage:
             (where they compute) or ``"cpu"`` (host memory, brought in when
             used). Only a storage that gathers units (``gathers_units``)
             can keep them away from the device; this one refuses ``"cpu"``
-            at ``init`` (a transform that asks for it checks first).
+            at ``init`` (a transform that asks for it checks first). ``"nvme"``:
+            files under ``param_path`` (a :class:`~zerofn._io.FileTensor` per
+            shard), read in per use.
+        param_path: the directory of the parameter files, for ``"nvme"``.
         defer_publish: let the all-gathers of updated shards run on after the
             step returns, each waited for when the parameters are first read
             (the next forward, per bucket); False waits for them before the
@@ -136,6 +139,7 @@ class Storage:
 
     name: str | None = None
     param_placement: str = "device"
+    param_path: str | None = None
     defer_publish: bool = True
 
     @property

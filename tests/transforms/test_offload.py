@@ -27,10 +27,11 @@ def _train(shard, where, use_amp, world, rank, root):
         step = amp(step, torch.bfloat16)
     if where in ("cpu", "cpu-overlap"):  # the update before the step returns, or alongside the next forward
         step = offload(step, "cpu", params=shard == "zero3", overlap=where == "cpu-overlap")
-    elif where in ("nvme", "nvme-cpu-params"):  # the optimizer state in files; the parameter shards in RAM too
+    elif where and where.startswith("nvme"):  # the optimizer state in files; the parameter shards in RAM or files too
         path = os.path.join(root, f"{shard}-{use_amp}")
         os.makedirs(path, exist_ok=True)
-        step = offload(step, "nvme", path=path, sub_group_bytes=4096, params="cpu" if where != "nvme" else False)
+        params = {"nvme": False, "nvme-cpu-params": "cpu", "nvme-params": "nvme"}[where]
+        step = offload(step, "nvme", path=path, sub_group_bytes=4096, params=params)
     state = step.init(apply.params)
     state, _ = train(step, state, transformer_batch, STEPS, GLOBAL_BATCH, world, rank)
     return step.full_params(state), zf.memory.state_bytes(state)["by_placement"], step.name
@@ -42,7 +43,9 @@ def _rank_compare(root):
     for shard in SHARDS:
         for use_amp in (False, True):
             ref = _train(shard, None, use_amp, world, rank, root)[0]
-            for where in ("cpu", "cpu-overlap", "nvme") + (("nvme-cpu-params",) if shard == "zero3" else ()):
+            for where in ("cpu", "cpu-overlap", "nvme") + (
+                ("nvme-cpu-params", "nvme-params") if shard == "zero3" else ()
+            ):
                 params, placement, name = _train(shard, where, use_amp, world, rank, os.path.join(root, where))
                 same = all(torch.equal(params[n], ref[n]) for n in ref)
                 out[(shard, use_amp, where)] = (same, placement, name)
@@ -179,11 +182,11 @@ def test_bad_paths_are_refused_before_anything_runs(tmp_path):
         offload(base, "gpu")
     with pytest.raises(ValueError, match="needs shard_params"):
         offload(base, params=True).init(make_transformer(extras=False)[1].params)
-    with pytest.raises(ValueError, match=r'params="nvme" \(parameter shards streamed from files\) is not supported'):
-        offload(base, "nvme", path=str(tmp_path), params="nvme")
-    with pytest.raises(ValueError, match=r"params=True places the parameter shards where the optimizer state is"):
-        offload(base, "nvme", path=str(tmp_path), params=True)
-    with pytest.raises(ValueError, match=r'params must be False, True or "cpu", got \'gpu\''):
+    with pytest.raises(ValueError, match=r'params="nvme" streams the parameter shards from files beside an optim'):
+        offload(base, "cpu", params="nvme")
+    with pytest.raises(ValueError, match=r"offload\(params='nvme'\) keeps parameter shards off the device"):
+        offload(base, "nvme", path=str(tmp_path), params=True).init(make_transformer(extras=False)[1].params)
+    with pytest.raises(ValueError, match=r'params must be False, True, "cpu" or "nvme", got \'gpu\''):
         offload(base, params="gpu")
 
 

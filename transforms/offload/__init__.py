@@ -20,6 +20,17 @@ the optimizer state in RAM or on NVMe; each unit's shard is copied in just
 before its all-gather, so the ``prefetch`` of ``shard_params`` brings it in
 ahead of use.
 
+``params="nvme"`` (with ``shard_params`` and ``device="nvme"``; ``True``
+says the same beside ``device="nvme"``): the parameter shards rest in files
+under ``path`` too, one per unit's bucket per rank, and RAM holds none of
+them between uses. ``shard_params`` reads each unit's shard on an I/O thread
+ahead of its gather (the units it expects next, ``prefetch + 1`` of them),
+holds it while the gather runs, and reads it again for backward; the update
+reads each sub-group's parameters beside its optimizer state and writes the
+new values to the parameter's other generation, switched to only when every
+write has succeeded. ``init`` writes each shard as soon as a model built on
+the meta device has filled it, so no rank holds the model either.
+
 ``device="nvme"``: every optimizer-state tensor that is shaped like the
 parameters (Adam's moments, amp's master weights) lives in files under
 ``path`` (one file per tensor per rank, in two generations); counters stay
@@ -103,7 +114,8 @@ def offload(
         params: where the parameter shards rest between uses (needs ``shard_params``): ``False`` (on
             the device the step computes on), ``"cpu"`` (host RAM, pinned when CUDA is present; each
             unit's shard is copied in just before its all-gather) with the optimizer state in RAM or on
-            NVMe, or ``True``: the optimizer state's own placement, for ``device="cpu"``.
+            NVMe, ``"nvme"`` (files under ``path``, read ahead of each gather; needs ``device="nvme"``),
+            or ``True``: the optimizer state's own placement.
         sub_group_bytes: ``"nvme"``: bytes of optimizer state streamed per sub-group.
         pin_memory: pin host buffers when CUDA is present.
         overlap: ``"cpu"``: run the host update on a worker thread, bucket by
@@ -179,7 +191,10 @@ def offload(
     step = step.extend(
         Extension("offload", options, wrap_optimizer=wrap, check=_needs_units if params else None, updates_late=late)
     )
-    return step.replace(storage=step.storage.replace(param_placement=params)) if params else step
+    if not params:
+        return step
+    where = options.root if params == "nvme" else None
+    return step.replace(storage=step.storage.replace(param_placement=params, param_path=where))
 
 
 def _param_placement(params: Any, device: str) -> str | None:
@@ -187,28 +202,27 @@ def _param_placement(params: Any, device: str) -> str | None:
     if params is False or params is None:
         return None
     if params is True:
-        if device == "cpu":
-            return "cpu"
-        raise ValueError(
-            "offload: params=True places the parameter shards where the optimizer state is, and parameters on "
-            "NVMe are not supported yet; keep them in CPU RAM beside the optimizer state on NVMe: "
-            'offload(step, "nvme", path=..., params="cpu")'
-        )
+        return device  # where the optimizer state is
     if params == "cpu":
         return "cpu"
     if params == "nvme":
-        raise ValueError(
-            'offload: params="nvme" (parameter shards streamed from files) is not supported yet; keep them in '
-            'CPU RAM: params="cpu", with the optimizer state on NVMe (device="nvme") or in RAM (device="cpu")'
-        )
-    raise ValueError(f'offload: params must be False, True or "cpu", got {params!r}')
+        if device != "nvme":
+            raise ValueError(
+                'offload: params="nvme" streams the parameter shards from files beside an optimizer state that is '
+                "on NVMe too (it is six times their size under Adam, so when it fits in RAM the parameters do): "
+                'offload(step, "nvme", path=..., params="nvme"), or keep both in RAM: '
+                'offload(step, "cpu", params="cpu")'
+            )
+        return "nvme"
+    raise ValueError(f'offload: params must be False, True, "cpu" or "nvme", got {params!r}')
 
 
 def _needs_units(step: Step) -> None:
     if not step.storage.gathers_units:
         raise ValueError(
-            f"{step.name}.init: offload(params=True) keeps parameter shards on the host and brings them in "
-            "per unit, which needs shard_params: offload(shard_params(step), params=True)"
+            f"{step.name}.init: offload(params={step.storage.param_placement!r}) keeps parameter shards off the "
+            "device (in host RAM or in files) and brings them in per unit, which needs shard_params: "
+            f"offload(shard_params(step), ..., params={step.storage.param_placement!r})"
         )
 
 

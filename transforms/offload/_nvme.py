@@ -30,7 +30,17 @@ from zerofn import alloc
 from zerofn import collectives as C
 from zerofn import optim as O
 from zerofn import tree as T
-from zerofn._io import FileTensor, digest, new_file, read_exact, write_at, write_json
+from zerofn._io import (
+    FileTensor,
+    digest,
+    generation_file,
+    new_file,
+    other_generation,
+    read_exact,
+    remove,
+    write_at,
+    write_json,
+)
 from zerofn.roles import Inner
 
 __all__ = [
@@ -101,8 +111,7 @@ class NvmeFiles:
         return sum(e.nbytes for e in self.entries)
 
     def file(self, stem: str, generation: int | None = None) -> str:
-        g = self.generation if generation is None else generation
-        return os.path.join(self.root, f"{stem}.g{g}")
+        return generation_file(self.root, stem, self.generation if generation is None else generation)
 
     def tensor(self, stem: str, dtype: torch.dtype, numel: int, generation: int | None = None) -> FileTensor:
         """The file of ``stem`` in ``generation`` (default: the current one) as a :class:`FileTensor`."""
@@ -249,10 +258,9 @@ class NvmeEngine:
         # (the load writes every element); its structure is still checked, on the meta device.
         filling = alloc.filling()
         for k in keys:
-            flat = params[k].detach().reshape(-1)
             probe = plans[k].probe
             for a, b in plans[k].spans:
-                x = flat[a:b].to("cpu", copy=True) if filling else torch.empty(b - a, dtype=flat.dtype, device="meta")
+                x = _slice(params[k], a, b) if filling else torch.empty(b - a, dtype=params[k].dtype, device="meta")
                 leaves, treedef = T.tree_flatten(self.on(k, a, b).init({"x": x}))
                 if treedef != probe.treedef:
                     raise ValueError(
@@ -288,23 +296,32 @@ class NvmeEngine:
         plans = {k: self.plan(k, p.numel(), p.dtype) for k, p in params.items()}
         new_small = None
         _fresh(files, new, list(params))
+        # Parameters that rest in files (offload(..., params="nvme")): each sub-group read beside its state,
+        # the new values written to the parameter's other generation, switched to once every write is done.
+        in_files = {k: p for k, p in params.items() if isinstance(p, FileTensor)}
+        next_gen = {k: _other_generation(p) for k, p in in_files.items()}
+        for f in next_gen.values():
+            remove(f.path)
         try:
             with concurrent.futures.ThreadPoolExecutor(2) as io:
                 for k in params:
                     probe, spans = plans[k]
-                    flat_p = params[k].reshape(-1)
+                    flat_p = None if k in in_files else params[k].reshape(-1)
                     flat_g = None if on_disk else grads[k].reshape(-1)
-                    n = flat_p.numel()
+                    n = params[k].numel()
                     olds = [files.tensor(f"{k}_{j}", dt, n, old) for j, dt in enumerate(probe.big_dtypes)]
                     news = [files.tensor(f"{k}_{j}", dt, n, new) for j, dt in enumerate(probe.big_dtypes)]
-                    staged = files.tensor(f"{k}_next", flat_p.dtype, n, 0)
-                    sources = olds + ([state.grads.tensor(k)] if on_disk else [])
+                    staged = next_gen[k] if k in in_files else files.tensor(f"{k}_next", params[k].dtype, n, 0)
+                    sources = (
+                        olds + ([state.grads.tensor(k)] if on_disk else []) + ([in_files[k]] if k in in_files else [])
+                    )
                     reading = io.submit(_read_group, sources, spans[0]) if spans else None
                     writes: list = []
                     for i, (a, b) in enumerate(spans):
                         big = reading.result()
                         if i + 1 < len(spans):  # read the next sub-group while this one is updated
                             reading = io.submit(_read_group, sources, spans[i + 1])
+                        p_file = big.pop() if k in in_files else None
                         g_file = big.pop() if on_disk else None
                         leaves: list = [None] * (len(probe.big) + len(state.small))
                         for pos, t in zip(probe.big, big):
@@ -312,7 +329,7 @@ class NvmeEngine:
                         rest = iter([s.clone() for s in state.small])  # the counts as they were before this step
                         leaves = [t if t is not None else next(rest) for t in leaves]
                         sub = T.tree_unflatten(probe.treedef, leaves)
-                        p = {"x": flat_p[a:b].to("cpu", copy=True)}
+                        p = {"x": p_file if p_file is not None else flat_p[a:b].to("cpu", copy=True)}
                         g = {"x": g_file.to(landed[k]) if on_disk else flat_g[a:b].to("cpu", copy=True)}
                         sub = O.update_params(self.on(k, a, b), g, sub, p, **extra)
                         out = T.tree_leaves(sub)
@@ -330,8 +347,11 @@ class NvmeEngine:
                 f"({e.strerror}). Nothing was changed: the state from before this step is intact. Free space "
                 "(or pass another path) and run the step again.",
             ) from e
-        # Every write succeeded: copy the new parameters in, then switch generations.
-        for k in params:
+        # Every write succeeded: copy the new parameters in (or switch to their new files), then switch
+        # generations.
+        for k, f in next_gen.items():
+            in_files[k].path = f.path
+        for k in (k for k in params if k not in in_files):
             flat_p = params[k].reshape(-1)
             staged = files.file(f"{k}_next", 0)
             for a, b in plans[k].spans:
@@ -401,6 +421,18 @@ class FileLanding(O.PendingUpdate):
             pass  # a gradient file is scratch: the state is as it was, and the step's own error goes on
 
 
+def _slice(param: Any, a: int, b: int) -> torch.Tensor:
+    """Elements ``[a, b)`` of a flat parameter (a tensor or a file) in a new CPU tensor."""
+    if isinstance(param, FileTensor):
+        return param.read(a, b - a)
+    return param.detach().reshape(-1)[a:b].to("cpu", copy=True)
+
+
+def _other_generation(param: FileTensor) -> FileTensor:
+    """The file a parameter's next values go to: its other generation (see :func:`zerofn._io.generation_file`)."""
+    return FileTensor(other_generation(param.path), param.dtype, param.numel())
+
+
 def _land(file: FileTensor, host: torch.Tensor, event: Any) -> None:
     if event is not None:
         event.synchronize()
@@ -466,10 +498,7 @@ def _fresh(files: NvmeFiles, generation: int, keys: list) -> None:
     stems = [e.stem for e in files.entries] + [f"{k}_next" for k in keys]
     for stem in stems:
         for g in {generation, 0} if stem.endswith("_next") else {generation}:
-            try:
-                os.unlink(files.file(stem, g))
-            except FileNotFoundError:
-                pass
+            remove(files.file(stem, g))
 
 
 def _chunks(n: int, size: int) -> list[tuple[int, int]]:

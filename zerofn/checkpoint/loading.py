@@ -15,7 +15,7 @@ import torch
 
 from zerofn import collectives as C
 from zerofn import keys
-from zerofn._io import FileTensor
+from zerofn._io import FileTensor, remove
 from zerofn.checkpoint._format import CheckpointError, layout_json, signature
 from zerofn.checkpoint.manifest import Saved, Source
 from zerofn.checkpoint.parts import BUFFERS, FROZEN, PARAM_STEPS, PARAMS, Part, layouts, state_parts
@@ -196,8 +196,7 @@ def _link_whole(saved: Saved, value: FileTensor, seg: _Segment, part: Part) -> b
                 return False
             src = os.path.join(saved.path, p.file)
             saved.reader(p.file).verify()
-            if os.path.exists(value.path):
-                os.unlink(value.path)
+            remove(value.path)
             try:
                 os.link(src, value.path)
             except OSError:
