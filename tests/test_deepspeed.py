@@ -378,6 +378,23 @@ def _table(tmp: str) -> dict:
                 params="cpu",
             ),
         ),
+        "zero_infinity": (  # ZeRO-Infinity as DeepSpeed writes it: the parameter shards in files beside the state
+            {
+                "train_batch_size": 8,
+                "optimizer": adamw,
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": nvme("ds-infinity")},
+                    "offload_param": {"device": "nvme", "nvme_path": nvme("ds-infinity")},
+                },
+            },
+            lambda f, _: offload(
+                shard_params(zf.train_step(f, O.adamw(1e-2, weight_decay=0.1))),
+                "nvme",
+                path=nvme("hand-infinity"),
+                params="nvme",
+            ),
+        ),
         "remat_small_buckets": (  # reduce_bucket_size counts elements: 50 fp32 elements are 200 bytes
             {
                 "train_micro_batch_size_per_gpu": 2,
@@ -419,7 +436,7 @@ def _parts(step) -> tuple:
         )
 
     exts = [(e.name, options(e.options)) for e in step.extensions]
-    return step.accumulate_steps, step.bucket_bytes, step.reduction, step.storage, step.precision, exts
+    return step.accumulate_steps, step.bucket_bytes, step.reduction, options(step.storage), step.precision, exts
 
 
 def test_each_config_is_the_composition_written_by_hand(ranks, tmp_path):
@@ -657,21 +674,33 @@ def test_deepspeed_example_configs_load(tmp_path):
         "stage3_gather_16bit_weights_on_model_save",
     ):
         assert f"zero_optimization.{key}" in warned[0], key
-    # ZeRO-Infinity (zero3.html): parameters on NVMe is what zerofn does not do; the error says what to write.
-    with pytest.raises(
-        ValueError, match=r'offload_param.device "nvme": zerofn keeps parameter shards in CPU RAM.*"cpu"'
-    ):
-        _build(
-            {
-                "train_batch_size": 8,
-                "optimizer": {"type": "AdamW"},
-                "zero_optimization": {
-                    "stage": 3,
-                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
-                    "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
-                },
-            }
+    # ZeRO-Infinity (zero3.html): the optimizer state and the parameter shards on NVMe, with DeepSpeed's buffer
+    # settings (warned: zerofn streams sub-groups of sub_group_size) and the path spelled once with a trailing "/".
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True, "buffer_count": 4}
+    step, warned = _build(
+        {
+            "train_batch_size": 8,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+            "fp16": {"enabled": True},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": nvme,
+                "offload_param": {**nvme, "nvme_path": str(tmp_path) + "/", "buffer_size": 1e8, "max_in_cpu": 1e9},
+            },
+        }
+    )
+    assert step.name == "offload(amp(shard_params(train_step)))"
+    assert step.storage.param_placement == "nvme" and os.path.samefile(step.storage.param_path, tmp_path)
+    assert len(warned) == 1 and all(
+        f"zero_optimization.{key}" in warned[0]
+        for key in (
+            "offload_optimizer.buffer_count",
+            "offload_param.buffer_count",
+            "offload_param.buffer_size",
+            "offload_param.max_in_cpu",
         )
+    )
+    assert "nvme_path" not in warned[0] and "pin_memory" not in warned[0]
 
 
 # ---------------------------------------------------------------- bad configs
@@ -718,6 +747,47 @@ BAD = [
         r"offload_param needs stage 3, got stage 2",
     ),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}, r'"nvme" needs "nvme_path"'),
+    (  # ZeRO-Infinity's parameters on NVMe: stage 3, the optimizer state on NVMe too, in the same directory
+        {"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+        r"offload_param needs stage 3, got stage 2 \(DeepSpeed refuses it too\)",
+    ),
+    (
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"},
+                "offload_param": {"device": "nvme"},
+            }
+        },
+        r'offload_param.device "nvme" needs "nvme_path": a directory on the NVMe disk',
+    ),
+    (
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "cpu"},
+                "offload_param": {"device": "nvme", "nvme_path": "/nvme"},
+            }
+        },
+        r'offload_param.device "nvme" with the optimizer state in CPU RAM \(offload_optimizer "device": "cpu"\): '
+        r'.*set offload_optimizer \{"device": "nvme", .*or write offload_param "device": "cpu"',
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+        r'offload_param.device "nvme" with the optimizer state where the step computes \(no offload_optimizer, '
+        r'or "device": "none"\): .*set offload_optimizer',
+    ),
+    (
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme/optimizer"},
+                "offload_param": {"device": "nvme", "nvme_path": "/nvme/params"},
+            }
+        },
+        r"offload_param.nvme_path '/nvme/params' and zero_optimization.offload_optimizer.nvme_path "
+        r"'/nvme/optimizer' differ: .*one directory tree.*give both blocks the same \"nvme_path\"",
+    ),
     ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}, r"zero_quantized_gradients true"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, r'amp is enabled: apex AMP.*"bf16": \{"enabled": true\}'),
     ({"curriculum_learning": {"enabled": True}}, r"curriculum_learning is enabled: it changes the data"),

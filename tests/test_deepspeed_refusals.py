@@ -97,6 +97,12 @@ def test_offload_blocks_warn_buffer_keys_and_refuse_unknown_ones(tmp_path):
         step, warned = _build({"zero_optimization": {"stage": 3, "offload_optimizer": block, "offload_param": block}})
         assert step.name == "offload(shard_params(train_step))", key
         assert f"offload_optimizer.{key}" in warned[0] and f"offload_param.{key}" in warned[0], key
+    for key in sorted(OFFLOAD_KNOWN - {"nvme_path"}):  # ZeRO-Infinity's blocks: the same warnings
+        block = {"device": "nvme", "nvme_path": str(tmp_path), key: 4}
+        step, warned = _build({"zero_optimization": {"stage": 3, "offload_optimizer": block, "offload_param": block}})
+        assert step.name == "offload(shard_params(train_step))" and step.storage.param_placement == "nvme", key
+        assert f"offload_optimizer.{key}" in warned[0] and f"offload_param.{key}" in warned[0], key
+        assert "nvme_path" not in warned[0], key
     with pytest.raises(ValueError, match=r"zero_optimization.offload_optimizer.bufer_count: not an offload key"):
         _build({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "bufer_count": 4}}})
     nvme = {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4, "my_knob": 1}

@@ -148,12 +148,12 @@ def from_deepspeed(
         sub = DEFAULT_SUB_GROUP_BYTES
         if zero.sub_group_elems is not None:
             sub = max(4096, zero.sub_group_elems * _state_bytes_per_element(step, precision))
-        params = "cpu" if zero.offload_params else False
+        params = zero.param_device or False  # "cpu", "nvme" (ZeRO-Infinity: the shards in files beside the state)
         step = offload(
             step, "nvme", path=zero.nvme_path, params=params, sub_group_bytes=sub, pin_memory=zero.pin_memory
         )
     elif zero.offload_device == "cpu":
-        step = offload(step, "cpu", params=zero.offload_params, pin_memory=zero.pin_memory)
+        step = offload(step, "cpu", params=zero.param_device == "cpu", pin_memory=zero.pin_memory)
     if remat_on:
         step = remat(step)
     if ignored:

@@ -30,8 +30,9 @@ class ZeroSpec:
         prefetch: ``shard_params``'s prefetch (0 when ``stage3_prefetch_bucket_size`` is 0).
         sub_group_elems: ``sub_group_size`` in elements (NVMe offload; None: zerofn's default).
         offload_device: where ``offload`` moves the optimizer state, ``"cpu"`` or ``"nvme"`` (None: nowhere).
-        nvme_path: the directory of NVMe offload.
-        offload_params: ``offload_param`` to the CPU (stage 3).
+        nvme_path: the directory of NVMe offload (the optimizer state's, and the parameter shards' beside it).
+        param_device: where ``offload_param`` (stage 3) puts the parameter shards, ``"cpu"`` or ``"nvme"``
+            (None: on the device).
         pin_memory: pinned host buffers.
     """
 
@@ -41,7 +42,7 @@ class ZeroSpec:
     sub_group_elems: int | None = None
     offload_device: str | None = None  # "cpu" | "nvme"
     nvme_path: str | None = None
-    offload_params: bool = False
+    param_device: str | None = None  # "cpu" | "nvme"
     pin_memory: bool = False
 
 
@@ -68,7 +69,7 @@ def read_zero(r: Block, ignored: dict) -> ZeroSpec:
         ignored[blk.key("stage3_prefetch_bucket_size")] = "prefetching is ZeRO-3's (stage 3)"
     sub = blk.get("sub_group_size", None, "int", auto=-1, low=0)
     z.sub_group_elems = None if sub in (None, -1) else sub
-    # Offload: the optimizer state (cpu | nvme), and with stage 3 the parameter shards (cpu).
+    # Offload: the optimizer state (cpu | nvme), and with stage 3 the parameter shards (cpu | nvme).
     opt = blk.block("offload_optimizer")
     par = blk.block("offload_param")
     legacy_pin = blk.get("cpu_offload_use_pin_memory", None, "bool")
@@ -85,15 +86,7 @@ def read_zero(r: Block, ignored: dict) -> ZeroSpec:
             z.offload_device = device
             pins.append(opt.get("pin_memory", None, "bool"))
             if device == "nvme":
-                path = opt.raw("nvme_path")
-                if isinstance(path, os.PathLike):
-                    z.nvme_path = os.fspath(path)
-                elif path is not None:
-                    z.nvme_path = value_as(opt.key("nvme_path"), path, "str")
-                if not z.nvme_path:
-                    raise ValueError(
-                        f'from_deepspeed: {opt.key("device")} "nvme" needs "nvme_path": a directory on the NVMe disk'
-                    )
+                z.nvme_path = _nvme_path(opt)
             ratio = opt.get("ratio", 1.0, "float")
             if ratio != 1.0:
                 ignored[opt.key("ratio")] = "offload moves the whole optimizer state"
@@ -104,22 +97,19 @@ def read_zero(r: Block, ignored: dict) -> ZeroSpec:
         device = par.get("device", "cpu", "str")
         if device not in ("cpu", "nvme", "none"):
             raise ValueError(f'from_deepspeed: {par.key("device")} must be "cpu", "nvme" or "none", got {device!r}')
-        if device == "nvme":
-            raise ValueError(
-                f'from_deepspeed: {par.key("device")} "nvme": zerofn keeps parameter shards in CPU RAM, not on NVMe; '
-                'write "device": "cpu" (the optimizer state can go to NVMe beside it: offload_optimizer "device": "nvme")'
-            )
-        if device == "cpu":
+        if device != "none":
             if z.stage != 3:
                 raise ValueError(
                     f"from_deepspeed: zero_optimization.offload_param needs stage 3, got stage {z.stage} "
                     '(DeepSpeed refuses it too): set "stage": 3 or remove offload_param'
                 )
-            # The shards in RAM; the optimizer state where offload_optimizer puts it (RAM, or files on NVMe
-            # as ZeRO-Infinity's configs write it), and in RAM beside them when it names no device.
-            z.offload_params = True
-            if z.offload_device != "nvme":
+            if device == "nvme":  # ZeRO-Infinity: the shards in files, beside the optimizer state's
+                _check_params_on_nvme(par, z)
+            elif z.offload_device != "nvme":
+                # The shards in RAM; the optimizer state where offload_optimizer puts it (RAM, or files on NVMe
+                # as ZeRO-Infinity's configs write it), and in RAM beside them when it names no device.
                 z.offload_device = "cpu"
+            z.param_device = device
             pins.append(par.get("pin_memory", None, "bool"))
             _offload_leftover(par, ignored, "tunes DeepSpeed's NVMe parameter buffers")
     pins.append(legacy_pin)
@@ -149,6 +139,42 @@ def read_zero(r: Block, ignored: dict) -> ZeroSpec:
                 + ", ".join(sorted(ZERO_READ | set(ZERO_ANYWAY) | set(ZERO_IGNORED) | set(ZERO_ERRORS)))
             )
     return z
+
+
+def _nvme_path(blk: Block) -> str:
+    """The ``nvme_path`` of an offload block whose device is ``"nvme"``: a string or a path, and not empty."""
+    path = blk.raw("nvme_path")
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    elif path is not None:
+        path = value_as(blk.key("nvme_path"), path, "str")
+    if not path:
+        raise ValueError(f'from_deepspeed: {blk.key("device")} "nvme" needs "nvme_path": a directory on the NVMe disk')
+    return path
+
+
+def _check_params_on_nvme(par: Block, z: ZeroSpec) -> None:
+    """``offload_param`` ``"nvme"`` maps to ``offload(..., "nvme", path=nvme_path, params="nvme")``: the optimizer
+    state on NVMe too (``offload`` streams parameter shards from files only beside it), in the same directory."""
+    path = _nvme_path(par)
+    if z.offload_device != "nvme":
+        where = (
+            'in CPU RAM (offload_optimizer "device": "cpu")'
+            if z.offload_device == "cpu"
+            else 'where the step computes (no offload_optimizer, or "device": "none")'
+        )
+        raise ValueError(
+            f'from_deepspeed: {par.key("device")} "nvme" with the optimizer state {where}: zerofn keeps parameter '
+            "shards in files only beside an optimizer state on NVMe too (under Adam and bf16 the state is six times "
+            "their size, so where it fits in RAM the parameters do): set offload_optimizer "
+            '{"device": "nvme", "nvme_path": ...} with the same nvme_path, or write offload_param "device": "cpu"'
+        )
+    if os.path.realpath(path) != os.path.realpath(z.nvme_path):
+        raise ValueError(
+            f"from_deepspeed: {par.key('nvme_path')} {path!r} and zero_optimization.offload_optimizer.nvme_path "
+            f"{z.nvme_path!r} differ: zerofn keeps the parameter files and the optimizer-state files in one "
+            'directory tree (a sub-directory per rank): give both blocks the same "nvme_path"'
+        )
 
 
 def _offload_leftover(blk: Block, ignored: dict, why: str) -> None:
