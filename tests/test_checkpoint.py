@@ -531,6 +531,49 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path,
         assert not (tmp_path / "step_3").exists()
 
 
+_CRASH_IN_UPDATE = """
+import os, signal, sys, torch
+sys.path.insert(0, {tests!r})
+import zerofn as zf
+from zerofn.transforms.offload import _nvme
+torch.set_num_threads(1)  # as the tests run (conftest.py): the same rounding as the reference
+from test_checkpoint import _build, _train
+
+root = sys.argv[1]
+step, apply, _ = _build("shard_params+nvme_params", nvme=os.path.join(root, "nvme"))
+state = _train(step, step.init(apply.params), 0, 2)
+zf.checkpoint.save(state, os.path.join(root, "step_2"))
+state = _train(step, state, 2, 3)
+real, calls = _nvme._write_group, []
+
+def write_group(*a):  # the next update dies with some of its new files written and others not
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*a)
+
+_nvme._write_group = write_group
+_train(step, state, 3, 4)
+"""
+
+
+def test_sigkill_during_an_update_with_parameters_on_nvme_resumes_bit_for_bit(tmp_path):
+    """Parameters and optimizer state in files: a process killed halfway through an update leaves the last
+    checkpoint whole (its hard links keep the bytes it saw, though the update rewrites both generations'
+    names), and a run restarted in the same directory resumes from it bit for bit."""
+    script = tmp_path / "crash.py"
+    script.write_text(_CRASH_IN_UPDATE.format(tests=str(TESTS)))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    zf.checkpoint.verify(tmp_path / "step_2")
+    name = "shard_params+nvme_params"
+    step, _, _ = _build(name, seed=9, nvme=str(tmp_path / "nvme"))  # the killed run's directory, as a restart
+    resumed = _train(step, zf.checkpoint.load(tmp_path / "step_2", step), 2, 6)
+    ref_step, ref_apply, _ = _build(name, nvme=str(tmp_path / "nvme-ref"))
+    ref = _train(ref_step, ref_step.init(ref_apply.params), 0, 6)
+    assert _equal(step.state_dict(resumed), ref_step.state_dict(ref))
+
+
 # ---------------------------------------------------------------- a save some ranks never join
 
 

@@ -114,8 +114,8 @@ from zerofn.transforms._units import (
 )
 from zerofn.transforms.shard_grads import shard_grads
 
+from zerofn import alloc, counters
 from zerofn import collectives as C
-from zerofn import counters
 from zerofn import tree as T
 from zerofn._io import FileTensor
 from zerofn.functional import ACTIVE_RUN, Functional
@@ -233,15 +233,17 @@ class UnitStorage(Storage):
             units=tuple(units),
         )
         fill = Materialiser(functional.module, named, self.init_fn).fill
+        every = buckets + frozen_buckets
+        shards: list = [None] * len(every)
         if self.param_placement == "nvme":  # shards at rest in files, each written as soon as it is filled
             files = ShardFiles(self.param_path, buckets, frozen_buckets, rank, world)
-            shards: list = [None] * (len(buckets) + len(frozen_buckets))
-            fill(buckets + frozen_buckets, rank, done=lambda i, t: shards.__setitem__(i, files.store(i, t)))
+            fill(every, rank, done=lambda i, t: shards.__setitem__(i, files.store(i, t)))
             files.done()
+        elif self.param_placement == "cpu":  # in host memory, each moved there as soon as it is filled
+            pin = torch.cuda.is_available()
+            fill(every, rank, done=lambda i, t: shards.__setitem__(i, _host_shard(t, every[i], rank, pin)))
         else:
-            shards = fill(buckets + frozen_buckets, rank)
-        if self.param_placement == "cpu":  # shards at rest in host memory
-            shards = [to_host(t, torch.cuda.is_available()) for t in shards]
+            shards = fill(every, rank)
         flats, frozen = tuple(shards[: len(buckets)]), tuple(shards[len(buckets) :])
         return Held(flats, frozen, layout, {ORDER: counters.new_like(())})
 
@@ -282,6 +284,14 @@ class UnitStorage(Storage):
         out = whole_params(_resident(masters or state.params), layout.buckets, to_device=True)
         out.update(whole_params(frozen, layout.frozen_buckets, to_device=True))
         return T.tree_unflatten(state.spec.treedef, [out[n] for n in layout.names])
+
+
+def _host_shard(shard: torch.Tensor | None, bucket: Bucket, rank: int, pin: bool) -> torch.Tensor:
+    """A filled shard in its own host buffer; None (nothing written: a state to be loaded into): a buffer."""
+    if shard is not None:
+        return to_host(shard, pin)
+    lo, hi = bucket.shard_range(rank)
+    return alloc.zeros(hi - lo, dtype=bucket.dtype, device="cpu", pin_memory=pin)
 
 
 def _resident(pieces: Any) -> Any:

@@ -163,6 +163,63 @@ def test_nvme_rss_grows_far_less_than_the_optimizer_state(tmp_path, monkeypatch)
     assert held <= moments / 2, figures
 
 
+def _rank_params_peak(path, depth, params):
+    """In a fresh rank: how far ``step.init`` and two steps of ZeRO-3 with the optimizer state on NVMe raise
+    this process's peak RSS (VmHWM, reset as in :func:`_rank_peak_growth`), for a model of ``depth`` 4 MiB
+    layers built on the meta device, with the parameter shards in files (``params="nvme"``) or in RAM."""
+    torch.manual_seed(0)
+    with torch.device("meta"):  # never whole in this process: each shard is filled and written in turn
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(depth)])
+    apply = zf.functional(model)
+    step = zf.train_step(lambda p, x: apply(p, x).square().mean(), zf.optim.adamw(1e-3))
+    step = offload(shard_params(step), "nvme", path=path, params=params, sub_group_bytes=1 << 20)
+    x = torch.randn(2, 1024)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    base = _vm_bytes("VmHWM")
+    if base is None or base > _vm_bytes("VmRSS") + (1 << 20):
+        return None
+    state = step.init(apply.params)
+    for _ in range(2):
+        state, _ = step(state, x)
+    return _vm_bytes("VmHWM") - base, zf.memory.state_bytes(state)["by_placement"]
+
+
+PARAMS_RSS_BOUND = 96 * 2**20
+
+
+def test_parameters_on_nvme_hold_ram_independent_of_the_model_size(tmp_path, monkeypatch):
+    """ZeRO-Infinity's promise: with the parameters and the optimizer state in files, a rank's peak RSS is
+    the buffers in flight (a few units' shards read ahead, gathered and their gradients, a few sub-groups
+    of the update), whatever the model's size. Measured for 6 and 24 layers of 4 MiB: under a bound of
+    96 MiB both times (the larger model's parameters alone are 96 MiB, its files 4 x 96 MiB), and about
+    the same; the larger model with its parameters in RAM shows the measurement sees them."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # as in the test above
+    cases = [(6, "nvme"), (24, "nvme"), (24, "cpu")]
+    for d, p in cases:
+        os.makedirs(tmp_path / f"{d}-{p}")
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        runs = [
+            pool.submit(zf.spawn, _rank_params_peak, 1, str(tmp_path / f"{d}-{p}"), d, p, timeout=300) for d, p in cases
+        ]
+        got = [run.result()[0] for run in runs]
+    if any(g is None for g in got):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS (VmHWM)")
+    (small, small_at), (large, large_at), (in_ram, in_ram_at) = got
+    figures = (
+        f"MiB: peak +{small / 2**20:.1f} (6 layers), +{large / 2**20:.1f} (24), +{in_ram / 2**20:.1f} (24, in RAM)"
+    )
+    assert large_at["nvme"] >= 4 * 96 * 2**20 and large_at.get("cpu", 0) < 2**20, (large_at, figures)
+    assert small < PARAMS_RSS_BOUND and large < PARAMS_RSS_BOUND, figures
+    # measured 2-8 MiB apart: bookkeeping of kilobytes per unit and sub-group (hooks, placeholders, each
+    # sub-group's bound optimizer), not bytes of the model
+    assert abs(large - small) < 16 * 2**20, figures
+    assert in_ram >= small + 96 * 2**20 - 8 * 2**20, (in_ram_at, figures)  # the 96 MiB of shards in RAM show
+
+
 # ---------------------------------------------------------------- bad input
 
 
