@@ -2,7 +2,9 @@
 
 - State: ``estimate(...).state`` against ``zf.memory.state_bytes(state)["total"]`` of the GPT example on
   1, 2 and 4 gloo ranks, for DDP and ZeRO-1, 2, 3, each in fp32 and bf16, with the optimizer state on the
-  rank, in CPU RAM or on NVMe (and ZeRO-3's parameters in CPU RAM); NVMe files against ``estimate(...).nvme``.
+  rank, in CPU RAM or on NVMe (and ZeRO-3's parameters in CPU RAM, or on NVMe beside it), per placement
+  too (``Estimate.by_placement`` against ``state_bytes(state)["by_placement"]``); NVMe files on disk
+  against ``estimate(...).nvme``.
 - Activations: ``estimate(...).activations`` against ``zf.memory.track()``'s peak inside a step (the state
   exists before the step, so the tracker leaves it out), with and without remat.
 - Verdicts: the ZeRO paper's arithmetic, computed here from the formulas.
@@ -35,13 +37,16 @@ SHAPES = dict(layers=CFG.layers, hidden=CFG.dim, heads=CFG.heads, vocab=CFG.voca
 STATE_TOL = 0.05
 ACT_TOL = 0.25
 
-# (stage, mixed precision, optimizer state: None / "cpu" / "nvme", parameters on the host, remat)
+# (stage, mixed precision, optimizer state: None / "cpu" / "nvme", ZeRO-3's parameter shards: False (on the
+# rank) / "cpu" / "nvme", remat)
 COMBOS = [(s, mp, where, False, False) for s in (0, 1, 2, 3) for mp in (False, True) for where in (None, "cpu")]
 COMBOS += [(s, mp, None, False, True) for s in (0, 1, 2, 3) for mp in (False, True)]
-# On 2 ranks also NVMe files and ZeRO-3's parameters in CPU RAM, and a step for every composition (elsewhere
-# offloaded compositions are only initialised: the optimizer state's placement changes no activation).
+# On 2 ranks also NVMe files, ZeRO-3's parameters in CPU RAM (beside the optimizer state in RAM or on NVMe)
+# and on NVMe (beside it there), and a step for every composition (elsewhere offloaded compositions are only
+# initialised: the optimizer state's placement changes no activation).
 MORE = [(s, mp, "nvme", False, False) for s in (0, 1, 2, 3) for mp in (False, True)]
-MORE += [(3, mp, where, True, False) for mp in (False, True) for where in ("cpu", "nvme")]
+MORE += [(3, mp, where, "cpu", False) for mp in (False, True) for where in ("cpu", "nvme")]
+MORE += [(3, mp, "nvme", "nvme", False) for mp in (False, True)]
 STEP_ALL = 2
 
 
@@ -61,7 +66,7 @@ def _rank_measure(root: str) -> list[dict]:
     world, rank = zf.collectives.world_size(), zf.collectives.rank()
     batch = MarkovCorpus(CFG.vocab).sample(MICRO * world, CFG.seq_len + 1, seed=0)[rank * MICRO : (rank + 1) * MICRO]
     out = []
-    for stage, mp, where, host_params, rm in COMBOS + (MORE if world == STEP_ALL else []):
+    for stage, mp, where, params, rm in COMBOS + (MORE if world == STEP_ALL else []):
         torch.manual_seed(0)
         apply = zf.functional(GPT(CFG))
         step = stages[stage](zf.train_step(loss_fn_for(apply), zf.optim.adamw(1e-3)))
@@ -69,11 +74,11 @@ def _rank_measure(root: str) -> list[dict]:
             step = amp(step, torch.bfloat16)
         path = None
         if where == "nvme":
-            path = os.path.join(root, f"w{world}_s{stage}_mp{int(mp)}_p{int(host_params)}")
+            path = os.path.join(root, f"w{world}_s{stage}_mp{int(mp)}_p{params or 0}")
             os.makedirs(path, exist_ok=True)
-            step = offload(step, "nvme", path=path, params="cpu" if host_params else False)
+            step = offload(step, "nvme", path=path, params=params)
         elif where == "cpu":
-            step = offload(step, "cpu", params=host_params)
+            step = offload(step, "cpu", params=params)
         if rm:
             step = remat(step)
         state = step.init(apply.params)
@@ -85,8 +90,9 @@ def _rank_measure(root: str) -> list[dict]:
             peak = t.peak
         out.append(
             dict(
-                combo=(stage, mp, where, host_params, rm),
+                combo=(stage, mp, where, params, rm),
                 state=held["total"],
+                placement=held["by_placement"],
                 peak=peak,
                 after=zf.memory.state_bytes(state)["total"],
                 nvme=_du(os.path.join(path, f"rank{rank}")) if path else 0,
@@ -96,14 +102,14 @@ def _rank_measure(root: str) -> list[dict]:
     return out
 
 
-def _estimate_for(n: int, stage: int, mp: bool, where, host_params: bool, rm: bool) -> Estimate:
+def _estimate_for(n: int, stage: int, mp: bool, where, params, rm: bool) -> Estimate:
     return estimate(
         _psi(),
         gpus=n,
         stage=stage,
         mixed_precision=mp,
         optimizer_offload=where,
-        param_offload="cpu" if host_params else None,
+        param_offload=params or None,
         remat=rm,
         device="cpu",
         **SHAPES,
@@ -112,8 +118,9 @@ def _estimate_for(n: int, stage: int, mp: bool, where, host_params: bool, rm: bo
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_estimate_matches_the_gpt_example(ranks, n, tmp_path):
-    """State within 5 % of state_bytes (exact up to padding: the formulas are the layout's), NVMe files too,
-    activations within 25 % of the tracked in-step peak, and the planner's in-step terms bound that peak."""
+    """State within 5 % of state_bytes (exact up to padding: the formulas are the layout's), in all and per
+    placement, NVMe files too, activations within 25 % of the tracked in-step peak, and the planner's in-step
+    terms bound that peak."""
     per_rank = ranks(n).run(_rank_measure, str(tmp_path))
     worst_state, worst_act = 0.0, {False: 0.0, True: 0.0}
     for rows in per_rank:
@@ -123,7 +130,15 @@ def test_estimate_matches_the_gpt_example(ranks, n, tmp_path):
             assert r["after"] == r["state"], what  # a step changes no byte of what the state holds
             err = abs(e.state - r["state"]) / r["state"]
             assert err <= STATE_TOL, (what, e.state, r["state"])
+            # Per placement (the ranks compute on the CPU, so the device's part and the host's are both "cpu"):
+            # files count under "nvme" in their current generation, in state_bytes and in Estimate.state alike.
+            want = e.by_placement("cpu")
+            assert set(want) == set(r["placement"]), (what, want, r["placement"])
+            for where, got in r["placement"].items():
+                assert abs(want[where] - got) <= STATE_TOL * got, (what, where, want[where], got)
             if r["combo"][2] == "nvme":
+                # On disk after a step, both generations of what the update rewrites (the optimizer state's
+                # files, and the parameters' files, or the staging copy of them), and the gradients' files.
                 assert 0 <= e.nvme - r["nvme"] <= 1e-3 * r["nvme"], (what, e.nvme, r["nvme"])  # up to padding
             worst_state = max(worst_state, err)
             if r["peak"] is None:
@@ -137,6 +152,35 @@ def test_estimate_matches_the_gpt_example(ranks, n, tmp_path):
         f"\n{n} rank(s): state within {100 * worst_state:.3f} %, activations within {100 * worst_act[False]:.1f} % "
         f"({100 * worst_act[True]:.1f} % with remat)"
     )
+
+
+@pytest.mark.parametrize("mp", [False, True])
+def test_params_on_nvme_are_counted_as_they_rest(tmp_path, mp):
+    """ZeRO-3 with the parameter shards and the optimizer state on NVMe (``offload(shard_params(step), "nvme",
+    params="nvme")``), one rank, so no padding: ``state_bytes`` reports the parameter files under "nvme" in their
+    current generation beside the optimizer state's and the gradients' files, as ``Estimate.by_placement`` does,
+    byte for byte, before a step and after it. On disk a step leaves both generations of the parameters' and of
+    the optimizer state's files, which is what ``Estimate.nvme`` counts; init has written one."""
+    from zerofn.transforms import amp, offload, shard_params
+
+    torch.manual_seed(0)
+    apply = zf.functional(GPT(CFG))
+    step = shard_params(zf.train_step(loss_fn_for(apply), zf.optim.adamw(1e-3)))
+    step = offload(amp(step, torch.bfloat16) if mp else step, "nvme", path=tmp_path, params="nvme")
+    e = estimate(
+        _psi(), stage=3, mixed_precision=mp, optimizer_offload="nvme", param_offload="nvme", device="cpu", **SHAPES
+    )
+    assert e.label == "ZeRO-3 + params on NVMe, optimizer on NVMe" and e.params == 0
+    pb, k, psi = (2 if mp else 4), e.optimizer_per_param, _psi()
+    state = step.init(apply.params)
+    held = zf.memory.state_bytes(state)
+    assert held["by_placement"] == e.by_placement("cpu"), (held, e.by_placement("cpu"))
+    assert e.state_nvme == (pb + k + 4) * psi  # the current generation: parameters, optimizer state, gradients
+    assert _du(tmp_path / "rank0") == e.state_nvme  # init writes one generation
+    batch = MarkovCorpus(CFG.vocab).sample(MICRO, CFG.seq_len + 1, seed=0)
+    state, _ = step(state, batch)
+    assert zf.memory.state_bytes(state)["by_placement"] == held["by_placement"]
+    assert _du(tmp_path / "rank0") == e.nvme == (2 * pb + 2 * k + 4) * psi  # the update wrote the other one
 
 
 @pytest.mark.parametrize(
@@ -308,15 +352,15 @@ def test_verdict_qwen_14b_over_2x24gb_fits_with_params_in_ram_and_the_optimizer_
     """Qwen2.5-14B, 2 x 24 GB GPUs, 128 GB of RAM and 2 TB of NVMe, 2048 tokens, micro-batch 1: every composition
     with the optimizer state on a GPU or in RAM is short of GPU memory or of RAM (the optimizer in RAM needs 18
     bytes per parameter, 266 GB); parameter shards in RAM with the optimizer state on NVMe fit (with remat), and
-    that is the planner's recommendation."""
+    that is the planner's recommendation. The parameter shards on NVMe beside it fit too, and come after: they
+    read every unit's shard from a file twice a step where RAM holds them."""
     shape = model_shape(QWEN25_14B)
     kw = dict(gpus=2, seq=2048, micro_batch=1)
     limits = dict(gpu_memory=24e9, cpu_memory=128e9, nvme=2e12)
     rows = compositions(shape, **kw)
     fit = [e for e in rows if e.fits(**limits)]
-    assert fit and all((e.stage, e.optimizer_offload, e.param_offload) == (3, "nvme", "cpu") for e in fit), [
-        e.label for e in fit
-    ]
+    placed = [(e.stage, e.optimizer_offload, e.param_offload) for e in fit]
+    assert placed == [(3, "nvme", "cpu"), (3, "nvme", "nvme")], [e.label for e in fit]
     assert min(e.cpu_per_node for e in rows if e.optimizer_offload == "cpu") > limits["cpu_memory"]
     best = fit[0]
     assert best.params == 0 and best.cpu_per_node >= 2 * shape.params  # the bf16 shards live in RAM
@@ -327,6 +371,57 @@ def test_verdict_qwen_14b_over_2x24gb_fits_with_params_in_ram_and_the_optimizer_
         *("--nvme", "2TB", "--seq", "2048", "--micro-batch", "1"),
     )
     assert f"recommendation: {best.label} (" in r.stdout, r.stdout
+
+
+# Qwen2.5-32B's config.json (hidden 5120, 64 layers, 40 heads, 8 key/value heads, MLP 27648, vocabulary 152064,
+# untied head): a 30B-class model, 32.8 B parameters.
+QWEN25_32B = {
+    "model_type": "qwen2",
+    "hidden_size": 5120,
+    "intermediate_size": 27648,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
+
+
+def test_verdict_qwen_32b_on_one_24gb_gpu_and_64gb_of_ram_fits_with_params_and_optimizer_on_nvme(tmp_path):
+    """Qwen2.5-32B on one 24 GB GPU with 64 GB of RAM and 2 TB of NVMe, 2048 tokens, micro-batch 1: its bf16
+    parameters alone (65.5 GB) exceed the RAM, so every composition that keeps them on the GPU or in RAM is
+    short; with the parameter shards and the optimizer state on NVMe (ZeRO-Infinity) and remat it fits: RAM holds
+    the shards of the units in flight (the root unit and prefetch + 2 blocks) and five sub-groups of the update,
+    NVMe two generations of parameters and optimizer state and the gradients' files, 32 bytes per parameter."""
+    shape = model_shape(QWEN25_32B)
+    assert round(shape.params / 1e9, 1) == 32.8
+    limits = dict(gpu_memory=24e9, cpu_memory=64e9, nvme=2e12)
+    rows = compositions(shape, gpus=1, seq=2048, micro_batch=1)
+    assert 2 * shape.params > limits["cpu_memory"]
+    fit = [e for e in rows if e.fits(**limits)]
+    assert [(e.stage, e.optimizer_offload, e.param_offload, e.remat) for e in fit] == [(3, "nvme", "nvme", True)]
+    best = fit[0]
+    assert best.label == "ZeRO-3 + params on NVMe, optimizer on NVMe + remat"
+    in_ram = next(e for e in rows if e.param_offload == "cpu" and e.optimizer_offload == "nvme" and e.remat)
+    assert in_ram.short(**limits) == ["CPU"]  # lighter, had the RAM held the parameters
+    assert best.nvme == (2 * 2 + 2 * 12 + 4) * shape.params  # one rank: no padding
+    root = shape.params - shape.layers * shape.layer_params
+    assert best.cpu == 2 * (root + 3 * shape.layer_params) + 5 * 64 * 2**20
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN25_32B))
+    r = _cli(
+        *("--model", str(config), "--gpu-memory", "24GB", "--cpu-memory", "64GB", "--nvme", "2TB"),
+        *("--seq", "2048", "--micro-batch", "1"),
+    )
+    want = (
+        f"recommendation: {best.label} ({fmt_bytes(best.total)} per GPU, {fmt_bytes(best.cpu_per_node)} CPU RAM per "
+        f"node, {fmt_bytes(best.nvme_per_node)} NVMe per node)"
+    )
+    assert want in r.stdout, r.stdout
+    assert want == (
+        "recommendation: ZeRO-3 + params on NVMe, optimizer on NVMe + remat (17.3 GB per GPU, 6.4 GB CPU RAM per "
+        "node, 1.05 TB NVMe per node)"
+    )  # as docs/planning.md shows it
 
 
 def test_verdict_124m_gpt_fits_one_12gb_gpu_untransformed():
@@ -345,6 +440,21 @@ def test_impossible_compositions_are_refused():
         estimate(1e9, stage=2, optimizer_offload="cpu", param_offload="cpu")
     with pytest.raises(ValueError, match='optimizer_offload="cpu" or "nvme"'):
         estimate(1e9, stage=3, param_offload="cpu")
+    # as offload refuses params="nvme" without device="nvme", naming the combination to use
+    for where in (None, "cpu"):
+        with pytest.raises(ValueError, match='optimizer_offload="nvme", param_offload="nvme"'):
+            estimate(1e9, stage=3, optimizer_offload=where, param_offload="nvme")
+    with pytest.raises(ValueError, match='stage=3, optimizer_offload="nvme", param_offload="nvme"'):
+        estimate(1e9, stage=2, optimizer_offload="nvme", param_offload="nvme")
+    with pytest.raises(ValueError, match='param_offload="cpu"'):
+        estimate(1e9, stage=3, inference=True, param_offload="nvme")
+    with pytest.raises(ValueError, match="param_offload must be"):
+        estimate(1e9, stage=3, optimizer_offload="nvme", param_offload="disk")
+    # True is the optimizer state's placement, as offload(..., params=True) reads it; False none
+    for where in ("cpu", "nvme"):
+        e = estimate(1e9, stage=3, optimizer_offload=where, param_offload=True)
+        assert e.param_offload == where and e == estimate(1e9, stage=3, optimizer_offload=where, param_offload=where)
+    assert estimate(1e9, stage=3, param_offload=False).param_offload is None
     with pytest.raises(ValueError, match="stage must be"):
         estimate(1e9, stage=4)
     with pytest.raises(ValueError, match="optimizer_offload must be"):

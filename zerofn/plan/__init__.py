@@ -68,7 +68,13 @@ parameters themselves when they rest on the host too:
 parameter in mixed precision, where write-ups of ZeRO-Offload count 12.
 On NVMe (``"nvme"``): the files hold two generations of the K S state plus
 a staging copy of the parameters, (2 K + 2) S bytes; RAM holds a few
-streamed sub-groups.
+streamed sub-groups. ZeRO-3's parameter shards on NVMe beside it
+(``param_offload="nvme"``, ZeRO-Infinity): two generations of them instead
+of the staging copy, (2 K + 4) S bytes of state and parameter files, and
+RAM holds the shards read ahead of their gathers too (the root unit's and
+``prefetch + 2`` blocks', divided by N). Files count in ``state`` in their
+current generation (as ``zf.memory.state_bytes`` does), in ``nvme`` with
+both.
 
 Example:
     >>> from zerofn import memory

@@ -91,7 +91,8 @@ class Estimate:
         label: the composition, e.g. ``"ZeRO-3 + optimizer on CPU + remat"``.
         stage: ZeRO stage 0-3 (0: DDP; inference: 0 replicated, 3 sharded).
         optimizer_offload: where the optimizer state lives: None (the GPU), "cpu" or "nvme".
-        param_offload: "cpu" when ZeRO-3's parameter shards rest in CPU RAM.
+        param_offload: where ZeRO-3's parameter shards rest between uses: None (the GPU), "cpu" (CPU RAM)
+            or "nvme" (files, beside an optimizer state on NVMe: ZeRO-Infinity).
         remat: activations recomputed per block.
         mixed_precision: bf16/fp16 with fp32 master weights (else fp32).
         inference: weights only.
@@ -103,12 +104,15 @@ class Estimate:
         gathered: ZeRO-3's gathered units inside a step (0 without layer count).
         update: the update's transient beyond the gradients (fp32 gradient copy under mixed precision).
         cpu: host RAM per rank for state (0 without offload).
-        nvme: NVMe bytes per rank.
+        nvme: NVMe bytes per rank: every file, both generations of those the update rewrites.
         state: bytes a TrainState holds per rank between steps, every placement
-            (what ``zf.memory.state_bytes(state)["total"]`` reports).
+            (what ``zf.memory.state_bytes(state)["total"]`` reports: of files, the current generation).
         traffic: elements moved per rank per step (the ZeRO paper's count: 2 Psi, 3 Psi for ZeRO-3).
         optimizer_per_param: K, optimizer-state bytes per parameter (fp32 master and Adam's moments: 12;
             the moments alone in full precision: 8; 0 for inference).
+        state_cpu, state_nvme: the parts of ``state`` in CPU RAM and in files on NVMe (the current
+            generation of each file, as ``state_bytes`` counts them); the rest is on the GPU. See
+            :meth:`by_placement`.
     """
 
     label: str
@@ -131,6 +135,8 @@ class Estimate:
     state: int
     traffic: int
     optimizer_per_param: int = 0
+    state_cpu: int = 0
+    state_nvme: int = 0
 
     @property
     def model_state(self) -> int:
@@ -151,6 +157,15 @@ class Estimate:
     def nvme_per_node(self) -> int:
         return self.nvme * self.gpus_per_node
 
+    def by_placement(self, device: str = "cuda") -> dict[str, int]:
+        """``state`` per placement, as ``zf.memory.state_bytes(state)["by_placement"]`` reports it for a step
+        that computes on ``device`` (``"cpu"``: the GPU's part and the host's are one); placements holding
+        nothing are left out."""
+        out = {device: self.state - self.state_cpu - self.state_nvme}
+        out["cpu"] = out.get("cpu", 0) + self.state_cpu
+        out["nvme"] = self.state_nvme
+        return {k: v for k, v in out.items() if v}
+
     def fits(self, gpu_memory: float, cpu_memory: float | None = None, nvme: float | None = None) -> bool:
         """Whether ``total`` fits a GPU and the host needs fit per node (None: not checked)."""
         return not self.short(gpu_memory, cpu_memory, nvme)
@@ -167,9 +182,28 @@ class Estimate:
         return out
 
     def order(self) -> tuple:
-        """Preference: least traffic, then no offload before CPU before NVMe, then no remat, then lower stage."""
-        level = {None: 0, "cpu": 1, "nvme": 3}[self.optimizer_offload] + (1 if self.param_offload else 0)
+        """Preference: least traffic, then no offload before CPU before NVMe (the optimizer state on the GPU,
+        in CPU RAM, in CPU RAM with the parameters, on NVMe, on NVMe with the parameters in CPU RAM, on NVMe
+        with the parameters there too), then no remat, then lower stage."""
+        level = {None: 0, "cpu": 1, "nvme": 3}[self.optimizer_offload] + {None: 0, "cpu": 1, "nvme": 2}[
+            self.param_offload
+        ]
         return (self.traffic, level, self.remat, self.stage)
+
+
+_WHERE = {"cpu": "in CPU RAM", "nvme": "on NVMe"}
+
+
+def _param_placement(param_offload: Any, optimizer_offload: str | None) -> str | None:
+    """``estimate``'s ``param_offload`` as a placement, as ``offload``'s ``params`` is read: None or False (the
+    GPU), "cpu", "nvme", or True (the optimizer state's placement, CPU RAM when it has none)."""
+    if param_offload is None or param_offload is False:
+        return None
+    if param_offload is True:
+        return optimizer_offload or "cpu"
+    if param_offload in ("cpu", "nvme"):
+        return param_offload
+    raise ValueError(f'estimate: param_offload must be None, "cpu" or "nvme" (or True, False), got {param_offload!r}')
 
 
 def _label(stage: int, optimizer_offload: str | None, param_offload: str | None, remat: bool, inference: bool) -> str:
@@ -178,9 +212,7 @@ def _label(stage: int, optimizer_offload: str | None, param_offload: str | None,
     else:
         text = "DDP" if stage == 0 else f"ZeRO-{stage}"
     where = {"cpu": "CPU", "nvme": "NVMe"}
-    if optimizer_offload and param_offload == optimizer_offload:
-        text += f" + optimizer and params on {where[optimizer_offload]}"
-    elif optimizer_offload and param_offload:
+    if optimizer_offload and param_offload:
         text += f" + params on {where[param_offload]}, optimizer on {where[optimizer_offload]}"
     elif optimizer_offload:
         text += f" + optimizer on {where[optimizer_offload]}"
@@ -198,7 +230,7 @@ def estimate(
     mixed_precision: bool = True,
     master_weights: bool = True,
     optimizer_offload: str | None = None,
-    param_offload: str | None = None,
+    param_offload: str | bool | None = None,
     remat: bool = False,
     inference: bool = False,
     layers: int | None = None,
@@ -232,9 +264,12 @@ def estimate(
             with bf16 gradients, its state probed on a bf16 parameter (bf16 moments unless its
             ``mu_dtype``/``nu_dtype`` say otherwise; ``optimizer=None`` still counts fp32 moments).
         optimizer_offload: None, ``"cpu"`` or ``"nvme"`` (``offload``).
-        param_offload: ``"cpu"`` to rest ZeRO-3's parameter shards in CPU RAM
-            (``offload(..., params="cpu")``: needs stage 3 and the optimizer state
-            off the GPU, ``"cpu"`` or ``"nvme"``).
+        param_offload: where ZeRO-3's parameter shards rest between uses, as
+            ``offload(..., params=)`` takes it: None or False (the GPU), ``"cpu"``
+            (CPU RAM; needs stage 3 and the optimizer state off the GPU, ``"cpu"``
+            or ``"nvme"``), ``"nvme"`` (files, read ahead of each unit's gather;
+            needs stage 3 and ``optimizer_offload="nvme"``: ZeRO-Infinity), or
+            True: the optimizer state's own placement.
         remat: activations recomputed per block.
         inference: 2-byte weights only (no gradients or optimizer state);
             stage 0 replicates them, stage 3 shards them.
@@ -255,8 +290,9 @@ def estimate(
 
     Raises:
         ValueError: a stage outside 0-3, an unknown offload device, or a
-            combination zerofn does not run (parameters on the host without
-            stage 3 or without the optimizer on the CPU).
+            combination zerofn does not run (parameters off the GPU without
+            stage 3 or with the optimizer state on the GPU; parameters on NVMe
+            without the optimizer state there too).
 
     Example:
         >>> from zerofn import memory
@@ -284,12 +320,27 @@ def estimate(
         raise ValueError(f"estimate: stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
     if optimizer_offload not in _DEVICES:
         raise ValueError(f'estimate: optimizer_offload must be None, "cpu" or "nvme", got {optimizer_offload!r}')
-    if param_offload not in (None, "cpu"):
-        raise ValueError(f'estimate: param_offload must be None or "cpu", got {param_offload!r}')
+    param_offload = _param_placement(param_offload, optimizer_offload)
     if inference and (optimizer_offload or remat):
         raise ValueError("estimate: inference holds no optimizer state and saves no activations")
+    if inference and param_offload == "nvme":
+        raise ValueError(
+            'estimate: param_offload="nvme" streams the parameter shards from files beside an optimizer state on '
+            'NVMe, which inference does not hold; keep the weights in CPU RAM: stage=3, param_offload="cpu"'
+        )
     if param_offload and stage != 3:
-        raise ValueError("estimate: parameters rest on the host only under ZeRO-3 (stage=3)")
+        beside = "nvme" if param_offload == "nvme" else optimizer_offload or "cpu"  # what offload takes with it
+        raise ValueError(
+            f"estimate: parameters rest {_WHERE[param_offload]} only under ZeRO-3, which gathers them unit by unit "
+            f'(stage=3): estimate(..., stage=3, optimizer_offload="{beside}", param_offload="{param_offload}")'
+        )
+    if param_offload == "nvme" and optimizer_offload != "nvme":
+        raise ValueError(
+            'estimate: param_offload="nvme" streams the parameter shards from files beside an optimizer state that '
+            "is on NVMe too (it is six times their size under Adam, so when it fits in RAM the parameters do): "
+            'optimizer_offload="nvme", param_offload="nvme" (offload(step, "nvme", path=..., params="nvme")), or '
+            'keep both in RAM: optimizer_offload="cpu", param_offload="cpu" (offload(step, "cpu", params="cpu"))'
+        )
     if param_offload and not inference and optimizer_offload is None:
         raise ValueError(
             "estimate: parameters on the host come with the optimizer state off the GPU, in CPU RAM or on NVMe "
@@ -344,10 +395,14 @@ def estimate(
             device=device,
         )
     gathered = 0
+    # ZeRO-3's units in flight at once: the root unit (embeddings, head, final norm) and prefetch + 2 blocks.
+    # Without the layer count the model is one unit: all of it.
+    in_flight = psi
     if stage == 3 and layer_params:
         root = psi - layers * layer_params
         per_param = pb if inference else 2 * pb  # full parameters (and, training, their gradients)
         gathered = root * per_param + min(prefetch + 2, layers) * layer_params * per_param
+        in_flight = root + min(prefetch + 2, layers) * layer_params
 
     label = _label(stage, optimizer_offload, param_offload, remat, inference)
     common = dict(
@@ -376,6 +431,7 @@ def estimate(
             nvme=0,
             state=held,
             traffic=psi if (stage == 3 and n > 1) else 0,
+            state_cpu=held if param_offload else 0,
         )
 
     param_bytes = pb * (padded // n if stage == 3 else (padded if stage >= 1 else psi))
@@ -391,6 +447,8 @@ def estimate(
     update = 4 * shard if masters else min(bucket_bytes, (2 if low else 4) * shard)
     cpu = nvme = 0
     state = param_bytes + opt_state
+    state_cpu = param_bytes if param_offload == "cpu" else 0
+    state_nvme = param_bytes if param_offload == "nvme" else 0  # the current generation of the files
     if optimizer_offload:
         # Each bucket's reduced gradient leaves for the host as backward lands it (cast to fp32 first
         # under mixed precision), so there is no update transient and the GPU holds a few buckets of
@@ -404,15 +462,24 @@ def estimate(
         # where the gradients land: a host buffer ("cpu"), or a file per bucket ("nvme"); bf16 without masters
         gbuf = (2 if low else 4) * shard
         state += gbuf
-        cpu = param_bytes if param_offload else 0
+        cpu = param_bytes if param_offload == "cpu" else 0
     if optimizer_offload == "cpu":
         host_params = pb * shard  # a host copy of what the optimizer updates, or the parameters themselves
         cpu += opt_state + gbuf + (0 if param_offload else host_params)
         state += 0 if param_offload else host_params
+        state_cpu += opt_state + gbuf + (0 if param_offload else host_params)
     elif optimizer_offload == "nvme":
-        # two generations of the state files, the parameters' staging copy and the gradients' files
-        nvme = (2 * k + pb) * shard + gbuf
+        # Two generations of the state files (the update writes the other one), and the gradients' files.
+        # The parameters: a staging copy the update writes the new ones to, or, resting in files
+        # (param_offload="nvme"), their two generations (the update writes the new shard to the other one).
+        # (Frozen parameters, which this estimate does not count, would rest in one generation.)
+        nvme = 2 * k * shard + (2 * param_bytes if param_offload == "nvme" else pb * shard) + gbuf
         cpu += NVME_SUB_GROUPS_IN_RAM * min(NVME_SUB_GROUP_BYTES, k * shard)
+        if param_offload == "nvme":
+            # the shards read ahead of their gathers into host buffers: those of the units in flight
+            cpu += min(param_bytes, pb * math.ceil(in_flight / n))
+        state_cpu += held.fixed  # the step counts stay in memory, on the host
+        state_nvme += k * shard + gbuf  # the current generation of the state files, and the gradients' files
     return Estimate(
         **common,
         params=0 if param_offload else param_bytes,
@@ -423,6 +490,8 @@ def estimate(
         nvme=nvme,
         state=state,
         traffic=0 if n == 1 else (3 if stage == 3 else 2) * psi,
+        state_cpu=state_cpu,
+        state_nvme=state_nvme,
     )
 
 
@@ -432,9 +501,10 @@ def compositions(
     """Every composition :func:`main` tabulates, in preference order (see ``Estimate.order``).
 
     Training: DDP and ZeRO-1, 2, 3, each with the optimizer state on the
-    GPU, in CPU RAM or on NVMe, and ZeRO-3 with its parameters in CPU RAM
-    too; each with and without remat when ``remat`` is None and the shapes
-    for activations are given. Inference: replicated, ZeRO-3, ZeRO-3 with
+    GPU, in CPU RAM or on NVMe, ZeRO-3 with its parameters in CPU RAM too
+    (beside an optimizer state in RAM or on NVMe), and ZeRO-3 with its
+    parameters and optimizer state on NVMe; each with and without remat
+    when ``remat`` is None and the shapes for activations are given. Inference: replicated, ZeRO-3, ZeRO-3 with
     parameters in CPU RAM.
 
     Example:
@@ -456,6 +526,7 @@ def compositions(
         for stage in (0, 1, 2, 3):
             for dev in _DEVICES:
                 rows.append(estimate(params, stage=stage, optimizer_offload=dev, remat=r, **kwargs))
-        for dev in ("cpu", "nvme"):  # ZeRO-3's parameter shards in CPU RAM, the optimizer state in RAM or on NVMe
-            rows.append(estimate(params, stage=3, optimizer_offload=dev, param_offload="cpu", remat=r, **kwargs))
+        # ZeRO-3's parameter shards in CPU RAM beside the optimizer state in RAM or on NVMe, or on NVMe beside it
+        for dev, p in (("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme")):
+            rows.append(estimate(params, stage=3, optimizer_offload=dev, param_offload=p, remat=r, **kwargs))
     return sorted(rows, key=Estimate.order)

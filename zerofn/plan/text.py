@@ -109,6 +109,10 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
             "and --micro-batch)"
         )
     if any(e.stage == 3 for e in rows) and not any(e.gathered for e in rows):
-        lines.append("ZeRO-3's gathered blocks not counted: pass --layers (or --model)")
+        on_nvme = any(e.param_offload == "nvme" for e in rows)
+        lines.append(
+            "ZeRO-3's gathered blocks not counted: pass --layers (or --model)"
+            + ("; with the parameters on NVMe, RAM counts every shard as read ahead at once" if on_nvme else "")
+        )
     lines.append("leave headroom for the CUDA context, the allocator's fragmentation and communication buffers")
     return "\n".join(lines)
