@@ -89,6 +89,23 @@ def test_bench_offload_py_streams_from_files(tmp_path):
     assert len(re.findall(r"[\d.]+ ms \([\d.]+\)", four.group(0))) == 5, four.group(0)  # every system timed
 
 
+def test_bench_infinity_py_trains_from_files_and_reports_the_disk_bound(tmp_path):
+    """The ZeRO-Infinity benchmark at a tiny size, parameters in files and in RAM: it trains (the same losses
+    both ways: where the shards rest changes no number), reports its figures, and removes its files."""
+    outs = {}
+    for where in ("nvme", "cpu"):
+        out = _run(
+            "examples/bench_infinity.py",
+            *("--dim", "64", "--layers", "2", "--heads", "4", "--vocab", "64", "--seq-len", "16"),
+            *("--steps", "1", "--probe-mb", "8", "--sub-group-mb", "0.25", "--params", where, "--path", str(tmp_path)),
+        )
+        assert re.search(r"step [\d.]+ s \(mean of 1 consecutive\): [\d.]+ x the disk bound", out), out
+        assert re.search(r"moved per step: [\d.]+ GB read, [\d.]+ GB written", out), out
+        outs[where] = re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups()
+    assert outs["nvme"] == outs["cpu"], outs
+    assert os.listdir(tmp_path) == [], "the benchmark removes what it wrote"
+
+
 def test_bench_optim_groups_py_times_groups_muon_and_bf16_moments(tmp_path):
     out_json = tmp_path / "groups.json"
     _run(

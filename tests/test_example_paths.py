@@ -36,6 +36,11 @@ CASES = {
         "--path {m}/d: no such directory; create it first (mkdir -p {m}/d)",
         False,
     ),
+    "bench_infinity-path": (
+        ["examples/bench_infinity.py", "--path", "{m}/d"],
+        "--path {m}/d: no such directory; create it first (mkdir -p {m}/d)",
+        False,
+    ),
     "train_gpt-deepspeed": (
         ["examples/train_gpt.py", "--deepspeed", "{m}/ds.json"],
         "--deepspeed {m}/ds.json: no such file; pass a DeepSpeed config JSON file",

@@ -421,7 +421,8 @@ def block_until_ready(tree: Any) -> Any:
             inflight = node.__dict__.get("inflight")  # none on a donated state
             if inflight is not None:
                 inflight.wait()
-                devices.update(t.device for t in T.tree_leaves(node.__dict__["params"]))
+                params = T.tree_leaves(node.__dict__["params"])  # tensors, or shards in files
+                devices.update(t.device for t in params if isinstance(t, torch.Tensor))
         elif isinstance(node, torch.Tensor):
             devices.add(node.device)
     for device in devices:  # the device's queue drained too (what a collective's wait only orders)

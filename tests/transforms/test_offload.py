@@ -34,6 +34,7 @@ def _train(shard, where, use_amp, world, rank, root):
         step = offload(step, "nvme", path=path, sub_group_bytes=4096, params=params)
     state = step.init(apply.params)
     state, _ = train(step, state, transformer_batch, STEPS, GLOBAL_BATCH, world, rank)
+    zf.block_until_ready(state)
     return step.full_params(state), zf.memory.state_bytes(state)["by_placement"], step.name
 
 
