@@ -265,6 +265,21 @@ def test_nvme_state_reshards_both_ways(ranks, tmp_path):
     _close(ranks(2).run(_rank_resume, root, "shard_grads-lite@3", "shard_params+nvme")[0]["final"], reference, 1e-6)
 
 
+def test_parameters_on_nvme_reshard_to_another_world_size_and_placement(ranks, tmp_path):
+    """Parameter shards in files on 2 ranks load into 3 ranks with them in memory, and back: the same
+    parameters as one process training without a break."""
+    root = str(tmp_path)
+    step, apply, _ = _build("plain-lite")
+    reference = step.state_dict(_train(step, step.init(apply.params), 0, 10))
+    ranks(2).run(_rank_save, root, "shard_params+nvme_params")
+    moved = ranks(3).run(_rank_resume, root, "shard_params+nvme_params@2", "shard_optimizer-lite")
+    _close(moved[0]["final"], reference, 1e-6)
+    ranks(3).run(_rank_save, root, "shard_params-lite")
+    _close(
+        ranks(2).run(_rank_resume, root, "shard_params-lite@3", "shard_params+nvme_params")[0]["final"], reference, 1e-6
+    )
+
+
 def test_amp_masters_come_back_as_masters_or_as_fp32_parameters(ranks, tmp_path):
     root = str(tmp_path)
     saved = ranks(2).run(_rank_save, root, "shard_params+amp")[0]

@@ -622,8 +622,9 @@ class _Runner:
             order = [u for u in self.backward_queue if u.remaining or u.spec.frozen]
         else:
             forward = self.recorded if self.recorded is not None else self._expected_forward()
-            after = forward[forward.index(unit) + 1 :] if unit in forward else forward
-            order = after + list(reversed(forward))
+            order = forward[forward.index(unit) + 1 :] if unit in forward else forward
+            if self.sink is not None and torch.is_grad_enabled():  # a backward follows
+                order = order + list(reversed(forward))
         for u in [u for u in order if u is not unit and u.idle and u.files][: self.prefetch + 1]:
             self.reads.ahead(u.index, u.files)
 

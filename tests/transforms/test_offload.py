@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from helpers import make_transformer, train, transformer_batch
-from zerofn.transforms import amp, offload, shard_grads, shard_optimizer, shard_params
+from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params
 
 import zerofn as zf
 from zerofn import roles
@@ -30,8 +30,10 @@ def _train(shard, where, use_amp, world, rank, root):
     elif where and where.startswith("nvme"):  # the optimizer state in files; the parameter shards in RAM or files too
         path = os.path.join(root, f"{shard}-{use_amp}")
         os.makedirs(path, exist_ok=True)
-        params = {"nvme": False, "nvme-cpu-params": "cpu", "nvme-params": "nvme"}[where]
+        params = {"nvme": False, "nvme-cpu-params": "cpu", "nvme-params": "nvme", "nvme-params-remat": "nvme"}[where]
         step = offload(step, "nvme", path=path, sub_group_bytes=4096, params=params)
+        if where.endswith("remat"):  # backward reads each unit's shard from its file again, for the recompute too
+            step = remat(step)
     state = step.init(apply.params)
     state, _ = train(step, state, transformer_batch, STEPS, GLOBAL_BATCH, world, rank)
     zf.block_until_ready(state)
@@ -45,7 +47,7 @@ def _rank_compare(root):
         for use_amp in (False, True):
             ref = _train(shard, None, use_amp, world, rank, root)[0]
             for where in ("cpu", "cpu-overlap", "nvme") + (
-                ("nvme-cpu-params", "nvme-params") if shard == "zero3" else ()
+                ("nvme-cpu-params", "nvme-params", "nvme-params-remat") if shard == "zero3" else ()
             ):
                 params, placement, name = _train(shard, where, use_amp, world, rank, os.path.join(root, where))
                 same = all(torch.equal(params[n], ref[n]) for n in ref)
@@ -60,7 +62,7 @@ def test_offload_changes_no_number(ranks, world, tmp_path):
     for rank, out in enumerate(results):
         for (shard, use_amp, where), (same, placement, name) in out.items():
             assert same, f"{where} {shard} amp={use_amp} world={world} rank={rank}"
-            assert name.startswith("offload(")
+            assert name.startswith("remat(offload(" if where.endswith("remat") else "offload("), name
             if where.startswith("nvme"):
                 assert placement.get("nvme", 0) > 0  # the moments (and amp's master) are in files
 
