@@ -429,6 +429,7 @@ class _Runner:
         # Shards in files: read on an I/O thread ahead of their gathers (a few units' worth at most).
         on_disk = any(u.files for u in self.units)
         self.reads = ShardReads(prefetch + 2, torch.cuda.is_available()) if on_disk else None
+        self.copies_stream: Any = None  # CUDA: where host shards are copied in (see _to_device)
         self.intercepts: list[Intercept] = []
         try:
             self._watch_calls()
@@ -608,10 +609,30 @@ class _Runner:
             full.untyped_storage().resize_(full.numel() * full.element_size())
             if isinstance(shard, FileTensor):  # read from its file (ahead, on the I/O thread), into a host buffer
                 shard = next(read)
-            if self.host_shards and shard.device != full.device:  # brought in from host memory, non-blocking
-                shard = torch.empty(shard.shape, dtype=shard.dtype, device=full.device).copy_(shard, non_blocking=True)
+            if self.host_shards and shard.device != full.device:  # brought in from host memory
+                shard = self._to_device(shard, full.device)
             unit.handles.append(C.all_gather(full, shard, async_op=True))
         self._read_ahead(unit)
+
+    def _to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A host shard copied to ``device`` without blocking. On CUDA the copy runs on a side stream, so it
+        overlaps the kernels already queued on the compute stream (the unit before this one); the compute
+        stream waits for it where this unit's all-gather is queued, before anything that reads it."""
+        if device.type != "cuda":
+            return torch.empty(host.shape, dtype=host.dtype, device=device).copy_(host, non_blocking=True)
+        if self.copies_stream is None:
+            self.copies_stream = torch.cuda.Stream(device)
+        compute = torch.cuda.current_stream(device)
+        with torch.cuda.stream(self.copies_stream):
+            # Allocated from the side stream's own blocks, so no kernel still queued on the compute stream can
+            # be reading this memory; the pinned source is kept until the copy is done (torch's host allocator
+            # records the stream it was copied on).
+            out = torch.empty(host.shape, dtype=host.dtype, device=device).copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        compute.wait_event(done)
+        out.record_stream(compute)  # used there next: not reused by the side stream before that work is done
+        return out
 
     def _read_ahead(self, unit: _LiveUnit) -> None:
         """Start reading the shards of the units expected after ``unit`` (``prefetch + 1`` of them): the
