@@ -113,17 +113,21 @@ def _run(step, state, batches):
 # ---------------------------------------------------------------- NVMe offload
 
 
-def _nvme_cases(root: str, names: list[str]) -> dict:
-    """name -> (offloaded params equal the same step's without offload bit for bit, param_steps equal)."""
+def _nvme_cases(root: str, names: list[str], params: str | bool = False) -> dict:
+    """name -> (offloaded params equal the same step's without offload bit for bit, param_steps equal).
+    ``params="nvme"``: ZeRO-3 with the parameter shards in files too."""
     out = {}
     for name in names:
         apply, loss_fn = _model()
-        wrap = shard_optimizer if C.world_size() > 1 else (lambda s: s)
+        # ZeRO-3: the model whole is one unit (its control flow differs between ranks, which units may not)
+        wrap = shard_params if params else shard_optimizer if C.world_size() > 1 else (lambda s: s)
         plain = wrap(zf.train_step(loss_fn, _optimizer(name)))
         ref = _run(plain, plain.init(apply.params, keep_module=True), _batches(4))
-        path = os.path.join(root, f"{name}-{C.world_size()}")
+        path = os.path.join(root, f"{name}-{C.world_size()}-{params}")
         os.makedirs(path, exist_ok=True)
-        nvme = offload(wrap(zf.train_step(loss_fn, _optimizer(name))), "nvme", path=path, sub_group_bytes=SUB_GROUP)
+        nvme = offload(
+            wrap(zf.train_step(loss_fn, _optimizer(name))), "nvme", path=path, sub_group_bytes=SUB_GROUP, params=params
+        )
         got = _run(nvme, nvme.init(apply.params, keep_module=True), _batches(4))
         a, b = plain.full_params(ref), nvme.full_params(got)
         out[name] = (
@@ -137,12 +141,14 @@ def _nvme_cases(root: str, names: list[str]) -> dict:
 NVME_CASES = ["mask", "groups", "adamw_sgd"]
 
 
+@pytest.mark.filterwarnings("ignore:shard_params. the model .* is one unit")
+@pytest.mark.parametrize("params", [False, "nvme"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_nvme_offload_equals_the_step_without_it_under_masks_and_groups(ranks, tmp_path, world):
+def test_nvme_offload_equals_the_step_without_it_under_masks_and_groups(ranks, tmp_path, world, params):
     results = (
-        _nvme_cases(str(tmp_path), NVME_CASES)
+        _nvme_cases(str(tmp_path), NVME_CASES, params)
         if world == 1
-        else ranks(2).run(_nvme_cases, str(tmp_path), NVME_CASES)[0]
+        else ranks(2).run(_nvme_cases, str(tmp_path), NVME_CASES, params)[0]
     )
     for name in NVME_CASES:
         equal, steps_equal, steps = results[name]
