@@ -16,9 +16,10 @@ composes them from a DeepSpeed ``ds_config.json``.
 
 from zerofn.transforms.amp import amp
 from zerofn.transforms.offload import offload
+from zerofn.transforms.quantize import quantize
 from zerofn.transforms.remat import remat
 from zerofn.transforms.shard_grads import shard_grads
 from zerofn.transforms.shard_optimizer import shard_optimizer
 from zerofn.transforms.shard_params import shard_params
 
-__all__ = ["amp", "offload", "remat", "shard_grads", "shard_optimizer", "shard_params"]
+__all__ = ["amp", "offload", "quantize", "remat", "shard_grads", "shard_optimizer", "shard_params"]

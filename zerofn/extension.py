@@ -16,6 +16,12 @@ optional:
   under ``state.extra[key]``.
 - ``check``: ``check(step)`` runs when ``step.init`` is called, before
   anything is built, for settings that depend on transforms applied later.
+- ``prepare``: ``prepare(split, functional, where) -> split`` rewrites the
+  parameters ``init`` holds (a :class:`~zerofn.storage.ParamSplit`, in the
+  dtypes the precision part holds them) before anything is built from
+  them, and the module to match (``quantize`` holds a frozen weight as its
+  quantized parts); ``functional`` is the ``zf.functional`` the params came
+  from (None for a plain tree), ``where`` names the caller in errors.
 - ``updates_late``: ``updates_late(device_type) -> bool``, whether its
   optimizer wrapper may leave the update running after the step returns
   when the parameters compute on ``device_type`` (the tensors it writes
@@ -64,6 +70,7 @@ class Extension:
         around: ``(model, state) -> context manager`` around forward and backward, or None.
         entries: ``(key, init)`` pairs for ``state.extra``.
         check: ``step -> None``, raises when the finished step cannot honour the extension.
+        prepare: ``(split, functional, where) -> split``: the parameters ``init`` holds, rewritten.
         updates_late: ``device_type -> bool``: the optimizer wrapper may still be writing after the
             step returns, for parameters on that device type (None: never).
     """
@@ -74,4 +81,5 @@ class Extension:
     around: Callable | None = None
     entries: tuple[tuple[str, Callable[[], Any]], ...] = ()
     check: Callable | None = None
+    prepare: Callable | None = None
     updates_late: Callable[[str], bool] | None = None

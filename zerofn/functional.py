@@ -308,6 +308,14 @@ class Functional:
         """Put ``buffers`` (a state's) in the module's buffer places; returns what puts the module's back."""
         return _put(self._buffer_slots, "_buffers", buffers)
 
+    def refresh(self) -> None:
+        """Read the module's parameter places again, after a transform changed which parameters its modules
+        hold (``quantize`` holds a frozen weight as its quantized parts); ``params`` is updated in place."""
+        self._slots, self.tied = _places(self.module, self.module.named_parameters(remove_duplicate=False))
+        fresh = dict(self.module.named_parameters())
+        self.params.clear()
+        self.params.update(fresh)
+
     # ---------------------------------------------------------- ownership
 
     @property

@@ -211,12 +211,12 @@ class Step:
             raise ValueError(ADOPTED_HELP.format(what=f"{self.name}.init(apply.params)"))
         owner = functional.owner if functional is not None else (lambda name: None)
         named = {k: self.precision.cast(v, owner(k)) for k, v in split.named.items()}  # held (and run) so
-        groups = O.labels(self.optimizer, _names_view(split.treedef, named))  # its masks and groups, if any
-        split = split._replace(
-            named=named,
-            trainable={k: named[k] for k in split.trainable},
-            labels={k: groups[k] for k in split.trainable} if groups else {},
-        )
+        split = split._replace(named=named, trainable={k: named[k] for k in split.trainable})
+        for e in self.extensions:
+            if e.prepare is not None:
+                split = e.prepare(split, functional, f"{self.name}.init")
+        groups = O.labels(self.optimizer, _names_view(split.treedef, split.named))  # its masks and groups, if any
+        split = split._replace(labels={k: groups[k] for k in split.trainable} if groups else {})
         world, rank = C.world_size(), C.rank()
         if world > 1 and not structure_only:
             _check_same_params(split.named, self.name)

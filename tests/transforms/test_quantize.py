@@ -1,0 +1,166 @@
+"""quantize: a LoRA model whose frozen base is held as NF4 (or int8) trains as the same model whose frozen
+weights were replaced by their dequantized values, under every composition, on 1 and 2 gloo ranks; the
+base held per rank is the quantized bytes, sharded under shard_params."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import rank_slice
+from torch import nn
+from zerofn.transforms import offload, quantize, remat, shard_grads, shard_params
+from zerofn.transforms.quantize import quantized_layers
+from zerofn.transforms.quantize._codecs import codec
+
+import zerofn as zf
+
+pytest.importorskip("peft")
+
+STEPS, GLOBAL_BATCH, SEQ = 4, 4, 12
+
+
+def _lora_llama(dequantized: str | None = None, block_size: int = 64) -> nn.Module:
+    """A small Llama (grouped-query attention) with LoRA adapters on its attention and MLP projections, the
+    same values each call; ``dequantized``: its frozen Linear weights replaced by their ``kind`` round trip."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    model = LlamaForCausalLM(cfg).float()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # LoRA starts B at zero; give it values so every adapter trains from step 1
+            nn.init.normal_(p, std=0.02)
+    if dequantized is not None:
+        fmt = codec(dequantized, block_size)
+        with torch.no_grad():
+            for path, m in model.named_modules():
+                if isinstance(m, nn.Linear) and not m.weight.requires_grad and not path.endswith("lm_head"):
+                    m.weight.copy_(fmt.decode(fmt.encode(m.weight), m.weight.shape, m.weight.dtype))
+    return model
+
+
+def _loss_fn(apply):
+    def loss_fn(params, batch):
+        out = apply(params, input_ids=batch[:, :-1])
+        logits = out.logits
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    return loss_fn
+
+
+def _batch(i: int) -> torch.Tensor:
+    return torch.randint(0, 64, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(10 + i))
+
+
+COMPOSITIONS = {
+    "plain": lambda s: s,
+    "shard_grads": shard_grads,
+    "shard_params": shard_params,
+    "shard_params+offload_params": lambda s: offload(shard_params(s), "cpu", params="cpu"),
+    "shard_params+remat": lambda s: remat(shard_params(s)),
+}
+
+
+def _adapters(step, state) -> dict:
+    full = step.full_params(state)
+    return {k: v for k, v in full.items() if "lora_" in k}
+
+
+def _quantized_bytes(state) -> int:
+    """Bytes of the quantized parts this rank holds."""
+    layout = state.spec.layout
+    return sum(
+        shard.numel() * shard.element_size()
+        for bucket, shard in zip(layout.frozen_buckets, state.frozen)
+        if any("weight_" in s.name for s in bucket.slots)
+    )
+
+
+def _train(name: str, kind: str | None, dequantized: str | None):
+    rank, world = zf.collectives.rank(), zf.collectives.world_size()
+    model = _lora_llama(dequantized)
+    apply = zf.functional(model)
+    step = COMPOSITIONS[name](zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-2, weight_decay=0.1)))
+    if kind is not None:
+        step = quantize(step, kind)
+    state = step.init(apply.params)
+    start = _adapters(step, state)
+    comm = 0
+    for i in range(STEPS):
+        state, m = step(state, rank_slice(_batch(i), rank, world))
+        comm += m["comm_bytes"]
+    layers = quantized_layers(model)
+    base = sum(q.shape.numel() for q in layers.values())
+    held = _quantized_bytes(state) if kind is not None else 0
+    return _adapters(step, state), start, {"base": base, "comm": comm, "layers": len(layers), "held": held}
+
+
+def _rank_cases(names: list, kinds: list) -> dict:
+    out = {}
+    for name in names:
+        for kind in kinds:
+            got, start, info = _train(name, kind, None)
+            ref, _, ref_info = _train(name, None, kind)  # the same LoRA model on the dequantized base, unquantized
+            out[(name, kind)] = {
+                "worst": max((got[k].double() - ref[k].double()).abs().max().item() for k in ref),
+                "moved": min((got[k] - start[k]).abs().max().item() for k in got),
+                "keys": got.keys() == ref.keys() and len(got) > 0,
+                "info": info,
+                "ref_comm": ref_info["comm"],
+            }
+    return out
+
+
+NAMES = list(COMPOSITIONS)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ranks):
+    return ranks(2).run(_rank_cases, NAMES, ["nf4"])
+
+
+def test_nf4_lora_equals_the_dequantized_model_on_one_rank():
+    for (name, kind), r in _rank_cases(["plain", "shard_params+remat"], ["nf4", "int8"]).items():
+        assert r["keys"] and r["moved"] > 0, (name, kind, r)
+        assert r["worst"] <= 1e-6, (name, kind, r)
+        assert r["info"]["layers"] == 14  # the 7 projections of 2 blocks; not the embedding nor the head
+
+
+def test_nf4_lora_equals_the_dequantized_model_on_two_ranks(two_ranks):
+    for rank, out in enumerate(two_ranks):
+        for (name, _), r in out.items():
+            assert r["keys"] and r["moved"] > 0, (name, rank, r)
+            assert r["worst"] <= 1e-6, (name, rank, r)
+
+
+def test_the_base_held_per_rank_and_gathered_is_the_quantized_bytes(two_ranks):
+    for out in two_ranks:
+        r = out[("shard_params", "nf4")]
+        # NF4 with its scales: at most 0.6 bytes per frozen parameter, over the world size
+        assert r["info"]["held"] <= 0.6 * r["info"]["base"] / 2, r["info"]
+        # the unit's gathers move the quantized parts: less traffic than the fp32 base by most of its bytes
+        assert r["info"]["comm"] < r["ref_comm"] - 2 * 3.0 * r["info"]["base"], (r["info"]["comm"], r["ref_comm"])
+
+
+def test_a_policy_that_picks_a_trainable_weight_is_refused():
+    model = _lora_llama()
+    apply = zf.functional(model)
+    step = quantize(
+        zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-3)), "nf4", policy=lambda p, m: p.endswith("lora_A.default")
+    )
+    with pytest.raises(ValueError, match=r"whose weight is trainable \(requires_grad=True\)"):
+        step.init(apply.params)
