@@ -108,6 +108,20 @@ def _vm_bytes(field):
     return None
 
 
+def _reset_peak():
+    """Reset this process's VmHWM to its current RSS (write 5 to /proc/self/clear_refs) and return it; None
+    where Linux cannot (no clear_refs, or the peak did not go back to the RSS)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    base = _vm_bytes("VmHWM")
+    if base is None or base > _vm_bytes("VmRSS") + (1 << 20):
+        return None
+    return base
+
+
 def _rank_peak_growth(path, where):
     """In a fresh rank: how far training (init and two steps) raises this process's peak RSS above its RSS
     just before ``step.init``, and the optimizer state's bytes (in RAM for "cpu", in files for "nvme").
@@ -123,13 +137,8 @@ def _rank_peak_growth(path, where):
     step = zf.train_step(lambda p, x: apply(p, x).square().mean(), zf.optim.adamw(1e-3), bucket_bytes=1 << 22)
     step = offload(step, "nvme", path=path, sub_group_bytes=1 << 18) if where == "nvme" else offload(step, "cpu")
     x = torch.randn(2, 1024)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return None
-    base = _vm_bytes("VmHWM")
-    if base is None or base > _vm_bytes("VmRSS") + (1 << 20):  # the peak did not go back to the RSS
+    base = _reset_peak()
+    if base is None:
         return None
     state = step.init(apply.params)
     for _ in range(2):
@@ -177,13 +186,8 @@ def _rank_params_peak(path, depth, params):
     step = zf.train_step(lambda p, x: apply(p, x).square().mean(), zf.optim.adamw(1e-3))
     step = offload(shard_params(step), "nvme", path=path, params=params, sub_group_bytes=1 << 20)
     x = torch.randn(2, 1024)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return None
-    base = _vm_bytes("VmHWM")
-    if base is None or base > _vm_bytes("VmRSS") + (1 << 20):
+    base = _reset_peak()
+    if base is None:
         return None
     state = step.init(apply.params)
     for _ in range(2):

@@ -45,6 +45,7 @@ scale 0 and codes 0. Decoding computes ``codes * scale`` in float32, then casts.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 
@@ -131,26 +132,26 @@ def _nearest(x: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
     return torch.where(d_hi < d_lo, hi, lo)
 
 
-class Codec:
+class Codec(abc.ABC):
     """A quantization format: a weight <-> flat component tensors (its parts). Each format is a frozen
     dataclass with a ``name`` and a ``block_size`` (elements per scale)."""
 
     name: str
     block_size: int
 
+    @abc.abstractmethod
     def parts(self, numel: int, dtype: torch.dtype) -> dict[str, tuple[int, torch.dtype]]:
         """Component name -> (number of elements, dtype) of the flat component tensors that hold a weight of
         ``numel`` elements of ``dtype`` (before any sharding); the sizes do not depend on the values."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """The components of weight ``w`` (any shape, floating point; flattened), 1-D, as :meth:`parts` says."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decode(self, parts: dict[str, torch.Tensor], shape: torch.Size | tuple, dtype: torch.dtype) -> torch.Tensor:
         """The weight back, of ``shape``, in ``dtype``: computed in the dtype the weight was encoded from (which
         the components' float parts record), then cast."""
-        raise NotImplementedError
 
     def nbytes(self, numel: int, dtype: torch.dtype) -> int:
         """Bytes of the parts holding a weight of ``numel`` elements of ``dtype``."""
