@@ -361,7 +361,7 @@ class Materialiser:
         filling = alloc.filling()
         for path, m in self._modules():
             if filling or (id(m) in self.hf and _has_meta_buffers(m)):
-                for pname, _ in m.named_parameters(recurse=False):
+                for pname in [n for n, _ in m.named_parameters(recurse=False)]:  # init may swap them for a while
                     if _join(path, pname) in where:
                         copy(_join(path, pname))
                 self.ready.clear()
@@ -396,23 +396,50 @@ class Materialiser:
         p = self.named[name]
         if p.device.type != "meta":
             return p.detach()
-        if name in self.ready:
-            return self.ready[name]
-        if self.init_fn is not None:
-            t = self.init_fn(name, p)
-            if not isinstance(t, torch.Tensor) or t.shape != p.shape:
-                raise ValueError(
-                    f"shard_params init_fn({name!r}, ...) returned {T.describe_leaf(t)}, expected a tensor of "
-                    f"shape {list(p.shape)}"
-                )
-            return t.detach().to(p.dtype)
         owner_name = name.rpartition(".")[0]
-        self.ready.update(self._init_module(owner_name, self.module.get_submodule(owner_name), name))
+        owner = self.module.get_submodule(owner_name)
+        derive = getattr(owner, "zf_materialise", None)
+        if derive is not None:
+            # A layer whose parameters are computed from one it does not hold (quantize's parts from its
+            # weight): it puts that one back for the while, and computes its own from the initial values.
+            if name not in self.ready:
+                self.ready.update(derive(owner_name, lambda: self._own_values(owner_name, owner)))
+            return self.ready[name]
+        t = self._from_init_fn(name, p)
+        if t is not None:
+            return t
+        if name not in self.ready:
+            self.ready.update(self._init_module(owner_name, owner, name))
         return self.ready[name]
 
-    def _init_module(self, path: str, owner: nn.Module, name: str) -> dict[str, torch.Tensor]:
-        """Materialise ``owner``'s own meta parameters, initialise them, return their values; the
-        module gets its meta parameters back (the same objects, so ties hold)."""
+    def _from_init_fn(self, name: str, meta: torch.Tensor) -> torch.Tensor | None:
+        """``init_fn(name, meta)`` in ``meta``'s dtype; None without one, or where it returns None (the
+        parameter is left to the module's own initialisation)."""
+        if self.init_fn is None:
+            return None
+        t = self.init_fn(name, meta)
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor) or t.shape != meta.shape:
+            raise ValueError(
+                f"shard_params init_fn({name!r}, ...) returned {T.describe_leaf(t)}, expected a tensor of "
+                f"shape {list(meta.shape)} (or None, to leave it to the module's own initialisation)"
+            )
+        return t.detach().to(meta.dtype)
+
+    def _own_values(self, path: str, owner: nn.Module) -> dict[str, torch.Tensor]:
+        """The initial values of ``owner``'s own meta parameters, by name: ``init_fn``'s where it gives one,
+        the module's initialisation for the others."""
+        meta = {_join(path, n): q for n, q in owner._parameters.items() if q is not None and q.device.type == "meta"}
+        out = {n: t for n, q in meta.items() if (t := self._from_init_fn(n, q)) is not None}
+        if len(out) < len(meta):
+            out = {**self._init_module(path, owner, next(n for n in meta if n not in out), every=True), **out}
+        return out
+
+    def _init_module(self, path: str, owner: nn.Module, name: str, every: bool = False) -> dict[str, torch.Tensor]:
+        """Materialise ``owner``'s own meta parameters, initialise them, return their values (those among
+        the params; ``every``: all); the module gets its meta parameters back (the same objects, so ties
+        hold)."""
         hf = self.hf.get(id(owner))
         params, buffers = _materialise(owner)
         keep: list[str] = []
@@ -432,7 +459,9 @@ class Materialiser:
                 did = f"{type(hf).__name__}._init_weights" if hf is not None else "reset_parameters()"
                 did += " and reset_parameters()" if hf is not None and hasattr(owner, "reset_parameters") else ""
                 raise ValueError(_no_init(_join(path, unset[0]), path, owner, f"left it unset after {did}"))
-            return {_join(path, n): owner._parameters[n].detach() for n in params if _join(path, n) in self.named}
+            return {
+                _join(path, n): owner._parameters[n].detach() for n in params if every or _join(path, n) in self.named
+            }
         finally:
             _restore(owner, params, {b: v for b, v in buffers.items() if b not in keep})
 

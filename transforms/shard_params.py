@@ -156,7 +156,9 @@ def shard_params(
         init_fn: ``init_fn(name, meta_tensor) -> tensor`` to materialise
             every parameter given on the meta device (it takes precedence over
             a Hugging Face model's ``_init_weights`` and over
-            ``reset_parameters``, which are used without it).
+            ``reset_parameters``, which are used without it, and for each
+            parameter it returns None for); ``zf.checkpoint.pretrained_init(
+            directory)`` reads a Hugging Face checkpoint's tensors one at a time.
 
     Returns:
         The rewritten Step, named ``shard_params(...)`` whatever shard

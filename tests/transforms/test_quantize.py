@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import rank_slice
 from torch import nn
-from zerofn.transforms import offload, quantize, remat, shard_grads, shard_params
+from zerofn.transforms import amp, offload, quantize, remat, shard_grads, shard_params
 from zerofn.transforms.quantize import quantized_layers
 from zerofn.transforms.quantize._codecs import codec
 
@@ -19,25 +19,33 @@ pytest.importorskip("peft")
 STEPS, GLOBAL_BATCH, SEQ = 4, 4, 12
 
 
-def _lora_llama(dequantized: str | None = None, block_size: int = 64) -> nn.Module:
-    """A small Llama (grouped-query attention) with LoRA adapters on its attention and MLP projections, the
-    same values each call; ``dequantized``: its frozen Linear weights replaced by their ``kind`` round trip."""
-    import transformers
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _config(layers: int = 2):
+    from transformers import LlamaConfig
 
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=64,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=32,
     )
-    model = LlamaForCausalLM(cfg).float()
+
+
+def _lora_llama(
+    dequantized: str | None = None, block_size: int = 64, *, held: torch.dtype = torch.float32, layers: int = 2
+) -> nn.Module:
+    """A small Llama (grouped-query attention) with LoRA adapters on its attention and MLP projections, the
+    same values each call; ``dequantized``: its frozen Linear weights replaced by their ``kind`` round trip
+    from the dtype they are ``held`` in (amp's: bf16)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config(layers)).float()
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
     torch.manual_seed(1)
@@ -49,7 +57,8 @@ def _lora_llama(dequantized: str | None = None, block_size: int = 64) -> nn.Modu
         with torch.no_grad():
             for path, m in model.named_modules():
                 if isinstance(m, nn.Linear) and not m.weight.requires_grad and not path.endswith("lm_head"):
-                    m.weight.copy_(fmt.decode(fmt.encode(m.weight), m.weight.shape, m.weight.dtype))
+                    w = m.weight.to(held)
+                    m.weight.copy_(fmt.decode(fmt.encode(w), w.shape, w.dtype))
     return model
 
 
@@ -72,6 +81,7 @@ COMPOSITIONS = {
     "shard_params": shard_params,
     "shard_params+offload_params": lambda s: offload(shard_params(s), "cpu", params="cpu"),
     "shard_params+remat": lambda s: remat(shard_params(s)),
+    "shard_params+amp": lambda s: amp(shard_params(s), torch.bfloat16),
 }
 
 
@@ -92,7 +102,8 @@ def _quantized_bytes(state) -> int:
 
 def _train(name: str, kind: str | None, dequantized: str | None):
     rank, world = zf.collectives.rank(), zf.collectives.world_size()
-    model = _lora_llama(dequantized)
+    # under amp the base is held (and quantized) in bf16: the reference dequantizes that, exact in fp32
+    model = _lora_llama(dequantized, held=torch.bfloat16 if "amp" in name else torch.float32)
     apply = zf.functional(model)
     step = COMPOSITIONS[name](zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-2, weight_decay=0.1)))
     if kind is not None:
@@ -164,3 +175,71 @@ def test_a_policy_that_picks_a_trainable_weight_is_refused():
     )
     with pytest.raises(ValueError, match=r"whose weight is trainable \(requires_grad=True\)"):
         step.init(apply.params)
+
+
+def _meta_cases(directory: str) -> dict:
+    """A LoRA Llama built on the meta device and read from ``directory`` layer by layer
+    (zf.checkpoint.pretrained_init) against the same model built whole: the same state, bit for bit, the
+    same training, and an init whose peak holds one layer unquantized, not the model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    rank, world = zf.collectives.rank(), zf.collectives.world_size()
+    real = _lora_llama(layers=4)
+    adapters = {n: p.detach().clone() for n, p in real.named_parameters() if "lora_" in n}
+    base = zf.checkpoint.pretrained_init(directory)
+
+    def init_fn(name, meta):
+        return adapters[name] if name in adapters else base(name, meta)
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_config(4))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    sizes = {  # before quantize holds them as parts: the blocks' frozen weights in fp32, and the largest
+        "base_bytes": sum(p.numel() * 4 for n, p in real.named_parameters() if not p.requires_grad and "layers." in n),
+        "layer_bytes": max(p.numel() * 4 for p in real.parameters()),
+    }
+    out = {}
+    states = {}
+    for name, m in (("whole", real), ("meta", model)):
+        apply = zf.functional(m)
+        fn = init_fn if name == "meta" else None
+        step = quantize(shard_params(zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-2)), init_fn=fn), "nf4")
+        with zf.memory.track() as t:
+            state = step.init(apply.params)
+        start = step.full_params(state)
+        for i in range(STEPS):
+            state, _ = step(state, rank_slice(_batch(i), rank, world))
+        states[name] = (start, _adapters(step, state))
+        held = zf.memory.state_bytes(state)["total"]
+        out[name] = {"peak": t.peak, "held": held}
+    (s0, a0), (s1, a1) = states["whole"], states["meta"]
+    out["same_start"] = s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+    out["same_adapters"] = a0.keys() == a1.keys() and all(torch.equal(a0[k], a1[k]) for k in a0)
+    out["parts"] = sum("weight_codes" in k for k in s1)
+    out.update(sizes)
+    return out
+
+
+@pytest.fixture(scope="module")
+def meta_two_ranks(ranks, tmp_path_factory):
+    from transformers import LlamaForCausalLM
+
+    directory = str(tmp_path_factory.mktemp("llama"))
+    torch.manual_seed(0)  # the base weights _lora_llama builds
+    LlamaForCausalLM(_config(4)).float().save_pretrained(directory)
+    return ranks(2).run(_meta_cases, directory)
+
+
+def test_a_model_built_on_meta_is_quantized_layer_by_layer_from_its_files(meta_two_ranks):
+    for rank, out in enumerate(meta_two_ranks):
+        assert out["parts"] == 28, out  # the 7 projections of 4 blocks
+        assert out["same_start"], rank  # the same codes and scales as quantizing the whole model
+        assert out["same_adapters"], rank  # and the same training
+        # init's peak from meta: at most that of init from the model already in memory (which the tracker does
+        # not count: it was built before) plus two layers' weights, unquantized; below the fp32 base alone
+        bound = out["whole"]["peak"] + 2 * out["layer_bytes"]
+        assert out["meta"]["peak"] <= bound, (rank, out)
+        assert bound < out["base_bytes"], out
+        assert out["whole"]["held"] == out["meta"]["held"], out

@@ -20,10 +20,13 @@ its recompute; checkpoints save and load them; ``zf.memory.state_bytes``
 counts them. Trainable parameters (LoRA adapters, norms left trainable) are
 untouched.
 
-The state must be built from the model's real weights (``from_pretrained``,
-or a model whose weights were loaded): a weight still on the meta device is
-refused at ``init`` (quantizing shard by shard as a meta-built model is
-filled is not supported yet).
+A model built on the meta device (or loaded file by file) is quantized
+layer by layer under ``shard_params``: each layer's parts stay on meta until
+its sharded init initialises the layer's weight (``init_fn``, e.g.
+``zf.checkpoint.pretrained_init(directory)`` reading a Hugging Face
+checkpoint, or the model's own initialisation), encodes it and keeps this
+rank's shard of the parts, so no rank ever holds more than one layer's
+weight unquantized.
 
 Collectives: none of its own.
 
@@ -150,8 +153,11 @@ def _prepare(options: QuantizeOptions, split: ParamSplit, functional: Functional
             continue
         path = targets[name]
         layer = module.get_submodule(path)
-        with torch.no_grad():
-            parts = fmt.encode(t.detach())
+        if t.device.type == "meta":  # built on meta: shard_params' init computes the parts from the weight's init
+            parts = {k: torch.empty(n, dtype=dt, device="meta") for k, (n, dt) in fmt.parts(t.numel(), t.dtype).items()}
+        else:
+            with torch.no_grad():
+                parts = fmt.encode(t.detach())
         compute = options.compute_dtype or t.dtype
         _hold_quantized(layer, parts, Quantized(fmt, t.shape, t.dtype, compute), path, where)
         prefix = f"{path}." if path else ""
@@ -198,12 +204,6 @@ def _targets(policy: Any, module: nn.Module, functional: Functional, split: Para
                 "unquantized too). Leave it out of the policy."
             )
         t = split.named[name]
-        if t.device.type == "meta":
-            raise ValueError(
-                f"{where}: quantize: {name} is on the meta device. Build or load the model's weights first "
-                "(from_pretrained, or load_state_dict into the model), then quantize; quantizing a model built on "
-                "the meta device shard by shard is not supported yet."
-            )
         if t.dim() < 2 or not t.is_floating_point() or t.numel() == 0:
             if policy is None:
                 continue
@@ -235,7 +235,9 @@ def _hold_quantized(layer: nn.Linear, parts: dict, held: Quantized, path: str, w
     for k in parts:
         if f"weight_{k}" in layer._parameters or hasattr(layer, f"weight_{k}"):
             raise ValueError(f"{where}: quantize: {path!r} already has an attribute weight_{k}")
-    del layer._parameters["weight"]
+    weight = layer._parameters.pop("weight")
+    if weight.device.type == "meta":
+        layer.__dict__["_zf_source"] = weight  # what zf_materialise initialises the parts from
     for k, t in parts.items():
         layer.register_parameter(f"weight_{k}", nn.Parameter(t, requires_grad=False))
     cls = type(layer)
@@ -257,8 +259,35 @@ class _QuantizedLinear(nn.Linear):
         parts = [self._parameters[f"weight_{k}"] for k in names]
         return QuantizedLinearFn.apply(x, self.bias, held, names, *parts)
 
+    def zf_materialise(self, path: str, values: Callable[[], dict]) -> dict[str, torch.Tensor]:
+        """The initial values of this layer's meta parameters (its parts, from its weight's initial value;
+        its bias) by name; ``values()`` gives those of the layer's own parameters as a plain Linear (by
+        ``init_fn``, or its model's initialisation), which it is for the while (shard_params' sharded init,
+        one layer at a time)."""
+        held, source = self._zf_quantized, self.__dict__.get("_zf_source")
+        if source is None:
+            raise ValueError(f"quantize: {path!r} holds its weight quantized from real values; nothing to initialise")
+        names = list(held.codec.parts(held.shape.numel(), held.dtype))
+        parts = {k: self._parameters.pop(f"weight_{k}") for k in names}
+        self._parameters["weight"] = source
+        cls = type(self)
+        self.__class__ = cls.__bases__[1]  # the layer's own class (Quantized<cls> is (_QuantizedLinear, cls))
+        try:
+            got = values()
+        finally:
+            self.__class__ = cls
+            del self._parameters["weight"]
+            for k in names:
+                self._parameters[f"weight_{k}"] = parts[k]
+        prefix = f"{path}." if path else ""
+        w = got.pop(f"{prefix}weight")
+        with torch.no_grad():
+            encoded = held.codec.encode(w.to(held.dtype))
+        got.update((f"{prefix}weight_{k}", v) for k, v in encoded.items())
+        return got
+
     def __getattr__(self, name: str) -> Any:
-        if name == "weight":
+        if name == "weight" and "weight" not in self._parameters:
             raise AttributeError(
                 f"this {type(self).__name__[len('Quantized') :]} holds its weight quantized "
                 f"({self._zf_quantized.codec.name}, zerofn.transforms.quantize): it exists only while the layer "

@@ -68,6 +68,7 @@ from zerofn.checkpoint._format import CheckpointError
 from zerofn.checkpoint.export import consolidate
 from zerofn.checkpoint.loading import load, verify
 from zerofn.checkpoint.manifest import latest
+from zerofn.checkpoint.pretrained import pretrained_init
 from zerofn.checkpoint.saving import SaveHandle, save
 from zerofn.roles import find_quantity
 
@@ -80,6 +81,7 @@ __all__ = [
     "find_quantity",
     "latest",
     "load",
+    "pretrained_init",
     "read_at",
     "save",
     "verify",
