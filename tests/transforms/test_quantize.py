@@ -243,3 +243,84 @@ def test_a_model_built_on_meta_is_quantized_layer_by_layer_from_its_files(meta_t
         assert out["meta"]["peak"] <= bound, (rank, out)
         assert bound < out["base_bytes"], out
         assert out["whole"]["held"] == out["meta"]["held"], out
+
+
+def _quantized_step(model, sharded: bool = True):
+    apply = zf.functional(model)
+    step = zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-2, weight_decay=0.1))
+    return quantize(shard_params(step) if sharded else step, "nf4"), apply
+
+
+def _ckpt_cases(root: str) -> dict:
+    """Checkpoints of a quantized LoRA state on 2 ranks: the base written every time, once (later saves link
+    the first one's file), or not at all (rebuilt from the source model on load); each resumes bit for bit."""
+    import os
+
+    rank, world = zf.collectives.rank(), zf.collectives.world_size()
+    step, apply = _quantized_step(_lora_llama())
+    state = step.init(apply.params)
+    out: dict = {"bytes": {}}
+    for i in range(2):
+        state, _ = step(state, rank_slice(_batch(i), rank, world))
+    for mode, path in ((True, "every/step_2"), ("once", "once/step_2"), (False, "none/step_2")):
+        out["bytes"][(mode, 2)] = zf.checkpoint.save(state, f"{root}/{path}", frozen=mode).bytes_written
+    saved_full = step.full_params(state)
+    out["base_bytes"] = _quantized_bytes(state)
+    later = state
+    for i in range(2, 4):
+        later, _ = step(later, rank_slice(_batch(i), rank, world))
+    out["bytes"][("once", 4)] = zf.checkpoint.save(later, f"{root}/once/step_4", frozen="once").bytes_written
+    frozen = f"rank{rank}.frozen.safetensors"
+    out["linked"] = os.stat(f"{root}/once/step_2/{frozen}").st_ino == os.stat(f"{root}/once/step_4/{frozen}").st_ino
+    want = _adapters(step, later)
+    out["resumed"] = {}
+    for path in ("every/step_2", "once/step_2", "none/step_2"):
+        fresh, fresh_apply = _quantized_step(_lora_llama())  # the source model, for the base saved without
+        loaded = zf.checkpoint.load(f"{root}/{path}", fresh, params=fresh_apply.params)
+        full = fresh.full_params(loaded)
+        same_state = full.keys() == saved_full.keys() and all(torch.equal(full[k], saved_full[k]) for k in full)
+        for i in range(2, 4):
+            loaded, _ = fresh(loaded, rank_slice(_batch(i), rank, world))
+        got = _adapters(fresh, loaded)
+        out["resumed"][path] = same_state and all(torch.equal(got[k], want[k]) for k in want)
+    # a base rebuilt from another source than the one saved without it is refused, not trained on
+    other = _lora_llama()
+    with torch.no_grad():
+        other.get_parameter("base_model.model.model.layers.0.mlp.up_proj.base_layer.weight").mul_(2)
+    wrong, wrong_apply = _quantized_step(other)
+    try:
+        zf.checkpoint.load(f"{root}/none/step_2", wrong, params=wrong_apply.params)
+        out["refused"] = None
+    except zf.checkpoint.CheckpointError as e:
+        out["refused"] = str(e)
+    out["want"] = saved_full
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpt_two_ranks(ranks, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("qckpt"))
+    return root, ranks(2).run(_ckpt_cases, root)
+
+
+def test_checkpoints_save_the_base_every_time_once_or_never_and_resume_bit_for_bit(ckpt_two_ranks):
+    _, outs = ckpt_two_ranks
+    for rank, out in enumerate(outs):
+        assert all(out["resumed"].values()), (rank, out["resumed"])
+        assert out["linked"], rank  # the second "once" save links the first one's base file
+        b = out["bytes"]
+        # "once" writes the base the first time only, "never" not at all: each saves this rank's base bytes less
+        assert b[("once", 2)] - b[("once", 4)] >= out["base_bytes"], (rank, b, out["base_bytes"])
+        assert b[(True, 2)] - b[(False, 2)] >= out["base_bytes"], (rank, b, out["base_bytes"])
+        assert out["refused"] and "differ from the ones it was trained with" in out["refused"], out["refused"]
+
+
+def test_a_quantized_checkpoint_of_two_ranks_loads_on_one_without_shard_params(ckpt_two_ranks):
+    root, outs = ckpt_two_ranks
+    want = outs[0]["want"]
+    for path in ("every/step_2", "once/step_2"):
+        step, apply = _quantized_step(_lora_llama(), sharded=False)
+        full = step.full_params(zf.checkpoint.load(f"{root}/{path}", step, params=apply.params))
+        assert full.keys() == want.keys() and all(torch.equal(full[k], want[k]) for k in want), path
+    with pytest.raises(zf.checkpoint.CheckpointError, match="saved without its frozen parameters"):
+        zf.checkpoint.consolidate(f"{root}/none/step_2", f"{root}/model.safetensors")

@@ -18,6 +18,7 @@ __all__ = [
     "data_file",
     "failed_rank",
     "failure_file",
+    "frozen_file",
     "layout_json",
     "layouts_from_json",
     "nvme_file",
@@ -57,6 +58,11 @@ class Role(NamedTuple):
 def data_file(rank: int) -> str:
     """Rank ``rank``'s safetensors file of pieces."""
     return f"rank{rank}.safetensors"
+
+
+def frozen_file(rank: int) -> str:
+    """Rank ``rank``'s file of frozen pieces, with ``save(..., frozen="once")`` (linked by later saves)."""
+    return f"rank{rank}.frozen.safetensors"
 
 
 def nvme_file(rank: int, n: int) -> str:

@@ -76,6 +76,13 @@ def consolidate(
     """
     saved = Saved(path)
     try:
+        if not saved.m.get("frozen", True):
+            raise CheckpointError(
+                f"{saved.what} was saved without its frozen parameters (save(..., frozen=False)), so it does not "
+                "hold the whole model. Load it with its step and the source it was saved from (zf.checkpoint.load), "
+                "then save with frozen=True (or 'once') and consolidate that, or write the state with "
+                "step.state_dict(state)."
+            )
         plan = _plan(saved, dtype)
         out = os.fspath(out)
         total = sum(t.nbytes for t in plan)

@@ -18,7 +18,7 @@ from zerofn import keys
 from zerofn._io import FileTensor, remove
 from zerofn.checkpoint._format import CheckpointError, layout_json, signature
 from zerofn.checkpoint.manifest import Saved, Source
-from zerofn.checkpoint.parts import BUFFERS, FROZEN, PARAM_STEPS, PARAMS, Part, layouts, state_parts
+from zerofn.checkpoint.parts import BUFFERS, FROZEN, PARAM_STEPS, PARAMS, Part, frozen_crc, layouts, state_parts
 from zerofn.functional import owner_of
 from zerofn.state import TrainState
 
@@ -229,7 +229,11 @@ def load(
         params: the params tree for ``step.init`` (default: the parameters
             of the model ``loss_fn`` calls, ``apply.params``); their values
             are overwritten, so a freshly built model, or one on the meta
-            device under ``shard_params``, will do.
+            device under ``shard_params``, will do; but for a checkpoint
+            saved with ``save(..., frozen=False)``, whose frozen parameters
+            ``step.init`` builds from them (the source model's weights, or
+            its files through ``init_fn=zf.checkpoint.pretrained_init(...)``)
+            and checks against the CRC-32 saved.
         rng: restore this rank's RNG states (when the world size is the one saved).
 
     Returns:
@@ -251,6 +255,7 @@ def load(
 
 def _load(path: str | os.PathLike, step: Any, state: TrainState | None, params: Any, rng: bool) -> TrainState:
     saved = Saved(path)
+    frozen_saved = saved.m.get("frozen", True)
     try:
         if state is None:
             if params is None:
@@ -262,7 +267,8 @@ def _load(path: str | os.PathLike, step: Any, state: TrainState | None, params: 
                     "over), so they cannot seed another. Pass that state to fill in place: "
                     "load(path, step, state=state), or build a fresh model for the step."
                 )
-            state = step.init(params, structure_only=True)  # the values are overwritten below
+            # the values are overwritten below; but for frozen ones saved without (frozen=False): built from params
+            state = step.init(params, structure_only=frozen_saved)
         else:
             step.check_state(state)
         lays = layouts(state)
@@ -285,7 +291,10 @@ def _load(path: str | os.PathLike, step: Any, state: TrainState | None, params: 
         sources = _Sources(saved, held.parts)
         with torch.no_grad():
             for part in held.parts:
-                _fill(sources, part, lays)
+                if part.key != FROZEN or frozen_saved:
+                    _fill(sources, part, lays)
+            if not frozen_saved:
+                _check_frozen(saved, held.parts, lays)
             same_layout = saved.m["signature"] == signature(layout_json(lays))
             for key, t in held.small.items():
                 found = saved.small_for(key)
@@ -309,6 +318,25 @@ def _load(path: str | os.PathLike, step: Any, state: TrainState | None, params: 
         return state
     finally:
         saved.close()
+
+
+def _check_frozen(saved: Saved, parts: list[Part], lays: dict) -> None:
+    """Frozen values rebuilt by ``step.init`` (a checkpoint saved with ``frozen=False``) against the CRC-32
+    each rank recorded, where this state's ranks hold what the saved ones did (same world size and layout)."""
+    crcs, world = saved.m.get("frozen_crc") or [], C.world_size()
+    if saved.m["world_size"] != world or saved.m["signature"] != signature(layout_json(lays)) or len(crcs) != world:
+        return  # another layout: each rank's ranges differ, nothing to compare with
+    want = crcs[C.rank()]
+    differs = torch.tensor([want is not None and frozen_crc(parts) != want], dtype=torch.uint8)
+    if world > 1:  # every rank raises together, whichever ranks hold the differing bytes
+        differs = C.any_of(differs)
+    if bool(differs.any()):
+        raise CheckpointError(
+            f"{saved.what} was saved without its frozen parameters (save(..., frozen=False)), and those this "
+            "step built from the params it was given differ from the ones it was trained with. Build them from "
+            "the same source as when it was saved: the same model weights, or init_fn="
+            "zf.checkpoint.pretrained_init(directory) of the same directory, with the same quantize settings."
+        )
 
 
 def verify(path: str | os.PathLike) -> dict:

@@ -11,6 +11,7 @@ name, and carries its :class:`Role`. Wrapper states are read through the records
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, NamedTuple
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from zerofn import keys
 from zerofn import tree as T
 from zerofn._io import FileTensor
+from zerofn._safetensors import tensor_bytes
 from zerofn.checkpoint._format import CheckpointError, Role
 from zerofn.roles import Inner, Quantity, parts_of
 from zerofn.state import Bucket, Slot, TrainState
@@ -29,6 +31,7 @@ __all__ = [
     "PARAM_STEPS",
     "Held",
     "Part",
+    "frozen_crc",
     "held_range",
     "layouts",
     "quantities",
@@ -144,6 +147,16 @@ def state_parts(state: TrainState, rank: int, lays: dict) -> Held:
             if isinstance(leaf, torch.Tensor):
                 held.small[keys.extra(k, T.keystr(p))] = leaf
     return held
+
+
+def frozen_crc(parts: list[Part]) -> int:
+    """CRC-32 of the bytes of the frozen parts among ``parts`` held in memory, in order (``save(...,
+    frozen=False)`` records it; ``load`` checks the frozen values it rebuilt against it)."""
+    crc = 0
+    for p in parts:
+        if p.key == FROZEN and not isinstance(p.value, FileTensor):
+            crc = zlib.crc32(tensor_bytes(p.value.detach().cpu()), crc)
+    return crc
 
 
 def quantities(parts: list[Part]) -> dict[str, Role]:

@@ -11,6 +11,7 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -28,13 +29,14 @@ from zerofn.checkpoint._format import (
     data_file,
     failed_rank,
     failure_file,
+    frozen_file,
     layout_json,
     nvme_file,
     record_file,
     signature,
 )
 from zerofn.checkpoint.manifest import complete
-from zerofn.checkpoint.parts import Part, layouts, quantities, state_parts
+from zerofn.checkpoint.parts import FROZEN, Part, frozen_crc, layouts, quantities, state_parts
 from zerofn.state import TrainState
 
 __all__ = ["SPLIT_MIN", "SaveHandle", "save", "wait_saves"]
@@ -100,6 +102,7 @@ def save(
     blocking: bool = True,
     keep: int | None = None,
     group: Any = None,
+    frozen: bool | str = True,
 ) -> SaveHandle:
     """Write ``state`` to the checkpoint directory ``path``; each rank writes what it holds.
 
@@ -117,6 +120,17 @@ def save(
             default: the current group, see ``zf.collectives.group_scope``):
             its ranks write the checkpoint, its rank 0 commits it. Ranks of
             other groups save to other paths.
+        frozen: what becomes of the frozen parameters (a LoRA model's base,
+            ``quantize``'s parts), which no update changes. True: written
+            every time. ``"once"``: written by the first save of this run;
+            each later save of the same (unchanged) tensors hard-links that
+            file into its own directory, so every checkpoint is whole but the
+            base's bytes are written and stored once. False: not written;
+            ``load`` rebuilds them with ``step.init`` from the params it is
+            given (the source model: its files through ``init_fn=
+            zf.checkpoint.pretrained_init(directory)``, or its weights), and
+            checks them against a CRC-32 per rank recorded here when the
+            world size and layout are the ones saved.
 
     Returns:
         A :class:`SaveHandle` (already complete when ``blocking``).
@@ -135,6 +149,8 @@ def save(
         )
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"checkpoint.save: keep must be an int >= 1 or None, got {keep!r}")
+    if frozen not in (True, False, ONCE) or not isinstance(frozen, (bool, str)):
+        raise ValueError(f"checkpoint.save: frozen must be True, False or {ONCE!r}, got {frozen!r}")
     wait_saves()
     path = os.path.abspath(os.fspath(path))
     partial = path + PARTIAL
@@ -148,7 +164,7 @@ def save(
     if world > 1:  # every rank is saving, and the directory exists
         nonce = C.broadcast_object(nonce, group=group)
     handle = SaveHandle(path, nonce, rank, world)
-    job = _snapshot(state, partial, rank, world)
+    job = _snapshot(state, partial, rank, world, frozen)
 
     def run() -> None:
         try:
@@ -157,6 +173,8 @@ def save(
                 _commit(partial, path, world, nonce, keep)
             else:
                 _await_commit(partial, path, nonce)
+            if job.once is not None:  # the next save of these tensors links this file
+                _ONCE[rank] = job.once._replace(path=os.path.join(path, frozen_file(rank)))
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             handle._error = e
             try:
@@ -203,6 +221,26 @@ class _Job:
     files: list[_Linked] = field(default_factory=list)
     named: dict[int, str] = field(default_factory=dict)  # record position -> its tensor's name in the data file
     head: dict | None = None  # rank 0: the manifest's head
+    frozen: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)  # the frozen file's tensors
+    frozen_named: dict[int, str] = field(default_factory=dict)  # record position -> its name in the frozen file
+    frozen_linked: dict | None = None  # the frozen file's record (size, checksums): linked from an earlier save
+    once: _Once | None = None  # frozen="once": what the frozen file holds, for the next save to link
+    frozen_crc: int | None = None  # frozen=False: this rank's frozen values' CRC-32, for load to check
+
+
+class _Once(NamedTuple):
+    """A frozen file written (or linked) by a save with ``frozen="once"``: the tensors it holds (weakly, with
+    their version counters: any change, or another tensor, writes afresh), its records and its own record."""
+
+    tensors: tuple  # (weakref to the tensor, its _version) per frozen part, in order
+    records: list[dict]
+    file: dict | None  # size and checksums
+    path: str = ""  # in the committed checkpoint
+
+
+ONCE = "once"
+_ONCE: dict[int, _Once] = {}  # rank -> the newest frozen file written with frozen="once" in this process
+_CRC: dict[int, tuple[tuple, int]] = {}  # rank -> (tensors as in _Once, their CRC-32): computed once per run
 
 
 def _pieces(part: Part, padded: int, rank: int, world: int) -> list[tuple[int, int]]:
@@ -231,14 +269,54 @@ def _add(job: _Job, record: dict, name: str, t: torch.Tensor) -> None:
     job.tensors.append((name, t))
 
 
-def _snapshot(state: TrainState, partial: str, rank: int, world: int) -> _Job:
+def _same(tensors: tuple, parts: list[Part]) -> bool:
+    return len(tensors) == len(parts) and all(
+        r() is p.value and v == p.value._version for (r, v), p in zip(tensors, parts)
+    )
+
+
+def _frozen_crc(parts: list[Part], rank: int) -> int:
+    """CRC-32 of this rank's frozen parts' bytes, in order (once per run: frozen tensors do not change;
+    parts held in files are not read)."""
+    found = _CRC.get(rank)
+    if found is not None and _same(found[0], parts):
+        return found[1]
+    crc = frozen_crc(parts)
+    _CRC[rank] = (tuple((weakref.ref(p.value), p.value._version) for p in parts), crc)
+    return crc
+
+
+def _snapshot(state: TrainState, partial: str, rank: int, world: int, frozen: bool | str = True) -> _Job:
     """Copy (or link) what this rank writes, so that the caller may go on changing the state."""
     lays = layouts(state)
     held = state_parts(state, rank, lays)
     cuda = any(isinstance(p.value, torch.Tensor) and p.value.is_cuda for p in held.parts)
     job = _Job()
+    frozen_parts = [p for p in held.parts if p.key == FROZEN]
+    in_memory = [p for p in frozen_parts if not isinstance(p.value, FileTensor)]
+    skip_frozen = frozen is False
+    if frozen is False:
+        job.frozen_crc = _frozen_crc(in_memory, rank)
+    elif frozen == ONCE and in_memory:
+        last = _ONCE.get(rank)
+        if last is not None and _same(last.tensors, in_memory) and _hard_link(last.path, partial, rank):
+            job.records.extend(dict(r) for r in last.records)
+            job.frozen_linked = last.file
+            job.once = last._replace(path="")
+            skip_frozen = True
+        else:
+            job.once = _Once(tuple((weakref.ref(p.value), p.value._version) for p in in_memory), [], None)
     for part in held.parts:
         if part.role is not None and part.role.mirror:
+            continue
+        if part.key == FROZEN and (skip_frozen or (job.once is not None and not isinstance(part.value, FileTensor))):
+            if not skip_frozen:  # frozen="once", written now: into the frozen file, which later saves link
+                for lo, hi in _pieces(part, lays[part.kind][part.bucket].padded, rank, world):
+                    flat = part.value.detach().reshape(-1)[lo - part.lo : hi - part.lo]
+                    rec = {"key": part.key, "kind": part.kind, "bucket": part.bucket, "lo": lo, "hi": hi}
+                    job.frozen_named[len(job.records)] = _tensor_name(part, lo)
+                    job.records.append({**rec, "dtype": DTYPES[flat.dtype]})
+                    job.frozen.append((_tensor_name(part, lo), _copy(flat)))
             continue
         for lo, hi in _pieces(part, lays[part.kind][part.bucket].padded, rank, world):
             rec = {"key": part.key, "kind": part.kind, "bucket": part.bucket, "lo": lo, "hi": hi}
@@ -272,9 +350,19 @@ def _snapshot(state: TrainState, partial: str, rank: int, world: int) -> _Job:
             "quantities": {k: r.to_json() for k, r in quantities(held.parts).items() if not r.mirror},
             "model": [list(e) for e in state.spec.model],
             "buffers": list(state.buffers),
+            "frozen": frozen is not False,
             "time": time.time(),
         }
     return job
+
+
+def _hard_link(src: str, partial: str, rank: int) -> bool:
+    """Link an earlier checkpoint's frozen file into this one; False (write it afresh) when it is gone."""
+    try:
+        os.link(src, os.path.join(partial, frozen_file(rank)))
+        return True
+    except OSError:
+        return False
 
 
 _PINNED: dict[tuple, list[torch.Tensor]] = {}  # pinned host buffers, reused from one save to the next
@@ -323,6 +411,22 @@ def _write(job: _Job, partial: str, rank: int, nonce: str) -> int:
     files = {name: w.close()}
     for i, tname in job.named.items():
         job.records[i].update(file=name, offset=w.offsets[tname])
+    fname = frozen_file(rank)
+    if job.frozen:
+        fw = Writer(
+            os.path.join(partial, fname), [(n, t.dtype, tuple(t.shape)) for n, t in job.frozen], {"format": FORMAT}
+        )
+        for i, (tname, t) in enumerate(job.frozen):
+            fw.write(t)
+            _release(t)
+            job.frozen[i] = (tname, None)
+        files[fname] = fw.close()
+        for i, tname in job.frozen_named.items():
+            job.records[i].update(file=fname, offset=fw.offsets[tname])
+        job.once = job.once._replace(records=[job.records[i] for i in job.frozen_named], file=files[fname])
+    elif job.frozen_linked is not None:
+        files[fname] = job.frozen_linked
+    written = sum(f["size"] for n, f in files.items() if not (n == fname and job.frozen_linked is not None))
     for linked in job.files:
         dst = os.path.join(partial, linked.name)
         if linked.source is not None:
@@ -332,8 +436,10 @@ def _write(job: _Job, partial: str, rank: int, nonce: str) -> int:
                 os.fsync(out.fileno())
         files[linked.name] = checksum_file(dst)
     record = {"rank": rank, "nonce": nonce, "records": job.records, "files": files, "head": job.head}
+    if job.frozen_crc is not None:
+        record["frozen_crc"] = job.frozen_crc
     write_json(os.path.join(partial, record_file(rank)), record)
-    return sum(f["size"] for f in files.values())
+    return written
 
 
 class _Late(CheckpointError):
@@ -390,6 +496,8 @@ def _commit(partial: str, path: str, world: int, nonce: str, keep: int | None) -
     for r in ranks:
         manifest["records"] += r["records"]
         manifest["files"].update(r["files"])
+    if not manifest.get("frozen", True):
+        manifest["frozen_crc"] = [r.get("frozen_crc") for r in ranks]
     write_json(os.path.join(partial, MANIFEST), manifest)
     for n in names:
         os.remove(n)
