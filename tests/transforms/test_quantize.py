@@ -4,6 +4,8 @@ base held per rank is the quantized bytes, sharded under shard_params."""
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 from helpers import rank_slice
@@ -81,6 +83,10 @@ COMPOSITIONS = {
     "shard_params": shard_params,
     "shard_params+offload_params": lambda s: offload(shard_params(s), "cpu", params="cpu"),
     "shard_params+remat": lambda s: remat(shard_params(s)),
+    # the quantized shards in files, read per unit, the adapters' optimizer state beside them
+    "shard_params+offload_params_nvme": lambda s: offload(
+        shard_params(s), "nvme", path=tempfile.mkdtemp(prefix="zf-quant-nvme-"), params="nvme"
+    ),
     "shard_params+amp": lambda s: amp(shard_params(s), torch.bfloat16),
 }
 
@@ -94,7 +100,7 @@ def _quantized_bytes(state) -> int:
     """Bytes of the quantized parts this rank holds."""
     layout = state.spec.layout
     return sum(
-        shard.numel() * shard.element_size()
+        shard.numel() * shard.dtype.itemsize
         for bucket, shard in zip(layout.frozen_buckets, state.frozen)
         if any("weight_" in s.name for s in bucket.slots)
     )
