@@ -28,6 +28,13 @@ checkpoint, or the model's own initialisation), encodes it and keeps this
 rank's shard of the parts, so no rank ever holds more than one layer's
 weight unquantized.
 
+To export, :func:`dequantized` turns the full parameters
+(``step.full_params(state)`` or ``step.state_dict(state)``) back into those
+of the unquantized model: each layer's parts become its ``weight``, decoded
+with the layer's codec, under the name the model had before, ready for
+``load_state_dict`` into a freshly built model (and, for peft, for
+``merge_and_unload``).
+
 Collectives: none of its own.
 
 Example:
@@ -58,7 +65,7 @@ from zerofn.functional import Functional
 from zerofn.step import Step, reapply, transform
 from zerofn.storage import ParamSplit, split_params
 
-__all__ = ["QuantizedLinearFn", "QuantizeOptions", "quantize", "quantized_layers"]
+__all__ = ["QuantizedLinearFn", "QuantizeOptions", "dequantized", "quantize", "quantized_layers"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,114 @@ class Quantized:
 def quantized_layers(module: nn.Module) -> dict[str, Quantized]:
     """path -> how its weight is held, for every layer of ``module`` that ``quantize`` holds quantized."""
     return {path: m._zf_quantized for path, m in module.named_modules() if isinstance(m, _QuantizedLinear)}
+
+
+def dequantized(params: dict, model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The full parameters of the unquantized model: each quantized layer's parts replaced by its weight.
+
+    Args:
+        params: name -> tensor, the full parameters of a model that ``quantize``
+            holds quantized: ``step.full_params(state)`` or
+            ``step.state_dict(state)`` (``master=True`` too), on any rank.
+        model: the module the step runs (the one ``zf.functional`` wraps), after
+            ``step.init``: its quantized layers say how each weight is held
+            (:func:`quantized_layers`).
+        dtype: the dtype of the dequantized weights; None: the dtype each was
+            quantized from (amp's under ``amp``). Other tensors are left as
+            they are.
+
+    Returns:
+        A new dict, in the order of ``params``: each layer's parts
+        (``<path>.weight_codes``, ...) replaced, where the first of them was,
+        by ``<path>.weight``, decoded with the layer's codec (the numbers
+        the layer computes with); every other entry the same tensor. Its names
+        are those of the unquantized model, so ``load_state_dict(...,
+        strict=True)`` into a freshly built one (peft's adapters included)
+        loads it.
+
+    Raises:
+        TypeError: ``params`` is not a dict or ``model`` not a module.
+        ValueError: ``model`` holds no layer quantized, or ``params`` lacks some
+            of a layer's parts or holds one of the wrong size or kind.
+
+    Example:
+        >>> import torch, zerofn as zf
+        >>> from zerofn.transforms.quantize import dequantized, quantize
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+        >>> _ = model[0].weight.requires_grad_(False)
+        >>> apply = zf.functional(model)
+        >>> step = quantize(zf.train_step(lambda p, x: apply(p, x).square().mean(), zf.optim.adamw(1e-3)), "nf4")
+        >>> state = step.init(apply.params)
+        >>> sorted(step.full_params(state))
+        ['0.bias', '0.weight_codes', '0.weight_factors', '0.weight_mean', '0.weight_scalers', '1.bias', '1.weight']
+        >>> full = dequantized(step.full_params(state), model)
+        >>> sorted(full), full["0.weight"].shape
+        (['0.bias', '0.weight', '1.bias', '1.weight'], torch.Size([64, 64]))
+        >>> fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+        >>> fresh.load_state_dict(full)
+        <All keys matched successfully>
+    """
+    if isinstance(model, Functional):
+        model = model.module
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"dequantized(params, model): model must be the nn.Module the step runs, got {type(model).__name__}"
+        )
+    if not isinstance(params, dict):
+        raise TypeError(
+            f"dequantized(params, model): params must be a dict of name -> tensor (step.full_params(state) or "
+            f"step.state_dict(state)), got {type(params).__name__}"
+        )
+    layers = quantized_layers(model)
+    if not layers:
+        raise ValueError(
+            "dequantized(params, model): no layer of model is held quantized. Pass the module the quantized step "
+            "runs (the one zf.functional wraps), after step.init(...): a freshly built model holds plain weights."
+        )
+    order = {name: i for i, name in enumerate(params)}
+    firsts: dict[str, str] = {}  # the first of a layer's parts in params -> the layer's path
+    taken: set[str] = set()
+    for path, held in layers.items():
+        prefix = f"{path}." if path else ""
+        names = [f"{prefix}weight_{k}" for k in held.codec.parts(held.shape.numel(), held.dtype)]
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise ValueError(
+                f"dequantized(params, model): params lack {missing} of {path!r}, which is held quantized "
+                f"({held.codec.name}: its parts are {names}). Pass every full parameter: "
+                "step.full_params(state) or step.state_dict(state), and the model that step runs."
+            )
+        if f"{prefix}weight" in params:
+            raise ValueError(
+                f"dequantized(params, model): params hold both {prefix}weight and the parts of {path!r}; "
+                "pass the full parameters as the quantized step gives them (step.full_params(state))."
+            )
+        firsts[min(names, key=order.__getitem__)] = path
+        taken.update(names)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in params.items():
+        if name in firsts:
+            path = firsts[name]
+            held = layers[path]
+            prefix = f"{path}." if path else ""
+            out[f"{prefix}weight"] = _decode_full(params, prefix, held, dtype)
+        elif name not in taken:
+            out[name] = t
+    return out
+
+
+def _decode_full(params: dict, prefix: str, held: Quantized, dtype: torch.dtype | None) -> torch.Tensor:
+    """One layer's weight from its full parts, each read in the dtype the codec holds it in (``master=True``
+    gives the float parts in fp32: cast back, exactly, as they were rounded from it)."""
+    want = held.codec.parts(held.shape.numel(), held.dtype)
+    parts = {}
+    for k, (_, dt) in want.items():
+        t = params[f"{prefix}weight_{k}"]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"dequantized(params, model): {prefix}weight_{k} is a {type(t).__name__}, not a tensor")
+        parts[k] = t.detach().to(dt) if t.is_floating_point() and dt.is_floating_point else t.detach()
+    with torch.no_grad():
+        return held.codec.decode(parts, held.shape, dtype or held.dtype)
 
 
 def _prepare(options: QuantizeOptions, split: ParamSplit, functional: Functional | None, where: str) -> ParamSplit:
