@@ -8,6 +8,7 @@ import importlib as _importlib
 from zerofn import checkpoint, collectives, memory, metrics, optim, testing, tree
 from zerofn.collectives import CollectiveError, CollectiveTimeoutError
 from zerofn.functional import Functional, functional
+from zerofn.generation import generate
 from zerofn.launch import RankError, RankPool, spawn
 from zerofn.losses import Mean
 from zerofn.state import DonatedStateError, TrainState, block_until_ready
@@ -28,6 +29,7 @@ __all__ = [
     "collectives",
     "from_deepspeed",
     "functional",
+    "generate",
     "memory",
     "metrics",
     "moe",
