@@ -4,6 +4,7 @@ with what they measure against (the same loss for every fp32 system; a checkpoin
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -150,3 +151,31 @@ def test_bench_phases_py_breaks_the_step_into_phases():
     assert ("zf0", "in backward: launch reduce-scatter") not in phases  # each system's phases are its own
     for system in ("ddp", "ddp-nosync"):
         assert phases[system, "backward (DDP's all-reduce inside)"] > 0, out
+
+
+def test_bench_quantize_py_holds_and_gathers_the_nf4_base_in_fewer_bytes(tmp_path):
+    """The QLoRA benchmark at a tiny size under torchrun on 2 ranks: every system trains and is timed, and on
+    each rank the NF4 base holds fewer bytes than the bf16 one (its projections at most 0.3 x: 4 bits and the
+    scales against 16 bits) and moves fewer per step, with and without its shards offloaded."""
+    out_json = tmp_path / "quantize.json"
+    out = _run(
+        *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "examples/bench_quantize.py"),
+        *("--hidden", "64", "--intermediate", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2"),
+        *("--vocab", "64", "--seq-len", "16", "--lora", "4", "--steps", "2", "--rounds", "1", "--quiet"),
+        *("--json", str(out_json)),
+    )
+    assert re.search(r"Llama 0\.1 M parameters", out), out
+    res = json.loads(out_json.read_text())
+    assert len(res["ranks"]) == 2
+    for rank in res["ranks"]:
+        figures = rank["figures"]
+        assert set(figures) == {"bf16 base", "nf4 base", "bf16 base, offloaded", "nf4 base, offloaded"}
+        for f in figures.values():
+            assert f["step_s"] > 0 and f["comm_bytes"] > 0 and f["step_peak"] > 0, f
+            assert math.isfinite(f["first_loss"]) and math.isfinite(f["last_loss"]), f
+        for where in ("", ", offloaded"):
+            nf4, bf16 = figures[f"nf4 base{where}"], figures[f"bf16 base{where}"]
+            assert 0 < nf4["projection_weights"] <= 0.3 * bf16["projection_weights"], (nf4, bf16)
+            assert nf4["frozen_base"] < bf16["frozen_base"] and nf4["state"]["params"] < bf16["state"]["params"]
+            assert nf4["comm_bytes"] < bf16["comm_bytes"], (nf4["comm_bytes"], bf16["comm_bytes"])
+    assert "nf4 base / bf16 base, rank 1:" in out, out
