@@ -9,7 +9,9 @@ passed as ``estimate(..., optimizer=)`` is initialised once on a two-element
 tensor, to count what its state holds: :func:`optimizer_bytes`).
 
 The package, by concern: ``shapes`` (Hugging Face configs: :class:`ModelShape`,
-:func:`model_shape`), ``activations`` (:func:`activation_bytes`), ``estimates``
+:func:`model_shape`), ``activations`` (:func:`activation_bytes`), ``lora`` (LoRA adapters
+on a frozen base, quantized or not: :class:`LoraPlan`, :func:`lora_plan`,
+:func:`dequant_bytes`), ``estimates``
 (:class:`Estimate`, :func:`estimate`, :func:`compositions`), ``cli``
 (:func:`main`, :func:`parse_size`, :func:`parse_count`), ``text``
 (:func:`plan_text`, :func:`fmt_bytes`) and ``plotting`` (:func:`plot`); every
@@ -59,6 +61,18 @@ gradients exist inside a step. Also inside a step:
 ``Estimate.total`` (per GPU) = parameters + optimizer state on the GPU +
 gradients + max(activations + gathered units, update transient).
 
+LoRA (``estimate(..., lora_rank=r)``) and QLoRA (``quantize="nf4"`` or
+``"int8"`` too): Psi counts the adapters, r x (in + out) per projection of
+every block, and the table above applies to them; the model's parameters are
+a frozen base beside them (``Estimate.frozen``: no gradient, no optimizer
+state), whole on every rank under DDP and ZeRO-1, 2, sharded per unit under
+ZeRO-3, on the host with the parameters' placement. Quantized, its
+projections' weights take the codec's exact bytes (NF4: 0.516 per
+parameter with the scales), ZeRO-3 gathers them at that size, and one
+projection's weight dequantized for its call adds ``Estimate.dequant`` in
+the step: total = ... + max(activations + gathered units + dequant, update).
+See :mod:`zerofn.plan.lora`.
+
 Optimizer state in CPU RAM (``"cpu"``): the GPU keeps only parameters and
 the gradients of the buckets backward is landing; the host holds, per
 rank, the optimizer state (K S), an fp32 gradient buffer kept from step
@@ -105,6 +119,7 @@ from zerofn.plan.estimates import (
     estimate,
     optimizer_bytes,
 )
+from zerofn.plan.lora import LoraPlan, dequant_bytes, lora_plan
 from zerofn.plan.plotting import plot
 from zerofn.plan.shapes import ModelShape, model_shape
 from zerofn.plan.text import fmt_bytes, format_count, plan_text
@@ -116,13 +131,16 @@ __all__ = [
     "NVME_SUB_GROUP_BYTES",
     "PREFETCH",
     "Estimate",
+    "LoraPlan",
     "ModelShape",
     "OptimizerBytes",
     "activation_bytes",
     "compositions",
+    "dequant_bytes",
     "estimate",
     "fmt_bytes",
     "format_count",
+    "lora_plan",
     "main",
     "model_shape",
     "optimizer_bytes",

@@ -21,6 +21,7 @@ def activation_bytes(
     inference: bool = False,
     flash: bool = True,
     device: str = "cuda",
+    lora_rank: int = 0,
 ) -> int:
     """Activation bytes alive at a training step's peak on one GPU, for a GPT-like model.
 
@@ -48,6 +49,10 @@ def activation_bytes(
       activation (a (h + f)).
     - ``inference``: nothing is saved; one block's intermediates and the
       logits at a time.
+    - ``lora_rank`` r: LoRA adapters on each projection of a block (7 in a
+      gated block, 6 otherwise) save their r-wide middle (A's output, B's
+      input): a x r more per projection. Their input is the projection's,
+      saved already; a frozen projection saves nothing for a weight gradient.
 
     Returns:
         Bytes (an int).
@@ -65,7 +70,7 @@ def activation_bytes(
     act = 2 if mixed_precision else 4
     norm32 = 4 if (mixed_precision and device != "cpu") else 0  # CUDA autocast: layer norms in fp32
     sb = s * b
-    elems = 6 * h + 2 * h_kv + (4 if gated else 2) * f
+    elems = 6 * h + 2 * h_kv + (4 if gated else 2) * f + (7 if gated else 6) * int(lora_rank)
     stats = 16 + 4 * a_heads
     per_layer = sb * (act * elems + 2 * norm32 * h + stats + (0 if flash else act * a_heads * s))
     x = sb * act * h  # one residual-stream tensor

@@ -102,6 +102,20 @@ def _parser() -> argparse.ArgumentParser:
         "master_dtype=torch.bfloat16), DeepSpeed's bf16_master_weights_and_grads): 4 bytes of optimizer state "
         "per parameter less, and no fp32 gradient copy in the update",
     )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        metavar="R",
+        help="LoRA adapters of rank R on every linear projection of every block (q, k, v, o, gate, up, down for "
+        "Llama-shaped models), r x (in + out) trainable parameters each; the base frozen (no gradients, no "
+        "optimizer state). Needs the shapes: --model, or --layers and --hidden",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=("nf4", "int8"),
+        help="hold the frozen base's projection weights quantized, as zerofn.transforms.quantize(step, KIND) does "
+        "(QLoRA: nf4, 0.516 bytes per parameter with its scales; int8: 1.0625); needs --lora-rank",
+    )
     p.add_argument("--plot", metavar="FILE.png", help="draw bytes per GPU by composition against the GPU memory")
     return p
 
@@ -122,6 +136,23 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             f"--bf16-masters drops the fp32 master copy of mixed-precision training; --{'fp32' if args.fp32 else 'inference'} "
             "has none: leave one of the two out"
+        )
+    if args.quantize and args.lora_rank is None:
+        p.error(
+            f"--quantize {args.quantize} holds the model's frozen Linear weights quantized, and without LoRA adapters "
+            "every Linear is trainable: nothing would be frozen to quantize. Pass --lora-rank R (QLoRA: "
+            f"--lora-rank 16 --quantize {args.quantize}), or leave --quantize out to plan full training"
+        )
+    if args.lora_rank is not None and args.lora_rank < 1:
+        p.error(f"--lora-rank {args.lora_rank}: the adapters' rank must be at least 1 (16 and 64 are common)")
+    if args.lora_rank is not None and args.inference:
+        p.error(
+            "--lora-rank plans training (adapters with gradients and optimizer state); --inference counts weights only"
+        )
+    if args.lora_rank is not None and args.model is None and not (args.layers and args.hidden):
+        p.error(
+            "--lora-rank puts adapters on every block's projections, whose shapes it needs: pass --model "
+            "config.json, or --layers and --hidden (with --heads and --ffn where they differ from GPT's)"
         )
     if args.model is not None and not os.path.exists(args.model):
         p.error(
@@ -166,7 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         kw["optimizer"] = O.adamw(1e-3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)
     if args.bf16_masters:
         kw["master_weights"] = False
-    rows = compositions(source, inference=args.inference, **kw)
+    if args.lora_rank is not None:
+        kw["lora_rank"] = args.lora_rank
+        kw["quantize"] = args.quantize
+    try:
+        rows = compositions(source, inference=args.inference, **kw)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     psi = source.params if isinstance(source, ModelShape) else int(round(source))
     n = args.gpus * args.nodes
     what = "fp32, Adam" if args.fp32 else "bf16 mixed precision, Adam"
@@ -174,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         what = "bf16 parameters updated in place (no fp32 masters), Adam"
     what += " with bf16 moments" if args.bf16_moments else ""
     what = "inference, fp16/bf16 weights" if args.inference else what
+    lora = rows[0].lora
+    if lora is not None:
+        what += f"; LoRA rank {lora.rank} ({format_count(lora.trainable)} trainable), the base frozen"
+        what += f" in {lora.quantize.upper()}" if lora.quantize else ""
     name = f" ({source.name})" if isinstance(source, ModelShape) and source.name else ""
     title = (
         f"{format_count(psi)} parameters{name} on {n} GPU(s) ({args.nodes} node(s) x {args.gpus}), "

@@ -12,6 +12,7 @@ import torch
 
 from zerofn import optim as O
 from zerofn.plan.activations import activation_bytes
+from zerofn.plan.lora import LoraPlan, lora_plan, projections
 from zerofn.plan.shapes import ModelShape
 
 __all__ = [
@@ -35,6 +36,13 @@ PREFETCH = 1  # ZeRO-3's default prefetch
 ADAM_COUNT_BYTES = 8  # the optimizer's int64 step count
 
 _DEVICES = (None, "cpu", "nvme")
+
+QUANTIZE_NEEDS_LORA = (
+    "estimate: quantize={quantize!r} without lora_rank: quantize holds the model's frozen Linear weights "
+    "quantized (NF4 or int8, dequantized per call), and without LoRA adapters every Linear is trainable, so "
+    "nothing would be frozen to quantize. Pass lora_rank= (python -m zerofn plan: --lora-rank R) for QLoRA, or "
+    "leave quantize out to plan full training."
+)
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,13 @@ class Estimate:
         state_cpu, state_nvme: the parts of ``state`` in CPU RAM and in files on NVMe (the current
             generation of each file, as ``state_bytes`` counts them); the rest is on the GPU. See
             :meth:`by_placement`.
+        frozen: bytes of the frozen base on the GPU between steps (``lora_rank=``: every parameter but the
+            adapters, its projections quantized under ``quantize=``; this rank's shard under ZeRO-3; 0 when
+            the shards rest on the host). ``params`` then counts the adapters only.
+        dequant: the in-step transient of a quantized base: one projection's weight dequantized for its
+            call (the largest's, forward and again in backward; 0 unquantized).
+        lora: the adapters and the frozen base (:class:`~zerofn.plan.LoraPlan`), or None: every parameter
+            trainable.
     """
 
     label: str
@@ -137,17 +152,22 @@ class Estimate:
     optimizer_per_param: int = 0
     state_cpu: int = 0
     state_nvme: int = 0
+    frozen: int = 0
+    dequant: int = 0
+    lora: LoraPlan | None = None
 
     @property
     def model_state(self) -> int:
         """Parameters + gradients + optimizer state on the GPU: the ZeRO paper's table, per GPU (with the
-        optimizer state in CPU RAM, the gradients are the few buckets backward is landing)."""
-        return self.params + self.grads + self.optimizer
+        optimizer state in CPU RAM, the gradients are the few buckets backward is landing), and a frozen
+        base on the GPU beside the adapters."""
+        return self.params + self.frozen + self.grads + self.optimizer
 
     @property
     def total(self) -> int:
-        """Peak bytes per GPU in a step: model state + max(activations + gathered units, update transient)."""
-        return self.model_state + max(self.activations + self.gathered, self.update)
+        """Peak bytes per GPU in a step: model state + max(activations + gathered units + a quantized
+        projection's dequantized weight, update transient)."""
+        return self.model_state + max(self.activations + self.gathered + self.dequant, self.update)
 
     @property
     def cpu_per_node(self) -> int:
@@ -247,6 +267,8 @@ def estimate(
     bucket_bytes: int = BUCKET_BYTES,
     prefetch: int = PREFETCH,
     optimizer: O.GradientTransformation | None = None,
+    lora_rank: int | None = None,
+    quantize: str | None = None,
 ) -> Estimate:
     """Bytes per GPU, per rank on the host and per node for one zerofn composition (see the module docs).
 
@@ -284,6 +306,23 @@ def estimate(
         optimizer: the ``zf.optim`` optimizer, whose state is counted as it holds it (see
             :func:`optimizer_bytes`: ``adamw(..., mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)``
             holds 4 bytes per parameter where fp32 moments hold 8); None: Adam with fp32 moments.
+        lora_rank: LoRA adapters of this rank on every linear projection of every
+            block (q, k, v, o, gate, up, down for a gated, Llama-shaped block; q, k, v,
+            o, up, down otherwise), r x (in + out) parameters each, as peft adds them:
+            they are the trainable parameters (Psi of the table, with gradients and
+            optimizer state); the model's own parameters (``params``) are the frozen
+            base, held in the parameters' dtype (2 bytes under mixed precision, 4 in
+            fp32), sharded under ZeRO-3 and gathered per unit with the adapters,
+            resting on the host with ``param_offload``. Needs the shapes: a
+            :class:`ModelShape`, or ``layers`` and ``hidden``. None: every parameter
+            trainable. See :mod:`zerofn.plan.lora`.
+        quantize: ``"nf4"`` or ``"int8"``: the base's projection weights held as
+            ``zerofn.transforms.quantize(step, quantize)`` holds them (block size 64),
+            at the codec's exact bytes (NF4: 0.516 bytes per parameter with its
+            scales; int8: 1.0625); the embeddings, head, norms and biases stay in the
+            parameters' dtype. ZeRO-3 gathers the quantized bytes, and each
+            projection's weight is dequantized just for its call (``Estimate.dequant``).
+            Needs ``lora_rank``: quantize holds frozen weights only.
 
     Returns:
         An :class:`Estimate`.
@@ -292,7 +331,8 @@ def estimate(
         ValueError: a stage outside 0-3, an unknown offload device, or a
             combination zerofn does not run (parameters off the GPU without
             stage 3 or with the optimizer state on the GPU; parameters on NVMe
-            without the optimizer state there too).
+            without the optimizer state there too); ``quantize`` without
+            ``lora_rank``, or either with ``inference`` or without the shapes.
 
     Example:
         >>> from zerofn import memory
@@ -301,6 +341,12 @@ def estimate(
         [14.0, 1.8, 10.5]
         >>> round(e.state / 1e9, 2)                                     # what the TrainState holds between steps
         24.5
+        >>> from zerofn.plan import model_shape                         # QLoRA: Llama-2-7B, rank 16, NF4 base
+        >>> llama2_7b = model_shape({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+        ...     "num_hidden_layers": 32, "intermediate_size": 11008, "num_attention_heads": 32})
+        >>> q = memory.estimate(llama2_7b, stage=3, lora_rank=16, quantize="nf4")
+        >>> round(q.lora.trainable / 1e6, 1), round(q.frozen / 1e9, 2), round(q.state / 1e9, 2)
+        (40.0, 3.6, 4.16)
     """
     shape = params if isinstance(params, ModelShape) else None
     if shape is not None:
@@ -346,6 +392,26 @@ def estimate(
             "estimate: parameters on the host come with the optimizer state off the GPU, in CPU RAM or on NVMe "
             '(optimizer_offload="cpu" or "nvme")'
         )
+    if quantize is not None and lora_rank is None:
+        raise ValueError(QUANTIZE_NEEDS_LORA.format(quantize=quantize))
+    if lora_rank is not None and inference:
+        raise ValueError(
+            f"estimate: lora_rank={lora_rank!r}{f', quantize={quantize!r}' if quantize else ''} plans training "
+            "(adapters with gradients and optimizer state); inference=True counts 2-byte weights only. Leave one "
+            "of the two out."
+        )
+    if lora_rank is not None and not (layers and hidden):
+        raise ValueError(
+            "estimate: lora_rank puts adapters on every block's projections, whose shapes it needs: pass a "
+            "ModelShape (zerofn.plan.model_shape(config)) or layers= and hidden= (with heads=, kv_heads=, ffn=, "
+            "gated= where they differ from GPT's defaults)"
+        )
+    if lora_rank is not None and shape is not None and shape.experts > 1:
+        raise ValueError(
+            f"estimate: lora_rank on a mixture-of-experts model ({shape.experts} experts per block) is not "
+            "modelled: its experts are not one Linear per projection. Plan its dense counterpart, or without "
+            "lora_rank."
+        )
     gpus, nodes = int(gpus), int(nodes)
     if gpus < 1 or nodes < 1:
         raise ValueError(f"estimate: gpus and nodes must be at least 1, got {gpus} and {nodes}")
@@ -367,6 +433,26 @@ def estimate(
         else:
             layer_params = psi // layers
         layer_params = min(layer_params, psi // layers)
+    lora = None
+    if lora_rank is not None:
+        if shape is None:  # the block as its projections (norms are a rounding error)
+            linears = projections(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=None, ffn=ffn, gated=gated)
+            layer_params = min(sum(i * o for i, o in linears), psi // layers)
+        lora = lora_plan(
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=shape and shape.head_dim,
+            ffn=ffn,
+            gated=bool(gated),
+            layer_params=layer_params,
+            psi=psi,
+            rank=lora_rank,
+            quantize=quantize,
+            dtype=torch.bfloat16 if pb == 2 else torch.float32,
+        )
+        psi = lora.trainable  # from here on Psi counts the trainable parameters: the adapters
     # Buckets, each padded to a multiple of N elements (at most N - 1 each): flat buckets of
     # bucket_bytes for stages 1-2, one bucket per unit (each block and the root) for ZeRO-3.
     if stage == 3:
@@ -374,6 +460,8 @@ def estimate(
     else:
         buckets = max(1, math.ceil(psi * pb / bucket_bytes))
     padded = psi + (buckets * (n - 1) if stage >= 1 and n > 1 else 0)
+    if lora is not None and stage == 3:  # each block's adapters one bucket, padded to N; the root unit has none
+        padded = layers * -(-lora.block_trainable // n) * n
     shard = padded // n if stage >= 1 else psi  # what the optimizer updates on this rank
 
     acts = 0
@@ -393,16 +481,22 @@ def estimate(
             inference=inference,
             flash=flash,
             device=device,
+            lora_rank=lora.rank if lora else 0,
         )
     gathered = 0
     # ZeRO-3's units in flight at once: the root unit (embeddings, head, final norm) and prefetch + 2 blocks.
     # Without the layer count the model is one unit: all of it.
-    in_flight = psi
-    if stage == 3 and layer_params:
+    ahead = pb * math.ceil(psi / n)  # bytes of this rank's shards of the units in flight
+    if stage == 3 and lora is not None:
+        # The frozen base at the bytes it is held in (quantized parts), the adapters and their gradients.
+        units = min(prefetch + 2, layers)
+        gathered = lora.root_bytes() + units * (lora.block_bytes() + 2 * pb * lora.block_trainable)
+        ahead = math.ceil((lora.root_bytes() + units * (lora.block_bytes() + pb * lora.block_trainable)) / n)
+    elif stage == 3 and layer_params:
         root = psi - layers * layer_params
         per_param = pb if inference else 2 * pb  # full parameters (and, training, their gradients)
         gathered = root * per_param + min(prefetch + 2, layers) * layer_params * per_param
-        in_flight = root + min(prefetch + 2, layers) * layer_params
+        ahead = pb * math.ceil((root + min(prefetch + 2, layers) * layer_params) / n)
 
     label = _label(stage, optimizer_offload, param_offload, remat, inference)
     common = dict(
@@ -418,6 +512,8 @@ def estimate(
         activations=acts,
         gathered=gathered,
         optimizer_per_param=0 if inference else k,
+        dequant=lora.dequant if lora else 0,
+        lora=lora,
     )
     if inference:
         held = pb * (padded // n if stage == 3 else psi)
@@ -446,9 +542,11 @@ def estimate(
     # full precision makes one bucket-sized temporary.
     update = 4 * shard if masters else min(bucket_bytes, (2 if low else 4) * shard)
     cpu = nvme = 0
-    state = param_bytes + opt_state
-    state_cpu = param_bytes if param_offload == "cpu" else 0
-    state_nvme = param_bytes if param_offload == "nvme" else 0  # the current generation of the files
+    # The frozen base (LoRA): whole on every rank, or its shard under ZeRO-3; where the parameters rest.
+    base = lora.base_bytes(n if stage == 3 else 1) if lora else 0
+    state = param_bytes + base + opt_state
+    state_cpu = param_bytes + base if param_offload == "cpu" else 0
+    state_nvme = param_bytes + base if param_offload == "nvme" else 0  # the current generation of the files
     if optimizer_offload:
         # Each bucket's reduced gradient leaves for the host as backward lands it (cast to fp32 first
         # under mixed precision), so there is no update transient and the GPU holds a few buckets of
@@ -462,7 +560,7 @@ def estimate(
         # where the gradients land: a host buffer ("cpu"), or a file per bucket ("nvme"); bf16 without masters
         gbuf = (2 if low else 4) * shard
         state += gbuf
-        cpu = param_bytes if param_offload == "cpu" else 0
+        cpu = param_bytes + base if param_offload == "cpu" else 0
     if optimizer_offload == "cpu":
         host_params = pb * shard  # a host copy of what the optimizer updates, or the parameters themselves
         cpu += opt_state + gbuf + (0 if param_offload else host_params)
@@ -473,13 +571,17 @@ def estimate(
         # The parameters: a staging copy the update writes the new ones to, or, resting in files
         # (param_offload="nvme"), their two generations (the update writes the new shard to the other one).
         # (Frozen parameters, which this estimate does not count, would rest in one generation.)
-        nvme = 2 * k * shard + (2 * param_bytes if param_offload == "nvme" else pb * shard) + gbuf
+        # A frozen base's files are written once, at init: one generation.
+        nvme = 2 * k * shard + (2 * param_bytes + base if param_offload == "nvme" else pb * shard) + gbuf
         cpu += NVME_SUB_GROUPS_IN_RAM * min(NVME_SUB_GROUP_BYTES, k * shard)
         if param_offload == "nvme":
             # the shards read ahead of their gathers into host buffers: those of the units in flight
-            cpu += min(param_bytes, pb * math.ceil(in_flight / n))
+            cpu += min(param_bytes + base, ahead)
         state_cpu += held.fixed  # the step counts stay in memory, on the host
         state_nvme += k * shard + gbuf  # the current generation of the state files, and the gradients' files
+    traffic = 0 if n == 1 else (3 if stage == 3 else 2) * psi
+    if lora is not None and stage == 3 and n > 1:  # the frozen base gathered twice, its bytes as parameters
+        traffic += 2 * lora.base_bytes() // pb
     return Estimate(
         **common,
         params=0 if param_offload else param_bytes,
@@ -489,9 +591,10 @@ def estimate(
         cpu=cpu,
         nvme=nvme,
         state=state,
-        traffic=0 if n == 1 else (3 if stage == 3 else 2) * psi,
+        traffic=traffic,
         state_cpu=state_cpu,
         state_nvme=state_nvme,
+        frozen=0 if param_offload else base,
     )
 
 
@@ -506,6 +609,11 @@ def compositions(
     parameters and optimizer state on NVMe; each with and without remat
     when ``remat`` is None and the shapes for activations are given. Inference: replicated, ZeRO-3, ZeRO-3 with
     parameters in CPU RAM.
+
+    Every other keyword goes to :func:`estimate` for each row: ``lora_rank=`` (LoRA adapters of that rank
+    on every block's projections, the rest frozen) and ``quantize=`` (``"nf4"`` or ``"int8"``: the frozen
+    projections held quantized, QLoRA) among them, with :func:`estimate`'s meaning; there the parameters'
+    placement moves the frozen base too (ZeRO-3 with its parameters in CPU RAM or on NVMe).
 
     Example:
         >>> from zerofn.plan import compositions

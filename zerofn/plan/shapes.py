@@ -17,7 +17,9 @@ class ModelShape:
     ``params`` counts each tensor once (a tied head adds nothing). Block
     shapes follow GPT: ``layers`` blocks of attention (``heads`` query
     heads, ``kv_heads`` key/value heads) and an MLP of width ``ffn``
-    (``gated``: SwiGLU's three matrices, Llama-style).
+    (``gated``: SwiGLU's three matrices, Llama-style); ``head_dim`` where
+    the config gives one (else hidden / heads), ``experts`` the MLPs of a
+    mixture-of-experts block (1: dense).
     """
 
     params: int
@@ -32,6 +34,8 @@ class ModelShape:
     tied: bool = True
     layer_params: int | None = None  # one block's parameters (a ZeRO-3 unit)
     name: str = ""
+    head_dim: int | None = None
+    experts: int = 1
 
     @property
     def root_params(self) -> int:
@@ -153,4 +157,6 @@ def model_shape(config: dict | str | os.PathLike) -> ModelShape:
         tied=tied,
         layer_params=layer,
         name=name or kind,
+        head_dim=head_dim,
+        experts=experts,
     )

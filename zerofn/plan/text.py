@@ -23,6 +23,39 @@ def format_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+_PROJECTIONS = {7: "q, k, v, o, gate, up and down", 6: "q, k, v, o, up and down"}
+
+
+def _lora_lines(e: Estimate) -> list[str]:
+    """What LoRA trains and what its frozen base holds, for :func:`plan_text`."""
+    lora = e.lora
+    k = e.optimizer_per_param
+    pb = lora.dtype.itemsize
+    where = f"the {_PROJECTIONS.get(len(lora.linears), 'linear')} projections of {lora.layers} blocks"
+    lines = [
+        f"trainable: {format_count(lora.trainable)} LoRA parameters (rank {lora.rank} on {where}) at {pb} + {pb} + "
+        f"{k} bytes per parameter (parameters + gradients + optimizer state) = "
+        f"{fmt_bytes((2 * pb + k) * lora.trainable)} in all"
+    ]
+    dtype = str(lora.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")
+    base = fmt_bytes(lora.base_bytes())
+    if lora.quantize:
+        lines.append(
+            f"frozen base: {format_count(lora.frozen)} parameters, no gradients or optimizer state; the projections' "
+            f"{format_count(lora.quantized)} in {lora.quantize.upper()} at {lora.bytes_per_quantized():.4f} bytes per "
+            f"parameter (codes and scales), the rest (embeddings, head, norms) in {dtype}: {base}, on every GPU "
+            "under DDP, its shard under ZeRO-3, which gathers it per unit at that size; each projection's weight is "
+            f"dequantized to {dtype} for its call, forward and again in backward: {fmt_bytes(e.dequant)} for the "
+            "largest (the 'dequant' column)"
+        )
+    else:
+        lines.append(
+            f"frozen base: {format_count(lora.frozen)} parameters in {dtype}, no gradients or optimizer state: {base}, "
+            "on every GPU under DDP, its shard under ZeRO-3"
+        )
+    return lines
+
+
 def _recommend(rows: list[Estimate], gpu: float, cpu: float | None, nvme: float | None) -> Estimate | None:
     return next((e for e in rows if e.fits(gpu, cpu, nvme)), None)
 
@@ -31,8 +64,12 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
     """The table and verdicts :func:`main` prints."""
     lines = [title]
     e0 = rows[0]
+    lora = e0.lora
     if e0.inference:
         lines.append(f"weights: 2 bytes x {format_count(psi)} = {fmt_bytes(2 * psi)}")
+    elif lora is not None:
+        lines += _lora_lines(e0)
+        psi = lora.trainable  # the lines below are about what trains
     else:
         k = e0.optimizer_per_param
         pb = 2 if e0.mixed_precision else 4
@@ -41,8 +78,11 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
             f"= {fmt_bytes((2 * pb + k) * psi)} in all, on every GPU under DDP"
         )
     show_acts = any(e.activations for e in rows)
-    head = ["composition", "params", "grads", "optimizer"] + (["activations"] if show_acts else [])
-    head += ["gathered", "update", "model state", "per GPU", "CPU/node", "NVMe/node", "fits"]
+    show_dequant = any(e.dequant for e in rows)
+    head = ["composition", "params"] + (["frozen"] if lora else []) + ["grads", "optimizer"]
+    head += ["activations"] if show_acts else []
+    head += ["gathered"] + (["dequant"] if show_dequant else [])
+    head += ["update", "model state", "per GPU", "CPU/node", "NVMe/node", "fits"]
     table = []
     for e in rows:
         short = e.short(gpu, cpu, nvme)
@@ -51,8 +91,10 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
         if not short and unchecked:
             verdict += f" ({', '.join(unchecked)} not checked)"
         b = lambda n: fmt_bytes(n) if n else "-"  # noqa: E731
-        cells = [e.label, b(e.params), b(e.grads), b(e.optimizer)] + ([b(e.activations)] if show_acts else [])
-        cells += [b(e.gathered), b(e.update), b(e.model_state), b(e.total), b(e.cpu_per_node), b(e.nvme_per_node)]
+        cells = [e.label, b(e.params)] + ([b(e.frozen)] if lora else []) + [b(e.grads), b(e.optimizer)]
+        cells += [b(e.activations)] if show_acts else []
+        cells += [b(e.gathered)] + ([b(e.dequant)] if show_dequant else [])
+        cells += [b(e.update), b(e.model_state), b(e.total), b(e.cpu_per_node), b(e.nvme_per_node)]
         cells.append(verdict)
         table.append(cells)
     widths = [max(len(r[i]) for r in [head] + table) for i in range(len(head))]
@@ -80,8 +122,9 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
         ddp = next(e for e in rows if e.stage == 0 and not e.optimizer_offload)
         z3 = next(e for e in rows if e.stage == 3 and not e.optimizer_offload)
         lines.append(
-            f"model state per GPU (the ZeRO table: parameters + gradients + optimizer state, no activations or "
-            f"transients): DDP {fmt_bytes(ddp.model_state)}, ZeRO-3 {fmt_bytes(z3.model_state)}, which "
+            f"model state per GPU (the ZeRO table: parameters + gradients + optimizer state"
+            f"{', and the frozen base' if lora else ''}, no activations or transients): "
+            f"DDP {fmt_bytes(ddp.model_state)}, ZeRO-3 {fmt_bytes(z3.model_state)}, which "
             f"{'fits' if z3.model_state <= gpu else 'does not fit'} in {fmt_bytes(gpu)}; "
             + (
                 f"first to fit: {state_fit.label} ({fmt_bytes(state_fit.model_state)})"
@@ -93,10 +136,10 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
         k = e0.optimizer_per_param
         pb = 2 if e0.mixed_precision else 4
         lines.append(
-            f"optimizer state in CPU RAM: zerofn holds {pb + 4 + k} bytes per parameter on the host ({k} optimizer "
-            f"state + 4 fp32 gradient buffer + {pb} parameter copy), "
-            f"{fmt_bytes(host.cpu_per_node * host.world_size / host.gpus_per_node)} for the whole model over all "
-            f"nodes; ZeRO-Offload write-ups count {k} ({fmt_bytes(k * psi)})"
+            f"optimizer state in CPU RAM: zerofn holds {pb + 4 + k} bytes per {'trainable ' if lora else ''}parameter "
+            f"on the host ({k} optimizer state + 4 fp32 gradient buffer + {pb} parameter copy), "
+            f"{fmt_bytes(host.cpu_per_node * host.world_size / host.gpus_per_node)} for "
+            f"{'the adapters' if lora else 'the whole model'} over all nodes; ZeRO-Offload write-ups count {k} ({fmt_bytes(k * psi)})"
         )
         if e0.mixed_precision:
             lines.append(
@@ -113,6 +156,11 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
         lines.append(
             "ZeRO-3's gathered blocks not counted: pass --layers (or --model)"
             + ("; with the parameters on NVMe, RAM counts every shard as read ahead at once" if on_nvme else "")
+        )
+    if lora is not None and any(e.param_offload for e in rows):
+        lines.append(
+            "with ZeRO-3's parameters in CPU RAM or on NVMe, the frozen base's shards rest there too and are copied "
+            "in per unit before its gather (the CPU/node and NVMe/node columns count them)"
         )
     lines.append("leave headroom for the CUDA context, the allocator's fragmentation and communication buffers")
     return "\n".join(lines)
