@@ -7,6 +7,7 @@ or a config JSON file (from_config: fresh weights).
 
     python examples/finetune_hf.py --steps 20
     torchrun --nproc_per_node=2 examples/finetune_hf.py --zero 3 --amp bf16 --lora 8 --export out
+    torchrun --nproc_per_node=2 examples/finetune_hf.py --zero 3 --lora 8 --quantize nf4 --export out --merged
     torchrun --nproc_per_node=2 examples/finetune_hf.py --zero 2 --offload cpu --remat
     python examples/finetune_hf.py --hf-checkpointing --ckpt-dir c --save-every 10 --steps 20   # run again
                                                                                        # with --steps 40
@@ -21,6 +22,17 @@ every weight is trained. --remat is zerofn's per-block recomputation; --hf-check
 background and resumes from the newest checkpoint. With --export DIR it writes the fine-tuned model
 (LoRA merged into the base weights) with save_pretrained, reloads it with from_pretrained, generates a few
 tokens, and checks that the reloaded model's logits equal step.apply's.
+
+--quantize nf4|int8 (with --lora: QLoRA) holds the frozen base weights quantized (zerofn.transforms.quantize,
+applied last), dequantized per call. With --zero 3 the model is then built on the meta device and each rank
+initialises only its shards, layer by layer, quantizing each weight as it is read: from --model's safetensors
+files (zf.checkpoint.pretrained_init) or, without weight files, from the model's own initialisation; no rank
+ever builds the whole model. With --export DIR a quantized run writes the adapters in peft's format
+(adapter_config.json and adapter_model.safetensors, for PeftModel.from_pretrained on the base model) and
+prints a few tokens zf.generate chooses from the quantized state; --merged also writes DIR/merged, the base
+dequantized (zerofn.transforms.quantize.dequantized) with the adapters merged in, in bf16, built whole on
+rank 0 (the one place it is), and checks the reloaded adapters' logits and the merged model's against
+step.apply's.
 """
 
 from __future__ import annotations
@@ -62,7 +74,18 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="save checkpoints here and resume from the newest")
     p.add_argument("--save-every", type=int, default=None, metavar="K", help="steps between checkpoints (default 20)")
     p.add_argument("--keep", type=int, default=2, metavar="N", help="checkpoints to keep (the newest N)")
+    p.add_argument(
+        "--quantize",
+        choices=["nf4", "int8"],
+        default=None,
+        help="hold the frozen base weights quantized (QLoRA; needs --lora)",
+    )
     p.add_argument("--export", default=None, metavar="DIR", help="save_pretrained the fine-tuned model here")
+    p.add_argument(
+        "--merged",
+        action="store_true",
+        help="with --quantize --export DIR: also the merged model, dequantized, in bf16, to DIR/merged",
+    )
     p.add_argument("--prompt-len", type=int, default=6, help="tokens of the generation prompt (with --export)")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens to generate (with --export)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary lines are still printed)")
@@ -81,6 +104,15 @@ def parse_args(argv=None):
         p.error("--save-every and --keep must be at least 1")
     if args.lr is None:
         args.lr = 1e-2 if args.lora else 3e-3
+    if args.quantize and not args.lora:
+        p.error(
+            "--quantize needs --lora R: it holds the frozen base weights quantized, and without LoRA adapters "
+            "every weight is trained (none is frozen)"
+        )
+    if args.merged and not (args.quantize and args.export):
+        p.error(
+            "--merged needs --quantize and --export DIR (without --quantize, --export writes the merged model already)"
+        )
     if args.model is not None and os.path.isdir(args.model):
         existing_file(
             p,
@@ -107,7 +139,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from gpt import MarkovCorpus  # noqa: E402
-from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params  # noqa: E402
+from zerofn.transforms import amp, offload, quantize, remat, shard_grads, shard_optimizer, shard_params  # noqa: E402
 
 import zerofn as zf  # noqa: E402
 
@@ -142,11 +174,15 @@ def load_config(spec: str | None):
     return cfg, (spec if weights else None)
 
 
-def build_model(cfg, weights: str | None, seed: int):
-    """The same model on every rank: loaded weights, or fresh ones from the seed."""
+def build_model(cfg, weights: str | None, seed: int, meta: bool = False):
+    """The same model on every rank: loaded weights, or fresh ones from the seed; ``meta``: its structure
+    only, on the meta device (shard_params initialises each rank's shards)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=torch.float32)
     if weights is not None:
         model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
     else:
@@ -181,7 +217,7 @@ def sft_batch(corpus, n: int, seq_len: int, seed: int) -> dict:
     return {"input_ids": ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def build_step(args, apply):
+def build_step(args, apply, init_fn=None):
     def loss_fn(params, batch):
         # Each rank's micro-batch holds its own number of response tokens: zf.Mean(sum, count) makes the loss the
         # mean over every rank's tokens (one process over the whole batch), not the mean of the ranks' means.
@@ -196,13 +232,17 @@ def build_step(args, apply):
     total = max(args.steps, warmup + 1)
     schedule = zf.optim.warmup_cosine_decay_schedule(0.0, args.lr, warmup, total, args.lr / 10)
     optimizer = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(schedule, weight_decay=0.0))
-    step = STAGES[args.zero](zf.train_step(loss_fn, optimizer))
+    step = zf.train_step(loss_fn, optimizer)
+    # ZeRO-3 from the meta device: init_fn reads each parameter (None: the model's own initialisation)
+    step = shard_params(step, init_fn=init_fn) if args.zero == 3 else STAGES[args.zero](step)
     if args.amp:
         step = amp(step, {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp])
     if args.offload:
         step = offload(step, args.offload)
     if args.remat:
         step = remat(step)
+    if args.quantize:  # last: it rewrites what init holds (the frozen weights become their quantized parts)
+        step = quantize(step, args.quantize)
     return step
 
 
@@ -246,6 +286,66 @@ def export(args, step, state, cfg, weights, rank: int, vocab: int) -> None:
         raise SystemExit(f"the exported model's logits differ from step.apply's by {diff} > {tol}")
 
 
+def export_quantized(args, step, state, cfg, rank: int, vocab: int, model) -> None:
+    """--quantize: the adapters in peft's format (rank 0) and a few tokens zf.generate chooses from the quantized
+    state; --merged: the base dequantized with the adapters merged in, in bf16, each checked against step.apply."""
+    from peft import PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from zerofn.transforms.quantize import dequantized
+
+    model.eval()  # dropout off (and the model's own gradient checkpointing, which would refuse the cache)
+    master = {"master": True} if args.amp else {}  # the fp32 adapters (the base: dequantized read its parts exactly)
+    full = step.state_dict(state, **master)  # collective: every rank gathers (the parts: the quantized bytes)
+    prompt = MarkovCorpus(vocab=vocab, seed=args.seed).sample(2, args.prompt_len, seed=123)
+    logits = step.apply(state, input_ids=prompt, use_cache=False).logits  # collective under ZeRO-3
+    tokens = zf.generate(step, state, prompt[:1], max_new_tokens=args.new_tokens)  # collective under ZeRO-3
+    if rank != 0:
+        return
+    adapters = {k: v for k, v in full.items() if "lora_" in k}
+    shell = get_peft_model(build_model(cfg, None, args.seed, meta=True), lora_config(args.lora))
+    shell.load_state_dict(adapters, strict=False, assign=True)  # only the adapters are real: all it saves
+    shell.save_pretrained(args.export)
+    print(f"exported the {args.quantize} run's adapters to {args.export}")
+    print(f"generated: prompt {prompt[0].tolist()} -> {tokens[0, args.prompt_len :].tolist()}")
+    if not args.merged:
+        return
+
+    # The adapters as written, on the base as the step computes with it (dequantized): step.apply's numbers.
+    peft_model = PeftModel.from_pretrained(build_model(cfg, None, args.seed), args.export).eval()
+    read = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
+    if read.keys() != adapters.keys() or not all(torch.equal(read[k], adapters[k].float()) for k in read):
+        raise SystemExit(f"the adapters read back from {args.export} differ from the state's")
+    peft_model.load_state_dict(dequantized(full, model), strict=True)
+    scale = float(logits.float().abs().max())
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+
+    def forward(m):
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            return m(input_ids=prompt, use_cache=False).logits.float()  # under amp: the autocast step.apply runs in
+
+    # fp32: the same weights and the same computation; under amp both sides run in bf16 (as --export's check)
+    tol = (1e-5 if not args.amp else 5e-2) * max(1.0, scale)
+    diff = float((forward(peft_model) - logits.float()).abs().max())
+    print(f"logits max |adapters on the dequantized base - step.apply| {diff:.3g} (tolerance {tol:.3g})")
+    if not diff <= tol:
+        raise SystemExit(f"the exported adapters on the dequantized base differ from step.apply by {diff} > {tol}")
+
+    merged_dir = os.path.join(args.export, "merged")
+    merged = peft_model.merge_and_unload().to(torch.bfloat16)
+    merged.save_pretrained(merged_dir)
+    reloaded = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()  # bf16 values, exact
+    diff = float((forward(reloaded) - logits.float()).abs().max())
+    # Each merged weight is rounded to bf16 (8 significant bits: a relative error of at most 2**-9), and the
+    # logits pass through every one of the model's matrices: to first order they move by at most 2**-9 of
+    # their scale per matrix on the way, so the tolerance is 2**-9 x those matrices x the logits' scale.
+    matrices = sum(p.dim() == 2 for p in reloaded.parameters())
+    tol = max(tol, 2**-9 * matrices * max(1.0, scale))
+    print(f"exported the merged model (bf16) to {merged_dir}")
+    print(f"logits max |merged bf16 - step.apply| {diff:.3g} (tolerance {tol:.3g}, logits up to {scale:.3g})")
+    if not diff <= tol:
+        raise SystemExit(f"the merged model's logits differ from step.apply's by {diff} > {tol}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     import transformers
@@ -259,7 +359,10 @@ def main(argv=None) -> None:
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must split evenly over {world} ranks")
     cfg, weights = load_config(args.model)
-    model = build_model(cfg, weights, args.seed)
+    # QLoRA under ZeRO-3: no rank builds the whole model; each initialises its shards, quantized layer by layer
+    meta = args.zero == 3 and args.quantize is not None
+    model = build_model(cfg, weights, args.seed, meta=meta)
+    init_fn = zf.checkpoint.pretrained_init(weights) if meta and weights is not None else None
     if args.hf_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.lora:
@@ -268,7 +371,9 @@ def main(argv=None) -> None:
         model = get_peft_model(model, lora_config(args.lora))  # base weights: requires_grad=False
     model.train()  # dropout (if any) and the model's own gradient checkpointing are on in training mode
     apply = zf.functional(model)
-    step = build_step(args, apply)
+    trainable = sum(p.numel() for p in apply.params.values() if p.requires_grad)
+    total = sum(p.numel() for p in apply.params.values())  # before quantize holds the base as its parts
+    step = build_step(args, apply, init_fn)
 
     latest = zf.checkpoint.latest(args.ckpt_dir) if args.ckpt_dir and os.path.isdir(args.ckpt_dir) else None
     state = zf.checkpoint.load(latest, step) if latest is not None else step.init(apply.params)
@@ -282,8 +387,6 @@ def main(argv=None) -> None:
     local = args.batch // world
     loud = rank == 0 and not args.quiet
     if rank == 0:
-        trainable = sum(p.numel() for p in apply.params.values() if p.requires_grad)
-        total = sum(p.numel() for p in apply.params.values())
         print(
             f"{step.name} on {world} rank(s): {cfg.model_type}, {trainable:,} of {total:,} parameters trained"
             f"{f' (LoRA r={args.lora})' if args.lora else ''}, global batch {args.batch} x {args.seq_len} tokens"
@@ -326,7 +429,9 @@ def main(argv=None) -> None:
         print(f"last loss {losses[-1]:.4f}")
         print(f"throughput {tokens / elapsed:,.0f} tokens/s over {len(losses)} steps ({elapsed:.1f} s)")
         print(f"learned {learned} response tokens of {tokens} positions (prompt and padding masked)")
-    if args.export:
+    if args.export and args.quantize:
+        export_quantized(args, step, state, cfg, rank, vocab, apply.module)
+    elif args.export:
         export(args, step, state, cfg, weights, rank, vocab)
 
 

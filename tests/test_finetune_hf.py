@@ -1,7 +1,8 @@
 """The Hugging Face fine-tuning example: LoRA under ZeRO-3 + bf16 on 2 ranks exports a model that
-from_pretrained loads and generates with; full fine-tuning with the model's own gradient checkpointing
-saves checkpoints and resumes from them. Both learn the responses only (a prompt-masked zf.Mean loss),
-counted over every rank."""
+from_pretrained loads and generates with; QLoRA (an NF4 base) under ZeRO-3 on 2 ranks, built on the meta
+device, exports adapters that peft loads and a merged bf16 model whose logits match step.apply's; full
+fine-tuning with the model's own gradient checkpointing saves checkpoints and resumes from them. All learn
+the responses only (a prompt-masked zf.Mean loss), counted over every rank."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ SCRIPT = os.path.join(ROOT, "examples", "finetune_hf.py")
 # ZEROFN_TIMEOUT_S: a rank that hangs instead of failing fails the test in a minute.
 ENV = dict(os.environ, OMP_NUM_THREADS="1", ZEROFN_TIMEOUT_S="60", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 ENV.pop("TORCHELASTIC_RESTART_COUNT", None)
+LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
 def _run(argv: list[str], cwd) -> subprocess.CompletedProcess:
@@ -50,9 +52,8 @@ def _learned(out: str, steps: range) -> None:
 
 def test_lora_zero3_bf16_on_two_ranks_exports_a_model_that_loads_and_generates(tmp_path):
     export = tmp_path / "export"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     args = ["--zero", "3", "--amp", "bf16", "--lora", "4", "--steps", "4", "--export", str(export), "--quiet"]
-    out = _run([*launch, SCRIPT, *args], tmp_path).stdout
+    out = _run([*LAUNCH, SCRIPT, *args], tmp_path).stdout
     assert "amp(shard_params(train_step)) on 2 rank(s)" in out, out
     first, last = _loss("first", out), _loss("last", out)
     print(f"loss {first:.4f} -> {last:.4f}")
@@ -70,6 +71,42 @@ def test_lora_zero3_bf16_on_two_ranks_exports_a_model_that_loads_and_generates(t
     model = AutoModelForCausalLM.from_pretrained(export)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert not any("lora" in name for name in model.state_dict())
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    tokens = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert tokens.shape == (1, 9) and torch.equal(tokens[:, :4], prompt)
+
+
+def test_qlora_zero3_on_two_ranks_exports_adapters_peft_loads_and_a_merged_bf16_model(tmp_path):
+    export = tmp_path / "export"
+    args = ["--lora", "8", "--quantize", "nf4", "--zero", "3", "--steps", "3", "--export", str(export), "--merged"]
+    out = _run([*LAUNCH, SCRIPT, *args, "--quiet"], tmp_path).stdout
+    assert "quantize(shard_params(train_step)) on 2 rank(s)" in out, out
+    _learned(out, range(3))
+    # a few tokens zf.generate chose from the quantized state (collective: both ranks generated)
+    generated = re.search(r"^generated: prompt \[[0-9, ]+\] -> \[([0-9, ]+)\]$", out, re.M)
+    assert generated and len(generated.group(1).split(",")) == 8, out
+    # the example's own checks passed (or it would exit non-zero): the adapters read back on the dequantized
+    # base give step.apply's logits (fp32: exactly), and the merged bf16 model's are within bf16 rounding
+    adapters = re.search(r"^logits max \|adapters on the dequantized base - step.apply\| (\S+) ", out, re.M)
+    merged = re.search(r"^logits max \|merged bf16 - step.apply\| (\S+) \(tolerance (\S+),", out, re.M)
+    assert adapters and merged, out
+    print(f"adapters: {adapters.group(1)}; merged bf16: {merged.group(1)} (tolerance {merged.group(2)})")
+    assert float(adapters.group(1)) == 0.0 and 0 < float(merged.group(1)) <= float(merged.group(2)), out
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # the adapters in peft's format: they load onto the base model, trained (lora_B starts at zero)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(export))
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(export / "merged"))
+    lora = {n: p for n, p in PeftModel.from_pretrained(base, export).named_parameters() if "lora_" in n}
+    assert len(lora) == 2 * 2 * 2  # A and B on q_proj and v_proj of 2 blocks
+    assert all(p.abs().max() > 0 for n, p in lora.items() if "lora_B" in n)
+    # the merged model stands alone: a plain Llama in bf16, loadable and generating here
+    model = AutoModelForCausalLM.from_pretrained(export / "merged")
+    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.bfloat16
+    assert not any("lora" in name or "weight_" in name for name in model.state_dict())
     prompt = torch.tensor([[1, 2, 3, 4]])
     tokens = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert tokens.shape == (1, 9) and torch.equal(tokens[:, :4], prompt)
