@@ -31,8 +31,12 @@ their gradients land, as in ``shard_grads``), and the ``storage``, with a
   the start of the unit's backward: there the buffer is gathered again
   (with the next units in backward order prefetched). As backward hands
   over a unit's gradients they go into its bucket, which is reduce-scattered
-  while backward goes on; when the unit's last gradient is in, its full
-  buffer is released. A module compiled with ``module.compile()`` gets no
+  while backward goes on; when the unit's last gradient is in and backward
+  has computed the gradients of its inputs (through its frozen weights too:
+  a LoRA block's adapters' gradients are in before the frozen layers under
+  them have run backward), its full buffer is released. A unit whose
+  outputs needed no gradient (a frozen embedding) is not gathered in
+  backward at all. A module compiled with ``module.compile()`` gets no
   hooks: its unit opens and closes around its compiled call, in eager code
   (:class:`~zerofn.transforms._units.Intercept`), and the modules inside it
   run in the open unit, so dynamo never traces zerofn's work (docs/compile.md).
@@ -363,7 +367,15 @@ class _LiveUnit:
         self.handles: list[C.Handle] = []
         self.ready = False
         self.remaining = 0  # trainable leaves whose gradient has not arrived yet
+        self.inputs = 0  # its calls whose inputs' gradients backward has not computed yet
+        self.backward = False  # an output of its forward needs a gradient: backward runs through it
         self.depth = 0  # module calls of this unit now running
+
+    @property
+    def needed_in_backward(self) -> bool:
+        """Backward still needs its parameters: gradients of its own to come, or frozen weights that
+        backward runs through (not a frozen unit whose outputs needed no gradient: an embedding left frozen)."""
+        return bool(self.remaining) or (bool(self.spec.frozen) and self.backward)
 
     @property
     def idle(self) -> bool:
@@ -441,6 +453,7 @@ class _Runner:
         self.open_block: _LiveUnit | None = None
         self._placeholders = None
         self.calls = 0  # model calls running (forward); none while backward recomputes
+        self.input_hooks: list = []  # see _watch_inputs
         # Each unit's places in the model (module, attribute): they hold the unit's leaves while it is
         # gathered and placeholders otherwise, so that a read from outside the unit gathers it (see outside).
         self.places: dict[int, list] = {u.index: [] for u in self.units}
@@ -587,6 +600,9 @@ class _Runner:
     def close(self) -> None:
         self.showing = False  # the model has its own parameters back
         self._unwatch()
+        for h in self.input_hooks:
+            h.remove()
+        self.input_hooks = []
         for unit in self.units:
             self._release(unit)
         if self.probe is not None:  # a forward that raised left its last agreement in flight: end it alike
@@ -642,7 +658,7 @@ class _Runner:
         if self.reads is None:
             return
         if self.backward_queue is not None:
-            order = [u for u in self.backward_queue if u.remaining or u.spec.frozen]
+            order = [u for u in self.backward_queue if u.needed_in_backward]
         else:
             forward = self.recorded if self.recorded is not None else self._expected_forward()
             order = forward[forward.index(unit) + 1 :] if unit in forward else forward
@@ -760,7 +776,25 @@ class _Runner:
             self._opened(unit)
         if unit.depth == 0:
             self._show(unit, True)
+            if torch.is_grad_enabled() and self.sink is not None:
+                self._watch_inputs(unit, args)
         unit.depth += 1
+
+    def _watch_inputs(self, unit: _LiveUnit, args: Any) -> None:
+        """Count the call until backward has computed its inputs' gradients: the unit's backward is over only
+        then. A unit whose frozen weights compute those gradients (a LoRA block: its adapters' gradients can
+        all be in before backward reaches the frozen layers below them) must stay gathered until it is."""
+        inputs = [t for t in T.tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not inputs:
+            return
+        unit.inputs += 1
+
+        def done(_grads: Any) -> None:
+            unit.inputs -= 1
+            if unit.inputs == 0 and unit.remaining == 0 and not self.closed:
+                self._release(unit)
+
+        self.input_hooks.append(torch.autograd.graph.register_multi_grad_hook(inputs, done, mode="all"))
 
     def _opened(self, unit: _LiveUnit) -> None:
         self.forward_order.append(unit)
@@ -795,6 +829,7 @@ class _Runner:
         if torch.is_grad_enabled() and self.sink is not None:
             for t in T.tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
+                    unit.backward = True
                     t.register_hook(C.with_current_group(functools.partial(self._before_backward, unit)))
         if not self.calls:  # a recompute in backward: see _before
             return
@@ -823,12 +858,12 @@ class _Runner:
             self.backward_queue.remove(unit)
         if unit.remaining or unit.spec.frozen:
             self._ensure_backward(unit)
-        self._prefetch([u for u in self.backward_queue if u.remaining or u.spec.frozen], unit, agree=True)
+        self._prefetch([u for u in self.backward_queue if u.needed_in_backward], unit, agree=True)
 
     def _grad_in(self, unit: _LiveUnit) -> Callable[[torch.Tensor], None]:
         def on_grad(leaf: torch.Tensor) -> None:
             unit.remaining -= 1
-            if unit.remaining == 0:  # its backward is over: the full parameters can go
+            if unit.remaining == 0 and unit.inputs == 0:  # its backward is over: the full parameters can go
                 self._release(unit)
 
         return on_grad
