@@ -53,6 +53,7 @@ LAYERS = {  # bottom first
         "zerofn.plan",
         "zerofn.bench",
         "zerofn.metrics",
+        "zerofn.generation",
         "zerofn.memory",
         "zerofn.testing",
         "zerofn.__main__",

@@ -335,7 +335,7 @@ def _check_frozen(saved: Saved, parts: list[Part], lays: dict) -> None:
             f"{saved.what} was saved without its frozen parameters (save(..., frozen=False)), and those this "
             "step built from the params it was given differ from the ones it was trained with. Build them from "
             "the same source as when it was saved: the same model weights, or init_fn="
-            "zf.checkpoint.pretrained_init(directory) of the same directory, with the same quantize settings."
+            "zf.checkpoint.pretrained_init(directory) of the same directory, with the same transforms holding them."
         )
 
 
