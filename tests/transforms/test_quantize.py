@@ -123,7 +123,14 @@ def _train(name: str, kind: str | None, dequantized: str | None):
     layers = quantized_layers(model)
     base = sum(q.shape.numel() for q in layers.values())
     held = _quantized_bytes(state) if kind is not None else 0
-    return _adapters(step, state), start, {"base": base, "comm": comm, "layers": len(layers), "held": held}
+    # what a unit's gather fills: the full (unsharded, padded) frozen buckets that hold quantized parts
+    gathered = sum(
+        b.padded * b.dtype.itemsize
+        for b in state.spec.layout.frozen_buckets
+        if any("weight_" in s.name for s in b.slots)
+    )
+    info = {"base": base, "comm": comm, "layers": len(layers), "held": held, "gathered": gathered}
+    return _adapters(step, state), start, info
 
 
 def _rank_cases(names: list, kinds: list) -> dict:
@@ -169,6 +176,8 @@ def test_the_base_held_per_rank_and_gathered_is_the_quantized_bytes(two_ranks):
         r = out[("shard_params", "nf4")]
         # NF4 with its scales: at most 0.6 bytes per frozen parameter, over the world size
         assert r["info"]["held"] <= 0.6 * r["info"]["base"] / 2, r["info"]
+        # and the buffers the units gather those into: the quantized sizes too, not the weights'
+        assert 0 < r["info"]["gathered"] <= 0.6 * r["info"]["base"], r["info"]
         # the unit's gathers move the quantized parts: less traffic than the fp32 base by most of its bytes
         assert r["info"]["comm"] < r["ref_comm"] - 2 * 3.0 * r["info"]["base"], (r["info"]["comm"], r["ref_comm"])
 
