@@ -21,5 +21,6 @@ from zerofn.transforms.remat import remat
 from zerofn.transforms.shard_grads import shard_grads
 from zerofn.transforms.shard_optimizer import shard_optimizer
 from zerofn.transforms.shard_params import shard_params
+from zerofn.transforms.tensor_parallel import tensor_parallel
 
-__all__ = ["amp", "offload", "quantize", "remat", "shard_grads", "shard_optimizer", "shard_params"]
+__all__ = ["amp", "offload", "quantize", "remat", "shard_grads", "shard_optimizer", "shard_params", "tensor_parallel"]

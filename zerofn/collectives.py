@@ -76,6 +76,7 @@ __all__ = [
     "broadcast_object",
     "counting",
     "current_group",
+    "data_rank",
     "ensure_initialized",
     "gather_objects",
     "group_scope",
@@ -742,6 +743,22 @@ def _reduce_op(op: str):
 
 def _size(g: Any) -> int:
     return g.size() if g is not None else 1
+
+
+def data_rank(step: Any = None) -> int:
+    """The data-parallel rank of this process for ``step``: which micro-batch it feeds.
+
+    ``step`` runs on a group (``step.group``: the world by default; its data-parallel group under
+    ``tensor_parallel``, whose ranks ``t, t + size, ...`` make this the global rank ``// size``, so the
+    ranks of one tensor-parallel group feed the same micro-batch); its rank there. Without a step, the rank
+    in the current group.
+
+    Example:
+        >>> import zerofn as zf
+        >>> zf.collectives.data_rank()  # one process
+        0
+    """
+    return rank(getattr(step, "group", None))
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum", *, async_op: bool = False, control: bool = False, group: Any = None):

@@ -22,6 +22,9 @@ optional:
   them, and the module to match (``quantize`` holds a frozen weight as its
   quantized parts); ``functional`` is the ``zf.functional`` the params came
   from (None for a plain tree), ``where`` names the caller in errors.
+- ``partition``: ``partition() -> (index, count)``: the params this rank's
+  step holds are part ``index`` of a model split over ``count`` groups of
+  ranks (``tensor_parallel``'s slices); recorded in ``state.spec``.
 - ``updates_late``: ``updates_late(device_type) -> bool``, whether its
   optimizer wrapper may leave the update running after the step returns
   when the parameters compute on ``device_type`` (the tensors it writes
@@ -73,6 +76,7 @@ class Extension:
         prepare: ``(split, functional, where) -> split``: the parameters ``init`` holds, rewritten.
         updates_late: ``device_type -> bool``: the optimizer wrapper may still be writing after the
             step returns, for parameters on that device type (None: never).
+        partition: ``() -> (index, count)``: which part of a split model this rank's state holds.
     """
 
     name: str
@@ -83,3 +87,4 @@ class Extension:
     check: Callable | None = None
     prepare: Callable | None = None
     updates_late: Callable[[str], bool] | None = None
+    partition: Callable[[], tuple[int, int]] | None = None

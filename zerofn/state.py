@@ -188,6 +188,9 @@ class StateSpec:
     # The model's state_dict entries: (name, "param" or "buffer", the name the state holds it
     # under), when the params came from zf.functional; checkpoints export by these names.
     model: tuple = ()
+    # (index, count): this state holds part `index` of a model split over `count` groups of ranks
+    # (tensor parallelism's slices), each group training its part; (0, 1): the whole model.
+    partition: tuple[int, int] = (0, 1)
 
 
 class DonatedStateError(RuntimeError):

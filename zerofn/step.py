@@ -251,7 +251,12 @@ class Step:
             loss_scale=self.precision.new_loss_scale(),
             extra=extra,
             spec=StateSpec(
-                self.name, world, held.layout, split.treedef, functional.state_dict_names() if functional else ()
+                self.name,
+                world,
+                held.layout,
+                split.treedef,
+                functional.state_dict_names() if functional else (),
+                next((e.partition() for e in self.extensions if e.partition is not None), (0, 1)),
             ),
         )
         if functional is not None and not keep_module:

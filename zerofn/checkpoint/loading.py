@@ -271,6 +271,12 @@ def _load(path: str | os.PathLike, step: Any, state: TrainState | None, params: 
             state = step.init(params, structure_only=frozen_saved)
         else:
             step.check_state(state)
+        index, count = state.spec.partition
+        if count > 1:
+            raise CheckpointError(
+                f"checkpoint.load: {step.name}'s state holds part {index} of a model split over {count} groups of "
+                "ranks (tensor parallelism), and checkpoints of a split model are not supported yet."
+            )
         lays = layouts(state)
         _check_model(saved, lays, state)
         held = state_parts(state, C.rank(), lays)

@@ -149,6 +149,13 @@ def save(
         )
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"checkpoint.save: keep must be an int >= 1 or None, got {keep!r}")
+    index, count = state.spec.partition
+    if count > 1:
+        raise CheckpointError(
+            f"checkpoint.save: this state holds part {index} of a model split over {count} groups of ranks "
+            "(tensor parallelism), and checkpoints of a split model are not supported yet. Gather the parameters "
+            "with step.full_params(state) on every rank to keep them."
+        )
     if frozen not in (True, False, ONCE) or not isinstance(frozen, (bool, str)):
         raise ValueError(f"checkpoint.save: frozen must be True, False or {ONCE!r}, got {frozen!r}")
     wait_saves()

@@ -1,0 +1,420 @@
+"""``tensor_parallel``: Megatron's column- and row-wise Linear layers on a 2-D mesh, data parallel across it.
+
+The world is a mesh of ``size`` consecutive ranks per tensor-parallel group
+times ``world // size`` data-parallel ranks: global rank ``r`` is
+tensor-parallel rank ``r % size`` of data-parallel rank ``r // size``
+(:func:`mesh`). The rewritten step runs on the data-parallel group of its
+rank (``step.group``): everything the step and the other transforms
+communicate (the gradients' reduction, ``shard_params``' gathers, the
+checks) goes over that axis, so every shard transform, ``amp``, ``remat``
+and ``offload`` work over the data-parallel ranks as they do without it.
+Inside the model, on the tensor-parallel group:
+
+- a **column-wise** ``Linear`` (attention's q, k and v, the MLP's gate and
+  up) holds the rows of its weight (and bias) for its slice of the output
+  features; its input enters through ``copy``, which is the identity in
+  forward and all-reduces the input's gradient in backward;
+- a **row-wise** ``Linear`` (attention's output, the MLP's down) holds the
+  columns of its weight for its slice of the input features, which the
+  column-wise layer before it produced; its output leaves through
+  ``reduce``, an all-reduce in forward and the identity in backward, and
+  the (whole) bias is added after it.
+
+So a block runs two all-reduces of its activations in forward and two in
+backward (Megatron's pairing), attention's heads split over the ranks
+(``num_heads / size`` each, grouped-query key/value heads too), and every
+parameter outside the split layers is replicated: each tensor-parallel
+rank computes the same values for it and the same gradient. The layers
+keep their place and names in the model: their parameters are the local
+slices (each rank of a tensor-parallel group holds other values), which
+the state holds as any parameters.
+
+The plan is ``{module path: "colwise" | "rowwise"}``; ``plan=None`` derives
+it from the module structure for Hugging Face Llama, Qwen2/3 and Mistral
+(``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``), and a model it
+cannot plan gets an error that lists its Linear layers and shows a plan to
+write.
+
+Each rank feeds the micro-batch of its data-parallel rank
+(``zf.collectives.data_rank(step)``): the ranks of one tensor-parallel
+group feed the same batch, which the step checks before each forward (one
+small all-reduce on the tensor-parallel group).
+
+Not yet: a vocabulary-parallel embedding and cross-entropy (the embedding
+and the head are replicated), sequence parallelism, key/value heads fewer
+than ``size`` (replicated across the ranks that share them), a model built
+on the meta device, generation with a split cache, checkpoints across
+tensor-parallel sizes (a state loads on the mesh it was saved on), and
+counting the tensor-parallel all-reduces in ``metrics["comm_bytes"]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from zerofn import collectives as C
+from zerofn import tree as T
+from zerofn.extension import Extension
+from zerofn.functional import Functional
+from zerofn.step import Step, reapply, transform
+from zerofn.storage import ParamSplit, split_params
+
+__all__ = ["Mesh", "TensorParallelOptions", "mesh", "tensor_parallel"]
+
+COLWISE, ROWWISE = "colwise", "rowwise"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The 2-D mesh of ``world = tensor * data`` ranks and this rank's groups.
+
+    Attributes:
+        tensor: ranks per tensor-parallel group (consecutive global ranks).
+        data: data-parallel ranks (``world // tensor``).
+        tensor_rank: this rank's place in its tensor-parallel group.
+        data_rank: its data-parallel rank (the micro-batch it feeds).
+        tensor_group: its tensor-parallel group (None when ``tensor == 1``).
+        data_group: its data-parallel group (None when ``data == 1`` and ``tensor == 1``: the world).
+    """
+
+    tensor: int
+    data: int
+    tensor_rank: int
+    data_rank: int
+    tensor_group: Any
+    data_group: Any
+
+
+_MESHES: dict[tuple, Mesh] = {}  # (tensor size, world, default group) -> its mesh: groups are made once
+
+
+def mesh(size: int) -> Mesh:
+    """The mesh of ``size`` consecutive ranks per tensor-parallel group, made once per process and size.
+
+    Collective the first time (every rank creates every group, as ``torch.distributed.new_group`` needs).
+
+    Raises:
+        ValueError: ``size`` is not a positive int dividing the world size.
+    """
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel: size must be an int >= 1 (ranks per tensor-parallel group), got {size!r}")
+    C.init()
+    world = C.world_size(group=dist.group.WORLD) if dist.is_initialized() else 1
+    if world % size:
+        raise ValueError(
+            f"tensor_parallel: size {size} does not divide the world size {world}: the mesh is size x (world // "
+            f"size) ranks. Run on a multiple of {size} ranks, or pick a size that divides {world}."
+        )
+    key = (size, world, id(dist.group.WORLD) if dist.is_initialized() else None)
+    if key in _MESHES:
+        return _MESHES[key]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    data = world // size
+    tensor_group = data_group = None
+    if world > 1:
+        for d in range(data):  # every rank makes every group, in the same order
+            g = C.new_group(list(range(d * size, (d + 1) * size)))
+            if d == rank // size:
+                tensor_group = g
+        for t in range(size):
+            g = C.new_group(list(range(t, world, size)))
+            if t == rank % size:
+                data_group = g
+    m = Mesh(size, data, rank % size, rank // size, tensor_group, data_group)
+    _MESHES[key] = m
+    return m
+
+
+@dataclass(frozen=True)
+class TensorParallelOptions:
+    """What ``tensor_parallel`` was asked for (compared by value when it is applied again)."""
+
+    size: int
+    plan: Any
+    sequence_parallel: bool
+
+
+@transform
+def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, sequence_parallel: bool = False) -> Step:
+    """Split the model's Linear layers over ``size`` ranks (Megatron's pairing); data parallel across.
+
+    Args:
+        step: a Step (any transforms applied before or after). Called without it, returns a decorator.
+        size: ranks per tensor-parallel group; it must divide the world size.
+        plan: ``{module path: "colwise" | "rowwise"}``; None: derived for Hugging Face Llama, Qwen2/3
+            and Mistral models.
+        sequence_parallel: not yet supported (raises).
+
+    Returns:
+        The rewritten Step, named ``tensor_parallel(...)``, running on this rank's data-parallel group.
+
+    Raises:
+        ValueError: a ``size`` that does not divide the world; a plan naming what is not a Linear, or a
+            split that does not divide its features (or its attention heads); at ``init``: params not
+            from ``zf.functional``, a model it cannot plan, a parameter on the meta device.
+    """
+    if sequence_parallel:
+        raise ValueError("tensor_parallel: sequence_parallel=True is not supported yet; leave it False")
+    if plan is not None and (
+        not isinstance(plan, dict)
+        or any(v not in (COLWISE, ROWWISE) or not isinstance(k, str) for k, v in plan.items())
+    ):
+        raise ValueError(f"tensor_parallel: plan must be a dict of module path -> 'colwise' or 'rowwise', got {plan!r}")
+    m = mesh(size)
+    options = TensorParallelOptions(size, None if plan is None else tuple(sorted(plan.items())), sequence_parallel)
+    have = step.extension("tensor_parallel")
+    if reapply(step, "tensor_parallel", have and have.options, options, "splits the model's layers"):
+        return step
+    if step.group is not None and step.group is not m.data_group:
+        raise ValueError(
+            "tensor_parallel: this step already runs on a group of its own (train_step(..., group=)); "
+            "tensor_parallel runs it on its data-parallel group. Leave group= out."
+        )
+    out = step.extend(
+        Extension(
+            "tensor_parallel",
+            options,
+            prepare=lambda split, f, where: _prepare(options, m, split, f, where),
+            around=lambda model, state: _SameBatch(m, model),
+            partition=(lambda: (m.tensor_rank, m.tensor)) if m.tensor > 1 else None,
+        )
+    )
+    return out.replace(group=m.data_group) if m.data_group is not None else out
+
+
+# ---------------------------------------------------------------- the plan
+
+
+_LLAMA = {
+    "self_attn.q_proj": COLWISE,
+    "self_attn.k_proj": COLWISE,
+    "self_attn.v_proj": COLWISE,
+    "self_attn.o_proj": ROWWISE,
+    "mlp.gate_proj": COLWISE,
+    "mlp.up_proj": COLWISE,
+    "mlp.down_proj": ROWWISE,
+}
+
+
+def derive_plan(module: nn.Module) -> dict[str, str]:
+    """The plan for a Hugging Face Llama-style model (attention's q/k/v column-wise and o row-wise, the
+    MLP's gate/up column-wise and down row-wise), found by the modules' paths; {} if it has none."""
+    out = {}
+    for path, m in module.named_modules():
+        for suffix, how in _LLAMA.items():
+            if (path == suffix or path.endswith("." + suffix)) and isinstance(m, nn.Linear):
+                out[path] = how
+    return out
+
+
+def _plan_for(options: TensorParallelOptions, module: nn.Module, where: str) -> dict[str, str]:
+    plan = dict(options.plan) if options.plan is not None else derive_plan(module)
+    if not plan:
+        linears = [p for p, m in module.named_modules() if isinstance(m, nn.Linear)]
+        example = {p: "colwise" for p in linears[:2]}
+        raise ValueError(
+            f"{where}: tensor_parallel cannot plan {type(module).__name__}: no module path ends in "
+            f"{sorted(_LLAMA)}. Its Linear layers: {linears[:12]}{' ...' if len(linears) > 12 else ''}. Pass "
+            f"plan={{path: 'colwise' | 'rowwise'}}, a column-wise layer followed by the row-wise one that reads "
+            f"its output, e.g. {example}"
+        )
+    return plan
+
+
+# ---------------------------------------------------------------- init: the layers become their slices
+
+
+def _prepare(
+    options: TensorParallelOptions, m: Mesh, split: ParamSplit, functional: Functional | None, where: str
+) -> ParamSplit:
+    if functional is None:
+        raise ValueError(
+            f"{where}: tensor_parallel splits the model's Linear layers, so it needs the params of "
+            "zf.functional(model): step.init(apply.params), apply = zf.functional(model)"
+        )
+    module = functional.module
+    plan = _plan_for(options, module, where)
+    layers = {}
+    for path, how in plan.items():  # every layer checked before any is split: a refusal changes nothing
+        try:
+            layer = module.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"{where}: tensor_parallel's plan names {path!r}, which the model does not have") from None
+        if isinstance(layer, _SplitLinear):
+            continue
+        if not isinstance(layer, nn.Linear) or type(layer).forward is not nn.Linear.forward:
+            raise ValueError(
+                f"{where}: tensor_parallel's plan names {path!r}, a {type(layer).__name__}; only nn.Linear layers "
+                "(whose forward is Linear's) are split. Leave it out of the plan."
+            )
+        _check_heads(module, path, how, m.tensor, where)
+        features = layer.out_features if how == COLWISE else layer.in_features
+        if features % m.tensor:
+            raise ValueError(
+                f"{where}: tensor_parallel({m.tensor}): {path!r} has {features} "
+                f"{'output' if how == COLWISE else 'input'} features, which {m.tensor} ranks cannot split evenly"
+            )
+        prefix = f"{path}." if path else ""
+        meta = [
+            n
+            for n in ("weight", "bias")
+            if layer._parameters.get(n) is not None
+            and split.named.get(prefix + n, layer._parameters[n]).device.type == "meta"
+        ]
+        if meta:
+            raise ValueError(
+                f"{where}: tensor_parallel: {prefix + meta[0]} is on the meta device; build or load the model's "
+                "weights first (a model built on the meta device is not supported by tensor_parallel yet)"
+            )
+        layers[path] = (layer, how)
+    names = {}
+    for path, (layer, how) in layers.items():
+        names.update(_split(layer, how, m, path, split.named))
+    if not names:
+        return split
+    functional.refresh()
+    named = {k: names.get(k, v) for k, v in split.named.items()}
+    out = split_params(named, where)
+    return out._replace(trainable={k: out.named[k] for k in split.trainable})
+
+
+def _check_heads(module: nn.Module, path: str, how: str, size: int, where: str) -> None:
+    """Attention's heads split whole: q/o by attention heads, k/v by key/value heads."""
+    parent = module.get_submodule(path.rpartition(".")[0]) if "." in path else module
+    config = getattr(parent, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    leaf = path.rpartition(".")[2]
+    count = kv if leaf in ("k_proj", "v_proj") else heads if leaf in ("q_proj", "o_proj") else None
+    if count is not None and count % size:
+        raise ValueError(
+            f"{where}: tensor_parallel({size}): {path!r} holds {count} "
+            f"{'key/value' if leaf in ('k_proj', 'v_proj') else 'attention'} heads, which {size} ranks cannot "
+            f"split whole (replicating key/value heads is not supported yet). Pick a size that divides {count}."
+        )
+
+
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict) -> dict[str, torch.Tensor]:
+    """Make ``layer`` hold this rank's slice of its weight (and bias) and compute as ``how`` says."""
+    prefix = f"{path}." if path else ""
+    out = {}
+    n, r = m.tensor, m.tensor_rank
+    for pname in ("weight", "bias"):
+        p = layer._parameters.get(pname)
+        if p is None:
+            continue
+        held = named.get(prefix + pname, p)
+        if how == COLWISE:
+            local = held.detach().chunk(n, dim=0)[r]
+        elif pname == "weight":
+            local = held.detach().chunk(n, dim=1)[r]
+        else:
+            local = held.detach()  # a row-wise layer's bias is whole, added after the all-reduce
+        layer._parameters[pname] = nn.Parameter(local.clone(), requires_grad=p.requires_grad)
+        out[prefix + pname] = layer._parameters[pname]
+    cls = type(layer)
+    key = (cls, how)
+    if key not in _CLASSES:
+        base = _ColumnLinear if how == COLWISE else _RowLinear
+        _CLASSES[key] = type(f"{base.__name__[1:]}{cls.__name__}", (base, cls), {"__module__": __name__})
+    layer.__class__ = _CLASSES[key]
+    layer._zf_group = m.tensor_group
+    if how == COLWISE:
+        layer.out_features //= n
+    else:
+        layer.in_features //= n
+    return out
+
+
+class _SplitLinear(nn.Linear):
+    _zf_group: Any
+
+
+class _ColumnLinear(_SplitLinear):
+    """A Linear holding a slice of its output features: input copied in (gradient all-reduced)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_Copy.apply(x, self._zf_group), self.weight, self.bias)
+
+
+class _RowLinear(_SplitLinear):
+    """A Linear holding a slice of its input features: output summed over the ranks, then the bias."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _Reduce.apply(F.linear(x, self.weight), self._zf_group)
+        return y if self.bias is None else y + self.bias
+
+
+class _Copy(torch.autograd.Function):
+    """Identity in forward; the gradient all-reduced over the tensor-parallel group in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_reduce(grad.contiguous(), group=ctx.group), None
+
+
+class _Reduce(torch.autograd.Function):
+    """All-reduce over the tensor-parallel group in forward; identity in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return C.all_reduce(x.contiguous(), group=group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+# ---------------------------------------------------------------- the batch check
+
+
+class _SameBatch:
+    """Around forward and backward: before the model's call, the ranks of a tensor-parallel group compare
+    what they feed it (structure, shapes and a checksum of the values; one small all-reduce)."""
+
+    def __init__(self, m: Mesh, model: Callable):
+        self.m, self.model, self.hook = m, model, None
+
+    def __enter__(self):
+        if self.m.tensor > 1:
+            module = self.model().module
+            self.hook = module.register_forward_pre_hook(self._check, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.hook is not None:
+            self.hook.remove()
+        return False
+
+    def _check(self, module, args, kwargs):
+        if not torch.is_grad_enabled() and not module.training:
+            return None
+        tree = (args, kwargs)
+        leaves = [t.detach().double() for t in T.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+        digest = float(T.treespec_digest(tree) & ((1 << 52) - 1))
+        sums = [float(t.sum()) for t in leaves] + [float(t.square().sum()) for t in leaves]
+        key = torch.tensor([digest, *sums], dtype=torch.float64)
+        both = torch.cat([key, -key])
+        C.all_reduce(both, "max", group=self.m.tensor_group)
+        if not torch.equal(both[: len(key)], -both[len(key) :]):  # the max equals the min everywhere
+            raise ValueError(
+                f"tensor_parallel: the ranks of tensor-parallel group {self.m.data_rank} fed different batches "
+                "(their structure, shapes or values differ). Every rank of a group feeds the micro-batch of "
+                "its data-parallel rank: batch[zf.collectives.data_rank(step)] (the global rank // size)."
+            )
+        return None
