@@ -29,23 +29,29 @@ keep their place and names in the model: their parameters are the local
 slices (each rank of a tensor-parallel group holds other values), which
 the state holds as any parameters.
 
-The plan is ``{module path: "colwise" | "rowwise"}``; ``plan=None`` derives
-it from the module structure for Hugging Face Llama, Qwen2/3 and Mistral
-(``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``), and a model it
-cannot plan gets an error that lists its Linear layers and shows a plan to
-write.
+The plan is ``{module path: "colwise" | "rowwise" | "embedding" |
+"head"}``; ``plan=None`` derives it from the module structure for Hugging
+Face Llama, Qwen2/3 and Mistral (``self_attn.{q,k,v,o}_proj``,
+``mlp.{gate,up,down}_proj``, the input embedding and the untied output
+head), and a model it cannot plan gets an error that lists its Linear
+layers and shows a plan to write.
 
 Each rank feeds the micro-batch of its data-parallel rank
 (``zf.collectives.data_rank(step)``): the ranks of one tensor-parallel
 group feed the same batch, which the step checks before each forward (one
 small all-reduce on the tensor-parallel group).
 
-Not yet: a vocabulary-parallel embedding and cross-entropy (the embedding
-and the head are replicated), sequence parallelism, key/value heads fewer
-than ``size`` (replicated across the ranks that share them), a model built
-on the meta device, generation with a split cache, checkpoints across
-tensor-parallel sizes (a state loads on the mesh it was saved on), and
-counting the tensor-parallel all-reduces in ``metrics["comm_bytes"]``.
+With the vocabulary split (``"embedding"``, ``"head"``), the embedding's
+lookups are summed over the group and the head's logits stay split in
+training (a ``DTensor`` sharded on the vocabulary, whose cross-entropy the
+step computes under torch's ``loss_parallel``); without gradients the head
+gathers them whole. A model built on the meta device is split as
+``shard_params``' sharded init reaches each layer (:meth:`_Split.zf_materialise`).
+
+Not yet: sequence parallelism, key/value heads fewer than ``size``
+(replicated across the ranks that share them), checkpoints of a split
+model (refused), and counting the tensor-parallel all-reduces in
+``metrics["comm_bytes"]``.
 """
 
 from __future__ import annotations
@@ -68,7 +74,8 @@ from zerofn.storage import ParamSplit, split_params
 
 __all__ = ["Mesh", "TensorParallelOptions", "mesh", "tensor_parallel"]
 
-COLWISE, ROWWISE = "colwise", "rowwise"
+COLWISE, ROWWISE, EMBEDDING, HEAD = "colwise", "rowwise", "embedding", "head"
+KINDS = (COLWISE, ROWWISE, EMBEDDING, HEAD)
 
 
 @dataclass(frozen=True)
@@ -148,8 +155,8 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
     Args:
         step: a Step (any transforms applied before or after). Called without it, returns a decorator.
         size: ranks per tensor-parallel group; it must divide the world size.
-        plan: ``{module path: "colwise" | "rowwise"}``; None: derived for Hugging Face Llama, Qwen2/3
-            and Mistral models.
+        plan: ``{module path: "colwise" | "rowwise" | "embedding" | "head"}``; None: derived for
+            Hugging Face Llama, Qwen2/3 and Mistral models.
         sequence_parallel: not yet supported (raises).
 
     Returns:
@@ -158,15 +165,14 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
     Raises:
         ValueError: a ``size`` that does not divide the world; a plan naming what is not a Linear, or a
             split that does not divide its features (or its attention heads); at ``init``: params not
-            from ``zf.functional``, a model it cannot plan, a parameter on the meta device.
+            from ``zf.functional``, a model it cannot plan.
     """
     if sequence_parallel:
         raise ValueError("tensor_parallel: sequence_parallel=True is not supported yet; leave it False")
     if plan is not None and (
-        not isinstance(plan, dict)
-        or any(v not in (COLWISE, ROWWISE) or not isinstance(k, str) for k, v in plan.items())
+        not isinstance(plan, dict) or any(v not in KINDS or not isinstance(k, str) for k, v in plan.items())
     ):
-        raise ValueError(f"tensor_parallel: plan must be a dict of module path -> 'colwise' or 'rowwise', got {plan!r}")
+        raise ValueError(f"tensor_parallel: plan must be a dict of module path -> one of {list(KINDS)}, got {plan!r}")
     m = mesh(size)
     options = TensorParallelOptions(size, None if plan is None else tuple(sorted(plan.items())), sequence_parallel)
     have = step.extension("tensor_parallel")
@@ -182,7 +188,7 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
             "tensor_parallel",
             options,
             prepare=lambda split, f, where: _prepare(options, m, split, f, where),
-            around=lambda model, state: _SameBatch(m, model),
+            around=lambda model, state: _Around(m, model),
             partition=(lambda: (m.tensor_rank, m.tensor)) if m.tensor > 1 else None,
         )
     )
@@ -203,19 +209,42 @@ _LLAMA = {
 }
 
 
-def derive_plan(module: nn.Module) -> dict[str, str]:
-    """The plan for a Hugging Face Llama-style model (attention's q/k/v column-wise and o row-wise, the
-    MLP's gate/up column-wise and down row-wise), found by the modules' paths; {} if it has none."""
+def derive_plan(module: nn.Module, size: int = 1) -> dict[str, str]:
+    """The plan for a Hugging Face Llama-style model, found by the modules' paths ({} if it has none):
+    attention's q/k/v column-wise and o row-wise, the MLP's gate/up column-wise and down row-wise, and,
+    when its vocabulary splits evenly over ``size`` ranks and the head is not tied to the embedding, the
+    input embedding vocabulary-parallel and the output head column-wise over the vocabulary."""
     out = {}
+    paths = {id(m): path for path, m in module.named_modules()}
     for path, m in module.named_modules():
         for suffix, how in _LLAMA.items():
             if (path == suffix or path.endswith("." + suffix)) and isinstance(m, nn.Linear):
                 out[path] = how
+    if not out:
+        return out
+    emb, head = _io_embeddings(module)
+    tied = emb is not None and head is not None and emb.weight is head.weight
+    if isinstance(emb, nn.Embedding) and not tied and emb.num_embeddings % size == 0 and id(emb) in paths:
+        out[paths[id(emb)]] = EMBEDDING
+    if isinstance(head, nn.Linear) and not tied and head.out_features % size == 0 and id(head) in paths:
+        out[paths[id(head)]] = HEAD
     return out
 
 
+def _io_embeddings(module: nn.Module) -> tuple[Any, Any]:
+    """A Hugging Face model's input and output embeddings (None where it has none)."""
+    found = []
+    for name in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(module, name, None)
+        try:
+            found.append(get() if callable(get) else None)
+        except (AttributeError, NotImplementedError):
+            found.append(None)
+    return found[0], found[1]
+
+
 def _plan_for(options: TensorParallelOptions, module: nn.Module, where: str) -> dict[str, str]:
-    plan = dict(options.plan) if options.plan is not None else derive_plan(module)
+    plan = dict(options.plan) if options.plan is not None else derive_plan(module, options.size)
     if not plan:
         linears = [p for p, m in module.named_modules() if isinstance(m, nn.Linear)]
         example = {p: "colwise" for p in linears[:2]}
@@ -249,29 +278,29 @@ def _prepare(
             raise ValueError(f"{where}: tensor_parallel's plan names {path!r}, which the model does not have") from None
         if isinstance(layer, _SplitLinear):
             continue
-        if not isinstance(layer, nn.Linear) or type(layer).forward is not nn.Linear.forward:
+        want = nn.Embedding if how == EMBEDDING else nn.Linear
+        if not isinstance(layer, want) or type(layer).forward is not want.forward:
             raise ValueError(
-                f"{where}: tensor_parallel's plan names {path!r}, a {type(layer).__name__}; only nn.Linear layers "
-                "(whose forward is Linear's) are split. Leave it out of the plan."
+                f"{where}: tensor_parallel's plan names {path!r} as {how!r}, a {type(layer).__name__}; {how!r} "
+                f"splits an nn.{want.__name__} (whose forward is {want.__name__}'s). Leave it out of the plan."
+            )
+        if how == EMBEDDING and (layer.max_norm is not None or layer.scale_grad_by_freq or layer.sparse):
+            raise ValueError(
+                f"{where}: tensor_parallel: {path!r} uses max_norm, scale_grad_by_freq or sparse, which a "
+                "vocabulary-parallel embedding does not support. Leave it out of the plan (replicated)."
             )
         _check_heads(module, path, how, m.tensor, where)
-        features = layer.out_features if how == COLWISE else layer.in_features
+        features = (
+            layer.num_embeddings
+            if how == EMBEDDING
+            else layer.out_features
+            if how in (COLWISE, HEAD)
+            else layer.in_features
+        )
         if features % m.tensor:
             raise ValueError(
                 f"{where}: tensor_parallel({m.tensor}): {path!r} has {features} "
-                f"{'output' if how == COLWISE else 'input'} features, which {m.tensor} ranks cannot split evenly"
-            )
-        prefix = f"{path}." if path else ""
-        meta = [
-            n
-            for n in ("weight", "bias")
-            if layer._parameters.get(n) is not None
-            and split.named.get(prefix + n, layer._parameters[n]).device.type == "meta"
-        ]
-        if meta:
-            raise ValueError(
-                f"{where}: tensor_parallel: {prefix + meta[0]} is on the meta device; build or load the model's "
-                "weights first (a model built on the meta device is not supported by tensor_parallel yet)"
+                f"{'input' if how == ROWWISE else 'output'} features, which {m.tensor} ranks cannot split evenly"
             )
         layers[path] = (layer, how)
     names = {}
@@ -309,34 +338,86 @@ def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict) -> dict[
     prefix = f"{path}." if path else ""
     out = {}
     n, r = m.tensor, m.tensor_rank
+    source = {}
     for pname in ("weight", "bias"):
         p = layer._parameters.get(pname)
         if p is None:
             continue
         held = named.get(prefix + pname, p)
-        if how == COLWISE:
-            local = held.detach().chunk(n, dim=0)[r]
-        elif pname == "weight":
-            local = held.detach().chunk(n, dim=1)[r]
+        local = _slice(held.detach(), how, pname, n, r)
+        if held.device.type == "meta":  # built on meta: shard_params' init slices the parameter's init
+            source[pname] = p
+            local = torch.empty(local.shape, dtype=held.dtype, device="meta")
         else:
-            local = held.detach()  # a row-wise layer's bias is whole, added after the all-reduce
-        layer._parameters[pname] = nn.Parameter(local.clone(), requires_grad=p.requires_grad)
+            local = local.clone()
+        layer._parameters[pname] = nn.Parameter(local, requires_grad=p.requires_grad)
         out[prefix + pname] = layer._parameters[pname]
+    layer.__dict__["_zf_source"] = source
+    layer.__dict__["_zf_whole"] = {
+        k: getattr(layer, k)
+        for k in ("in_features", "out_features", "num_embeddings", "padding_idx")
+        if hasattr(layer, k)
+    }
+    layer.__dict__["_zf_how"] = how
     cls = type(layer)
     key = (cls, how)
     if key not in _CLASSES:
-        base = _ColumnLinear if how == COLWISE else _RowLinear
+        base = {COLWISE: _ColumnLinear, ROWWISE: _RowLinear, EMBEDDING: _VocabEmbedding, HEAD: _VocabHead}[how]
         _CLASSES[key] = type(f"{base.__name__[1:]}{cls.__name__}", (base, cls), {"__module__": __name__})
     layer.__class__ = _CLASSES[key]
-    layer._zf_group = m.tensor_group
-    if how == COLWISE:
+    layer._zf_group, layer._zf_mesh = m.tensor_group, m
+    if how in (COLWISE, HEAD):
         layer.out_features //= n
-    else:
+    elif how == ROWWISE:
         layer.in_features //= n
+    else:
+        rows = layer.num_embeddings // n
+        layer._zf_rows = (r * rows, (r + 1) * rows)
+        pad = layer.padding_idx
+        layer.padding_idx = pad - r * rows if pad is not None and r * rows <= pad < (r + 1) * rows else None
+        layer.num_embeddings = rows
     return out
 
 
-class _SplitLinear(nn.Linear):
+def _slice(t: torch.Tensor, how: str, pname: str, n: int, r: int) -> torch.Tensor:
+    """Rank ``r``'s slice of a split layer's parameter ``pname`` (of ``n``)."""
+    if how in (COLWISE, HEAD, EMBEDDING):  # rows: output features, or the vocabulary's
+        return t.chunk(n, dim=0)[r]
+    if pname == "weight":
+        return t.chunk(n, dim=1)[r]
+    return t  # a row-wise layer's bias is whole, added after the all-reduce
+
+
+class _Split:
+    """What a split layer's class adds: its slices' initial values when it was built on the meta device."""
+
+    def zf_materialise(self, path: str, values: Callable[[], dict]) -> dict[str, torch.Tensor]:
+        """This layer's slices' initial values by name: ``values()`` gives its whole parameters' (by
+        ``init_fn`` or its model's initialisation), which it is for the while (shard_params' sharded init,
+        one layer at a time), then each is sliced."""
+        d = self.__dict__
+        source, whole, how, mesh_ = d["_zf_source"], d["_zf_whole"], d["_zf_how"], d["_zf_mesh"]
+        held = {k: self._parameters[k] for k in source}
+        split = {k: getattr(self, k) for k in whole}
+        cls = type(self)
+        self._parameters.update(source)
+        for k, v in whole.items():
+            setattr(self, k, v)
+        self.__class__ = cls.__bases__[1]  # the layer's own class (the split class is (_Kind, cls))
+        try:
+            got = values()
+        finally:
+            self.__class__ = cls
+            self._parameters.update(held)
+            for k, v in split.items():
+                setattr(self, k, v)
+        prefix = f"{path}." if path else ""
+        for k in source:
+            got[prefix + k] = _slice(got[prefix + k], how, k, mesh_.tensor, mesh_.tensor_rank)
+        return got
+
+
+class _SplitLinear(_Split, nn.Linear):
     _zf_group: Any
 
 
@@ -353,6 +434,50 @@ class _RowLinear(_SplitLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _Reduce.apply(F.linear(x, self.weight), self._zf_group)
         return y if self.bias is None else y + self.bias
+
+
+class _VocabEmbedding(_Split, nn.Embedding):
+    """An Embedding holding a slice of the vocabulary's rows: ids outside it look up zeros, and the ranks'
+    lookups are summed (each id's row comes from the one rank that holds it)."""
+
+    _zf_rows: tuple[int, int]
+    _zf_group: Any
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        lo, hi = self._zf_rows
+        outside = (ids < lo) | (ids >= hi)
+        local = (ids - lo).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
+        return _Reduce.apply(out, self._zf_group)
+
+
+class _VocabHead(_ColumnLinear):
+    """A column-wise output head over the vocabulary. In training its logits stay split: a ``DTensor``
+    sharded on the last dimension, whose ``F.cross_entropy`` (under torch's ``loss_parallel``, which the
+    step enters around forward and backward) is computed without gathering them; without gradients (a
+    step's ``apply``, generation) the logits are gathered whole."""
+
+    _zf_mesh: Mesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = super().forward(x)
+        from torch.distributed.tensor import DTensor, Shard
+
+        split = DTensor.from_local(local, _device_mesh(self._zf_mesh, local.device.type), [Shard(-1)])
+        return split if torch.is_grad_enabled() else split.full_tensor()
+
+
+_DEVICE_MESHES: dict[tuple, Any] = {}
+
+
+def _device_mesh(m: Mesh, device_type: str) -> Any:
+    """torch's ``DeviceMesh`` over the tensor-parallel group (for the ``DTensor`` logits), made once."""
+    key = (id(m.tensor_group), device_type)
+    if key not in _DEVICE_MESHES:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        _DEVICE_MESHES[key] = DeviceMesh.from_group(m.tensor_group, device_type)
+    return _DEVICE_MESHES[key]
 
 
 class _Copy(torch.autograd.Function):
@@ -383,20 +508,28 @@ class _Reduce(torch.autograd.Function):
 # ---------------------------------------------------------------- the batch check
 
 
-class _SameBatch:
+class _Around:
     """Around forward and backward: before the model's call, the ranks of a tensor-parallel group compare
-    what they feed it (structure, shapes and a checksum of the values; one small all-reduce)."""
+    what they feed it (structure, shapes and a checksum of the values; one small all-reduce); with a head
+    split over the vocabulary, torch's ``loss_parallel`` (its cross-entropy on the split logits)."""
 
     def __init__(self, m: Mesh, model: Callable):
-        self.m, self.model, self.hook = m, model, None
+        self.m, self.model, self.hook, self.loss = m, model, None, None
 
     def __enter__(self):
         if self.m.tensor > 1:
             module = self.model().module
             self.hook = module.register_forward_pre_hook(self._check, with_kwargs=True)
+            if any(isinstance(x, _VocabHead) for x in module.modules()):
+                from torch.distributed.tensor.parallel import loss_parallel
+
+                self.loss = loss_parallel()
+                self.loss.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if self.loss is not None:
+            self.loss.__exit__(*exc)
         if self.hook is not None:
             self.hook.remove()
         return False

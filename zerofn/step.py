@@ -656,6 +656,13 @@ def _batches_differ(where: str, batch: Any) -> None:
     )
 
 
+def _local(t: Any) -> Any:
+    """A loss computed on a distributed tensor (a vocabulary-parallel cross-entropy over a ``DTensor`` of
+    logits sharded by vocabulary) as the plain tensor every rank holds (differentiably)."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) and hasattr(t, "placements") else t
+
+
 def _split_loss(where: str, out: Any) -> tuple[torch.Tensor, dict, Mean | None]:
     """The loss to run backward on, the aux dict and, for a ``zf.Mean``, the Mean."""
     aux: dict = {}
@@ -667,7 +674,8 @@ def _split_loss(where: str, out: Any) -> tuple[torch.Tensor, dict, Mean | None]:
             )
         out, aux = out
     if isinstance(out, Mean):
-        return out.total, aux, out
+        return _local(out.total), aux, out
+    out = _local(out)
     if not isinstance(out, torch.Tensor) or out.dim() != 0 or not out.is_floating_point():
         got = (
             f"a tensor of shape {list(out.shape)} and dtype {out.dtype}"

@@ -15,7 +15,7 @@ import zerofn as zf
 pytest.importorskip("transformers")
 
 STEPS, GLOBAL_BATCH, SEQ = 4, 4, 12
-COLS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+COLS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")  # rows split
 ROWS = ("o_proj", "down_proj")
 
 
@@ -37,9 +37,14 @@ def _llama(kv_heads: int = 2) -> nn.Module:
     return LlamaForCausalLM(cfg).float()
 
 
+SEEN: list = []  # what the loss saw as logits in training: their type and the local shape
+
+
 def _loss_fn(apply):
     def loss_fn(params, batch):
         logits = apply(params, input_ids=batch[:, :-1]).logits
+        local = logits.to_local() if hasattr(logits, "to_local") else logits
+        SEEN.append((type(logits).__name__, tuple(local.shape)))
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
     return loss_fn
@@ -59,10 +64,18 @@ def _train(tp: int, name: str, kv_heads: int = 2) -> tuple[dict, float, str]:
     if tp:
         step = tensor_parallel(step, tp)
     state = step.init(apply.params)
+    # step.apply gathers the logits whole (no gradient): those of the same model unsplit
+    prompt = _batch(99)[:2, :SEQ]
+    first = step.apply(state, input_ids=prompt).logits
+    with torch.no_grad():
+        want = _llama(kv_heads)(input_ids=prompt).logits
+    apply_diff = float((first - want).abs().max())
     data, here = zf.collectives.world_size(step.group), zf.collectives.data_rank(step)
+    SEEN.clear()
     for i in range(STEPS):
         state, m = step(state, rank_slice(_batch(i), here, data) if tp else _batch(i))
-    return step.full_params(state), float(m["loss"]), step.name
+    info = {"apply_diff": apply_diff, "seen": list(SEEN), "full_shape": tuple(first.shape)}
+    return step.full_params(state), float(m["loss"]), step.name, info
 
 
 def _local(ref: dict, tp: int, t: int) -> dict:
@@ -82,8 +95,8 @@ def _cases(cases: list) -> dict:
     rank = torch.distributed.get_rank()
     out = {}
     for tp, name, kv in cases:
-        got, loss, step_name = _train(tp, name, kv)
-        out[(tp, name, kv)] = {"params": got, "loss": loss, "name": step_name, "rank": rank}
+        got, loss, step_name, info = _train(tp, name, kv)
+        out[(tp, name, kv)] = {"params": got, "loss": loss, "name": step_name, "rank": rank, **info}
     return out
 
 
@@ -93,7 +106,7 @@ def references():
 
 
 def _check(results: list, references: dict, tp: int, name: str, kv: int) -> None:
-    ref, ref_loss, _ = references[kv]
+    ref, ref_loss, _, _ = references[kv]
     for out in results:
         r = out[(tp, name, kv)]
         local = _local(ref, tp, r["rank"] % tp)
@@ -103,6 +116,10 @@ def _check(results: list, references: dict, tp: int, name: str, kv: int) -> None
             assert torch.allclose(r["params"][k], local[k], atol=1e-5, rtol=0), (k, r["rank"], name)
         assert abs(r["loss"] - ref_loss) <= 1e-5, (r["loss"], ref_loss)
         assert r["name"].startswith("tensor_parallel("), r["name"]
+        assert r["apply_diff"] <= 1e-5, r["apply_diff"]
+        # in training the loss saw the logits split over the vocabulary, never whole
+        vocab = r["full_shape"][-1]
+        assert r["seen"] and all(kind == "DTensor" and shape[-1] == vocab // tp for kind, shape in r["seen"]), r["seen"]
 
 
 def test_tp2_on_two_ranks_trains_as_one_process(ranks, references):
@@ -158,3 +175,28 @@ def test_bad_sizes_plans_and_batches_are_refused(ranks):
         assert "cannot plan Sequential" in out["plan"], out["plan"]
         assert "fed different batches" in out["batch"], out["batch"]
         assert "split over 2 groups of ranks (tensor parallelism)" in out["save"], out["save"]
+
+
+def _meta_case(directory: str) -> bool:
+    """A Llama built on the meta device and read from its files layer by layer, split and sharded: each
+    rank's slices and shards equal those of the same model built whole and split."""
+    from transformers import LlamaForCausalLM
+
+    states = []
+    for meta in (False, True):
+        if meta:
+            with torch.device("meta"):
+                model = LlamaForCausalLM(_llama(2).config)
+        else:
+            model = _llama(2)
+        apply = zf.functional(model)
+        init_fn = zf.checkpoint.pretrained_init(directory) if meta else None
+        step = tensor_parallel(shard_params(zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-3)), init_fn=init_fn), 2)
+        states.append(step.full_params(step.init(apply.params)))
+    a, b = states
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_model_built_on_meta_is_split_as_its_files_are_read(ranks, tmp_path):
+    _llama(2).save_pretrained(tmp_path)
+    assert ranks(4).run(_meta_case, str(tmp_path)) == [True] * 4
