@@ -50,12 +50,13 @@ gathers them whole. A model built on the meta device is split as
 
 Not yet: sequence parallelism, key/value heads fewer than ``size``
 (replicated across the ranks that share them), checkpoints of a split
-model (refused), and counting the tensor-parallel all-reduces in
-``metrics["comm_bytes"]``.
+model (refused), and counting the cross-entropy's own all-reduces (torch's
+``loss_parallel``) in ``metrics["comm_bytes"]``, where the layers' are.
 """
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -190,6 +191,7 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
             prepare=lambda split, f, where: _prepare(options, m, split, f, where),
             around=lambda model, state: _Around(m, model),
             partition=(lambda: (m.tensor_rank, m.tensor)) if m.tensor > 1 else None,
+            groups=(lambda: (m.tensor_group,)) if m.tensor > 1 else None,
         )
     )
     return out.replace(group=m.data_group) if m.data_group is not None else out
@@ -425,7 +427,28 @@ class _ColumnLinear(_SplitLinear):
     """A Linear holding a slice of its output features: input copied in (gradient all-reduced)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_Copy.apply(x, self._zf_group), self.weight, self.bias)
+        return F.linear(_copy(x, self._zf_group), self.weight, self.bias)
+
+
+_COPIES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("zerofn_tp_copies", default=None)
+
+
+def _copy(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``x`` entering a tensor-parallel region: once per tensor while a step runs, so the layers that read
+    the same input (attention's q, k and v; the MLP's gate and up) share one copy, whose gradient autograd
+    sums over them before the one all-reduce (Megatron's count: one per region in backward, not one per
+    layer). The step's copies are kept (with their inputs, which backward keeps anyway) until it ends."""
+    copies = _COPIES.get()
+    if not x.requires_grad:
+        return x
+    if copies is None:
+        return _Copy.apply(x, group)
+    found = copies.get((id(x), id(group)))
+    if found is not None and found[0] is x:
+        return found[1]
+    copied = _Copy.apply(x, group)
+    copies[(id(x), id(group))] = (x, copied)
+    return copied
 
 
 class _RowLinear(_SplitLinear):
@@ -517,6 +540,7 @@ class _Around:
         self.m, self.model, self.hook, self.loss = m, model, None, None
 
     def __enter__(self):
+        self.copies = _COPIES.set({})
         if self.m.tensor > 1:
             module = self.model().module
             self.hook = module.register_forward_pre_hook(self._check, with_kwargs=True)
@@ -532,6 +556,7 @@ class _Around:
             self.loss.__exit__(*exc)
         if self.hook is not None:
             self.hook.remove()
+        _COPIES.reset(self.copies)
         return False
 
     def _check(self, module, args, kwargs):

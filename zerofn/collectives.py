@@ -473,18 +473,23 @@ _counters: dict = {}  # _key(group) -> the counters open on it
 
 
 @contextlib.contextmanager
-def counting(group: Any = None) -> Iterator[Counter]:
+def counting(group: Any = None, *, also: tuple = ()) -> Iterator[Counter]:
     """Count the collective traffic this rank issues on ``group`` (default: the current group) inside the
-    block, from any thread (nests). Its small CPU messages (the control group's) count as its own."""
-    key = _key(_CURRENT.get() if group is None else _member(group, "counting"))
+    block, from any thread (nests). Its small CPU messages (the control group's) count as its own.
+    ``also``: more groups whose traffic counts in the same counter (a tensor-parallel group beside the
+    data-parallel one a step runs on)."""
+    keys_ = [_key(_CURRENT.get() if group is None else _member(group, "counting"))]
+    keys_ += [_key(_member(g, "counting")) for g in also if g is not None and _key(g) not in keys_]
     c = Counter()
-    _counters.setdefault(key, []).append(c)
+    for key in keys_:
+        _counters.setdefault(key, []).append(c)
     try:
         yield c
     finally:
-        _counters[key].remove(c)
-        if not _counters[key]:
-            del _counters[key]
+        for key in keys_:
+            _counters[key].remove(c)
+            if not _counters[key]:
+                del _counters[key]
 
 
 def _count(kind: str, nbytes: int, group: Any) -> None:

@@ -25,6 +25,9 @@ optional:
 - ``partition``: ``partition() -> (index, count)``: the params this rank's
   step holds are part ``index`` of a model split over ``count`` groups of
   ranks (``tensor_parallel``'s slices); recorded in ``state.spec``.
+- ``groups``: ``groups() -> (group, ...)``: process groups other than
+  the step's that its collectives run on (a tensor-parallel group); their
+  traffic counts in ``metrics["comm_bytes"]``.
 - ``updates_late``: ``updates_late(device_type) -> bool``, whether its
   optimizer wrapper may leave the update running after the step returns
   when the parameters compute on ``device_type`` (the tensors it writes
@@ -77,6 +80,7 @@ class Extension:
         updates_late: ``device_type -> bool``: the optimizer wrapper may still be writing after the
             step returns, for parameters on that device type (None: never).
         partition: ``() -> (index, count)``: which part of a split model this rank's state holds.
+        groups: ``() -> (group, ...)``: other process groups its collectives use, counted in comm_bytes.
     """
 
     name: str
@@ -88,3 +92,4 @@ class Extension:
     prepare: Callable | None = None
     updates_late: Callable[[str], bool] | None = None
     partition: Callable[[], tuple[int, int]] | None = None
+    groups: Callable[[], tuple] | None = None

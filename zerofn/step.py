@@ -372,7 +372,8 @@ class Step:
         ``ZEROFN_TIMEOUT_S`` (default 600 s).
         """
         self.check_state(state)
-        with C.counting() as counter:
+        also = tuple(g for e in self.extensions if e.groups is not None for g in e.groups())
+        with C.counting(also=also) as counter:
             if not self.donate:  # the copy reads state.params, which waits for a publish in flight
                 state = T.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
             new_state, metrics = self._run(state, batch)

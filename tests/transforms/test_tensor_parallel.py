@@ -74,7 +74,7 @@ def _train(tp: int, name: str, kv_heads: int = 2) -> tuple[dict, float, str]:
     SEEN.clear()
     for i in range(STEPS):
         state, m = step(state, rank_slice(_batch(i), here, data) if tp else _batch(i))
-    info = {"apply_diff": apply_diff, "seen": list(SEEN), "full_shape": tuple(first.shape)}
+    info = {"apply_diff": apply_diff, "seen": list(SEEN), "full_shape": tuple(first.shape), "comm": m["comm_bytes"]}
     return step.full_params(state), float(m["loss"]), step.name, info
 
 
@@ -125,6 +125,14 @@ def _check(results: list, references: dict, tp: int, name: str, kv: int) -> None
 def test_tp2_on_two_ranks_trains_as_one_process(ranks, references):
     results = ranks(2).run(_cases, [(2, "plain", 2)])
     _check(results, references, 2, "plain", 2)
+    # comm_bytes: Megatron's count, all on the tensor-parallel group (one data-parallel rank): per block two
+    # all-reduces of the activations in forward (o_proj, down_proj) and two in backward (the inputs of
+    # attention and of the MLP); the embedding's in forward, the head's input in backward; the batch check
+    # (3 float64 each way for the one input tensor); each all-reduce counted as 2 x its bytes
+    activations = GLOBAL_BATCH * SEQ * 64 * 4
+    blocks = 2
+    want = 2 * activations * (4 * blocks + 2) + 2 * 6 * 8
+    assert [r[(2, "plain", 2)]["comm"] for r in results] == [want, want]
 
 
 def test_tp2_by_dp2_and_tp4_on_four_ranks_train_as_one_process(ranks, references):
