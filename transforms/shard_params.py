@@ -47,7 +47,11 @@ their gradients land, as in ``shard_grads``), and the ``storage``, with a
   a time, also from a model built on the meta device (initialised by
   ``init_fn``, a Hugging Face model's own ``_init_weights``, or the module's
   ``reset_parameters``).
-- ``full_params`` and ``forward`` (``step.apply``): gather one unit at a time.
+- ``full_params`` and ``forward`` (``step.apply``): gather one unit at a time;
+  inside :func:`gathered` (``zf.generate(..., gather_once=True)``) every
+  unit is gathered once on entering the block, each ``step.apply`` of that
+  state runs on the whole parameters with no collective of its own, and
+  they are released on leaving it.
 - ``param_placement="cpu"`` (``offload(params=True)``): shards rest in host memory and each
   is copied in just before its unit's all-gather.
 
@@ -94,6 +98,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,7 +133,7 @@ from zerofn.state import Bucket, Layout, TrainState
 from zerofn.step import Step, reapply, transform
 from zerofn.storage import Held, ParamSplit, Storage, to_host, whole_params
 
-__all__ = ["MinUnitBytes", "UnitStorage", "shard_params"]
+__all__ = ["MinUnitBytes", "UnitStorage", "gathered", "shard_params"]
 
 ORDER = "shard_params.order"  # state.extra key: unit indices in the order the last step ran them
 _OPEN, _OUTSIDE, _BACKWARD, _END = range(4)  # the points of a step at which the ranks agree (see _Runner._agree)
@@ -275,6 +280,10 @@ class UnitStorage(Storage):
         return None  # updated in place, gathered when used
 
     def forward(self, state: TrainState, model: Callable, args: tuple, kwargs: dict) -> Any:
+        held = _HELD.get()
+        if held is not None and held.state is state and held.functional is model():  # inside gathered(...)
+            with torch.no_grad():
+                return held.functional(held.params, *args, **kwargs)
         runner = _Runner(state, model(), self.prefetch, None, self.param_placement != "device")
         try:
             with torch.no_grad():
@@ -290,6 +299,104 @@ class UnitStorage(Storage):
         out = whole_params(_resident(masters or state.params), layout.buckets, to_device=True)
         out.update(whole_params(frozen, layout.frozen_buckets, to_device=True))
         return T.tree_unflatten(state.spec.treedef, [out[n] for n in layout.names])
+
+
+# ---------------------------------------------------------------- gathered once
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A state's units, every one gathered, for :func:`gathered`'s block: the model's params tree on them."""
+
+    state: TrainState
+    functional: Functional
+    params: Any
+
+
+_HELD: contextvars.ContextVar = contextvars.ContextVar("zerofn_shard_params_held", default=None)
+
+
+@contextlib.contextmanager
+def gathered(step: Step, state: TrainState, /, *, max_bytes: int | None = None):
+    """Gather every unit of ``state`` once, for a block of ``step.apply`` calls (generation), then release.
+
+    Under ``shard_params`` each ``step.apply`` gathers every unit and releases
+    it: a model's whole bytes cross the ranks for every call, so for every
+    token ``zf.generate`` chooses. Inside this block each ``step.apply(state,
+    ...)`` of this state runs on the parameters gathered on entering it and
+    issues no collective of its own; they are released on leaving it.
+    ``zf.generate(..., gather_once=True)`` runs its loop inside it.
+
+    Memory: the whole model, as the state holds it (amp's compute dtype,
+    quantize's codes), on every rank for the block's span, where a call
+    gathers one unit at a time (and ``prefetch`` more). Without
+    ``shard_params`` the rank holds it already and this does nothing.
+
+    Collective: every rank of the step's group enters it with the same
+    step and state (it all-gathers every unit, in order). The block is for
+    that state: a step that trains it (donating it) leaves the block
+    nothing to run on; a step's ``apply`` of another state gathers per call.
+
+    Args:
+        step, state: a Step and its state (any composition).
+        max_bytes: the most bytes the gathered units may take on a rank;
+            None: no limit. Exceeding it raises before anything is gathered.
+
+    Raises:
+        ValueError: ``max_bytes`` is not an int >= 0, or the whole model
+            takes more bytes than it on a rank.
+
+    Example:
+        >>> import torch, zerofn as zf
+        >>> from zerofn.transforms import shard_params
+        >>> from zerofn.transforms.shard_params import gathered
+        >>> apply = zf.functional(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
+        >>> step = shard_params(zf.train_step(lambda p, b: apply(p, b).sum(), zf.optim.adamw(1e-3)))
+        >>> state = step.init(apply.params)
+        >>> with gathered(step, state, max_bytes=2**20):
+        ...     outs = [step.apply(state, torch.ones(1, 4)) for _ in range(3)]
+        >>> outs[0].shape
+        torch.Size([1, 1])
+    """
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+        raise ValueError(f"shard_params.gathered: max_bytes must be an int >= 0 or None, got {max_bytes!r}")
+    storage = getattr(step, "storage", None)
+    if not isinstance(storage, UnitStorage):  # the rank holds the whole parameters already
+        yield
+        return
+    held = _HELD.get()
+    if held is not None and held.state is state:  # gathered already, by an enclosing block
+        yield
+        return
+    with C.group_scope(step.group):
+        step.check_state(state)
+        layout = state.spec.layout
+        whole = C.world_size() == 1 and storage.param_placement == "device"  # nothing to gather: views
+        need = 0 if whole else sum(b.nbytes for b in (*layout.buckets, *layout.frozen_buckets))
+        if max_bytes is not None and need > max_bytes:
+            raise ValueError(
+                f"shard_params.gathered: gathering every unit takes {need:,} bytes ({need / 2**30:.2f} GiB) on "
+                f"each rank, more than max_bytes={max_bytes:,}. Gather per call instead, one unit at a time "
+                "(zf.generate without gather_once, step.apply outside the block), or raise max_bytes."
+            )
+        functional = step.model()
+        runner = _Runner(state, functional, storage.prefetch, None, storage.param_placement != "device")
+        try:
+            runner._unwatch()  # the block's calls run on whole parameters: no unit opens or closes
+            for unit in runner.units:  # every gather in flight, in the same order on every rank
+                runner._gather(unit)
+            for unit in runner.units:
+                runner._ensure(unit)
+            params = T.tree_unflatten(state.spec.treedef, [runner.leaves[n] for n in layout.names])
+        except BaseException:
+            runner.close()
+            raise
+    token = _HELD.set(_Held(state, functional, params))
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
+        runner.close()
 
 
 def _host_shard(shard: torch.Tensor | None, bucket: Bucket, rank: int, pin: bool) -> torch.Tensor:

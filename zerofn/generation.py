@@ -11,17 +11,23 @@ model no rank holds whole.
 
 Collectives: those of ``step.apply`` only. Under ``shard_params`` (and
 ``offload`` of the params) it is collective: every rank calls it with the
-same arguments, and each rank gets the same tokens. With ``do_sample=True``
+same arguments, and each rank gets the same tokens; each call gathers every
+unit, so the model's bytes cross the ranks for every token, unless
+``gather_once=True`` gathers them once for the whole loop
+(``zerofn.transforms.shard_params.gathered``). With ``do_sample=True``
 give every rank a ``torch.Generator`` seeded alike: the ranks compute the
 same logits and draw from them alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
 import torch
+
+from zerofn.transforms.shard_params import gathered
 
 __all__ = ["generate"]
 
@@ -40,6 +46,7 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    gather_once: bool = False,
 ) -> torch.Tensor:
     """Extend ``input_ids`` by up to ``max_new_tokens`` tokens the state's model chooses, one at a time.
 
@@ -68,6 +75,13 @@ def generate(
         pad_token_id: what a done row gets; None: the (first) eos token.
         generator: the ``torch.Generator`` sampling draws with (on the
             logits' device); None: torch's default.
+        gather_once: under ``shard_params``, gather every unit once before
+            the first token and release them after the last, instead of
+            gathering them for every token: one gather of the model in
+            all, for the whole model on every rank while it runs
+            (``gathered(step, state)`` of ``zerofn.transforms.shard_params``,
+            which also takes a ``max_bytes`` budget). Without
+            ``shard_params``: no effect.
 
     Returns:
         A ``torch.long`` tensor ``(batch, tokens + n)``: the prompts, then the
@@ -98,6 +112,14 @@ def generate(
     ids, mask, eos, pad = _checked(
         input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k, eos_token_id, pad_token_id
     )
+    if not isinstance(gather_once, bool):
+        raise TypeError(f"zf.generate: gather_once must be True or False, got {gather_once!r}")
+    with gathered(step, state) if gather_once else contextlib.nullcontext():
+        return _loop(step, state, ids, mask, eos, pad, max_new_tokens, do_sample, temperature, top_k, generator)
+
+
+def _loop(step, state, ids, mask, eos, pad, max_new_tokens, do_sample, temperature, top_k, generator) -> torch.Tensor:
+    """The token loop: the prompt's call, then one call per token chosen, with the cache of the call before."""
     padded = bool((mask == 0).any())
     keep = _takes(step, "logits_to_keep")  # the prompt's logits but the last are never needed
     cache_arg = "cache" if _takes(step, "cache") else "past_key_values"  # its name since transformers 5.24
