@@ -22,7 +22,8 @@ Inside the model, on the tensor-parallel group:
 
 So a block runs two all-reduces of its activations in forward and two in
 backward (Megatron's pairing), attention's heads split over the ranks
-(``num_heads / size`` each, grouped-query key/value heads too), and every
+(``num_heads / size`` each, grouped-query key/value heads too, or shared
+when there are fewer of them than ranks), and every
 parameter outside the split layers is replicated: each tensor-parallel
 rank computes the same values for it and the same gradient. The layers
 keep their place and names in the model: their parameters are the local
@@ -48,8 +49,11 @@ step computes under torch's ``loss_parallel``); without gradients the head
 gathers them whole. A model built on the meta device is split as
 ``shard_params``' sharded init reaches each layer (:meth:`_Split.zf_materialise`).
 
-Not yet: sequence parallelism, key/value heads fewer than ``size``
-(replicated across the ranks that share them), checkpoints of a split
+Key/value heads fewer than ``size`` (a multiple of them) are shared: each
+rank holds the one its query heads read, and the ranks sharing it sum its
+gradient (an all-reduce over them, :class:`_SumGrad`).
+
+Not yet: sequence parallelism, checkpoints of a split
 model (refused), and counting the cross-entropy's own all-reduces (torch's
 ``loss_parallel``) in ``metrics["comm_bytes"]``, where the layers' are.
 """
@@ -191,7 +195,7 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
             prepare=lambda split, f, where: _prepare(options, m, split, f, where),
             around=lambda model, state: _Around(m, model),
             partition=(lambda: (m.tensor_rank, m.tensor)) if m.tensor > 1 else None,
-            groups=(lambda: (m.tensor_group,)) if m.tensor > 1 else None,
+            groups=(lambda: (m.tensor_group, *_replica_groups(m))) if m.tensor > 1 else None,
         )
     )
     return out.replace(group=m.data_group) if m.data_group is not None else out
@@ -291,7 +295,7 @@ def _prepare(
                 f"{where}: tensor_parallel: {path!r} uses max_norm, scale_grad_by_freq or sparse, which a "
                 "vocabulary-parallel embedding does not support. Leave it out of the plan (replicated)."
             )
-        _check_heads(module, path, how, m.tensor, where)
+        share = _check_heads(module, path, how, m.tensor, where)
         features = (
             layer.num_embeddings
             if how == EMBEDDING
@@ -299,15 +303,19 @@ def _prepare(
             if how in (COLWISE, HEAD)
             else layer.in_features
         )
-        if features % m.tensor:
+        if features % (m.tensor // share):
             raise ValueError(
                 f"{where}: tensor_parallel({m.tensor}): {path!r} has {features} "
                 f"{'input' if how == ROWWISE else 'output'} features, which {m.tensor} ranks cannot split evenly"
             )
-        layers[path] = (layer, how)
+        layers[path] = (layer, how, share)
     names = {}
-    for path, (layer, how) in layers.items():
-        names.update(_split(layer, how, m, path, split.named))
+    for path, (layer, how, share) in layers.items():
+        names.update(_split(layer, how, m, path, split.named, share))
+        if share > 1:  # the attention's query heads per key/value head, as this rank holds them
+            attention = module.get_submodule(path.rpartition(".")[0])
+            if hasattr(attention, "num_key_value_groups"):
+                attention.num_key_value_groups = attention.config.num_attention_heads // m.tensor
     if not names:
         return split
     functional.refresh()
@@ -316,30 +324,40 @@ def _prepare(
     return out._replace(trainable={k: out.named[k] for k in split.trainable})
 
 
-def _check_heads(module: nn.Module, path: str, how: str, size: int, where: str) -> None:
-    """Attention's heads split whole: q/o by attention heads, k/v by key/value heads."""
+def _check_heads(module: nn.Module, path: str, how: str, size: int, where: str) -> int:
+    """Attention's heads split whole: q/o by attention heads, k/v by key/value heads; returns how many
+    ranks share each key/value head (1: split; more: fewer key/value heads than ranks, each rank holding
+    the one its query heads read, Megatron's grouped-query rule)."""
     parent = module.get_submodule(path.rpartition(".")[0]) if "." in path else module
     config = getattr(parent, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
     leaf = path.rpartition(".")[2]
-    count = kv if leaf in ("k_proj", "v_proj") else heads if leaf in ("q_proj", "o_proj") else None
-    if count is not None and count % size:
+    if leaf in ("q_proj", "o_proj") and heads and heads % size:
         raise ValueError(
-            f"{where}: tensor_parallel({size}): {path!r} holds {count} "
-            f"{'key/value' if leaf in ('k_proj', 'v_proj') else 'attention'} heads, which {size} ranks cannot "
-            f"split whole (replicating key/value heads is not supported yet). Pick a size that divides {count}."
+            f"{where}: tensor_parallel({size}): {path!r} holds {heads} attention heads, which {size} ranks "
+            f"cannot split whole. Pick a size that divides {heads}."
         )
+    if leaf in ("k_proj", "v_proj") and kv and kv % size:
+        if size % kv or (heads and heads % size):
+            raise ValueError(
+                f"{where}: tensor_parallel({size}): {path!r} holds {kv} key/value heads, which {size} ranks can "
+                f"neither split whole nor share (each rank's query heads must read one key/value head: the size "
+                f"must divide {kv}, or be a multiple of it that divides the {heads} attention heads)."
+            )
+        return size // kv
+    return 1
 
 
 _CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict) -> dict[str, torch.Tensor]:
-    """Make ``layer`` hold this rank's slice of its weight (and bias) and compute as ``how`` says."""
+def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict, share: int = 1) -> dict[str, torch.Tensor]:
+    """Make ``layer`` hold this rank's slice of its weight (and bias) and compute as ``how`` says;
+    ``share`` ranks hold the same slice (a key/value head shared by that many ranks' query heads)."""
     prefix = f"{path}." if path else ""
     out = {}
-    n, r = m.tensor, m.tensor_rank
+    n, r = m.tensor // share, m.tensor_rank // share  # slices, and which one this rank holds
     source = {}
     for pname in ("weight", "bias"):
         p = layer._parameters.get(pname)
@@ -361,6 +379,8 @@ def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict) -> dict[
         if hasattr(layer, k)
     }
     layer.__dict__["_zf_how"] = how
+    layer.__dict__["_zf_slices"] = (n, r)
+    layer._zf_replicas = _replica_group(m, share) if share > 1 else None
     cls = type(layer)
     key = (cls, how)
     if key not in _CLASSES:
@@ -369,7 +389,7 @@ def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict) -> dict[
     layer.__class__ = _CLASSES[key]
     layer._zf_group, layer._zf_mesh = m.tensor_group, m
     if how in (COLWISE, HEAD):
-        layer.out_features //= n
+        layer.out_features //= n  # n: the slices (fewer than the ranks when they share key/value heads)
     elif how == ROWWISE:
         layer.in_features //= n
     else:
@@ -398,7 +418,7 @@ class _Split:
         ``init_fn`` or its model's initialisation), which it is for the while (shard_params' sharded init,
         one layer at a time), then each is sliced."""
         d = self.__dict__
-        source, whole, how, mesh_ = d["_zf_source"], d["_zf_whole"], d["_zf_how"], d["_zf_mesh"]
+        source, whole, how = d["_zf_source"], d["_zf_whole"], d["_zf_how"]
         held = {k: self._parameters[k] for k in source}
         split = {k: getattr(self, k) for k in whole}
         cls = type(self)
@@ -414,8 +434,9 @@ class _Split:
             for k, v in split.items():
                 setattr(self, k, v)
         prefix = f"{path}." if path else ""
+        n, r = d["_zf_slices"]
         for k in source:
-            got[prefix + k] = _slice(got[prefix + k], how, k, mesh_.tensor, mesh_.tensor_rank)
+            got[prefix + k] = _slice(got[prefix + k], how, k, n, r)
         return got
 
 
@@ -426,8 +447,14 @@ class _SplitLinear(_Split, nn.Linear):
 class _ColumnLinear(_SplitLinear):
     """A Linear holding a slice of its output features: input copied in (gradient all-reduced)."""
 
+    _zf_replicas: Any = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_copy(x, self._zf_group), self.weight, self.bias)
+        w, b = self.weight, self.bias
+        if self._zf_replicas is not None:  # a key/value head several ranks hold: their gradients summed
+            w = _SumGrad.apply(w, self._zf_replicas)
+            b = None if b is None else _SumGrad.apply(b, self._zf_replicas)
+        return F.linear(_copy(x, self._zf_group), w, b)
 
 
 _COPIES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("zerofn_tp_copies", default=None)
@@ -501,6 +528,44 @@ def _device_mesh(m: Mesh, device_type: str) -> Any:
 
         _DEVICE_MESHES[key] = DeviceMesh.from_group(m.tensor_group, device_type)
     return _DEVICE_MESHES[key]
+
+
+_REPLICAS: dict[tuple, Any] = {}  # (tensor size, ranks sharing, world) -> this rank's group of them
+
+
+def _replica_group(m: Mesh, share: int) -> Any:
+    """The group of the ``share`` consecutive ranks of this rank's tensor-parallel group that hold the same
+    key/value head. Collective the first time (every rank makes every such group, in the same order)."""
+    world = m.tensor * m.data
+    key = (m.tensor, share, world, id(dist.group.WORLD))
+    if key not in _REPLICAS:
+        rank, mine = dist.get_rank(), None
+        for start in range(0, world, share):
+            g = C.new_group(list(range(start, start + share)))
+            if start <= rank < start + share:
+                mine = g
+        _REPLICAS[key] = mine
+    return _REPLICAS[key]
+
+
+def _replica_groups(m: Mesh) -> tuple:
+    """The groups of ranks sharing key/value heads made for this mesh (their gradients' all-reduces)."""
+    world = m.tensor * m.data
+    return tuple(g for (t, _, w, _), g in _REPLICAS.items() if t == m.tensor and w == world and g is not None)
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity in forward; the gradient summed over ``group`` in backward (a parameter held alike by the
+    ranks of ``group``, each of which computes part of its gradient)."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_reduce(grad.contiguous(), group=ctx.group), None
 
 
 class _Copy(torch.autograd.Function):

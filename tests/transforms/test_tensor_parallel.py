@@ -19,7 +19,7 @@ COLS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "l
 ROWS = ("o_proj", "down_proj")
 
 
-def _llama(kv_heads: int = 2) -> nn.Module:
+def _llama(kv_heads: int = 2, heads: int = 4) -> nn.Module:
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -27,10 +27,10 @@ def _llama(kv_heads: int = 2) -> nn.Module:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=64,
-        hidden_size=64,
+        hidden_size=16 * heads,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=32,
     )
@@ -78,12 +78,15 @@ def _train(tp: int, name: str, kv_heads: int = 2) -> tuple[dict, float, str]:
     return step.full_params(state), float(m["loss"]), step.name, info
 
 
-def _local(ref: dict, tp: int, t: int) -> dict:
-    """The one-process parameters as tensor-parallel rank ``t`` of ``tp`` holds them."""
+def _local(ref: dict, tp: int, t: int, kv: int) -> dict:
+    """The one-process parameters as tensor-parallel rank ``t`` of ``tp`` holds them (with ``kv`` key/value
+    heads: fewer than ``tp``, each is held by the ``tp // kv`` ranks whose query heads read it)."""
     out = {}
     for k, v in ref.items():
         layer = k.rsplit(".", 2)[-2]
-        if layer in COLS:
+        if layer in ("k_proj", "v_proj") and kv < tp:
+            v = v.chunk(kv, 0)[t // (tp // kv)]
+        elif layer in COLS:
             v = v.chunk(tp, 0)[t]
         elif layer in ROWS and k.endswith("weight"):
             v = v.chunk(tp, 1)[t]
@@ -109,7 +112,7 @@ def _check(results: list, references: dict, tp: int, name: str, kv: int) -> None
     ref, ref_loss, _, _ = references[kv]
     for out in results:
         r = out[(tp, name, kv)]
-        local = _local(ref, tp, r["rank"] % tp)
+        local = _local(ref, tp, r["rank"] % tp, kv)
         assert local.keys() == r["params"].keys()
         for k in local:
             assert r["params"][k].shape == local[k].shape, k
@@ -135,8 +138,9 @@ def test_tp2_on_two_ranks_trains_as_one_process(ranks, references):
     assert [r[(2, "plain", 2)]["comm"] for r in results] == [want, want]
 
 
-def test_tp2_by_dp2_and_tp4_on_four_ranks_train_as_one_process(ranks, references):
-    cases = [(2, "shard_grads", 2), (2, "shard_params", 2), (4, "plain", 4)]
+def test_tp2_by_dp2_and_tp4_with_shared_key_value_heads_train_as_one_process(ranks, references):
+    # tp 4 with 4 key/value heads splits them; with 2, each is shared by the 2 ranks whose query heads read it
+    cases = [(2, "shard_grads", 2), (2, "shard_params", 2), (4, "plain", 4), (4, "shard_params", 2)]
     results = ranks(4).run(_cases, cases)
     for tp, name, kv in cases:
         _check(results, references, tp, name, kv)
@@ -148,9 +152,11 @@ def _refusals() -> dict:
     apply = zf.functional(model)
     step = zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-3))
     conv = zf.functional(nn.Sequential(nn.Conv1d(2, 2, 1)))
+    apply_kv3 = zf.functional(_llama(3, heads=12))  # 3 query heads per rank, which read 2 key/value heads
+    step_kv3 = zf.train_step(_loss_fn(apply_kv3), zf.optim.adamw(1e-3))
     for key, fn in {
         "size": lambda: tensor_parallel(step, 3),
-        "kv": lambda: tensor_parallel(step, 4).init(apply.params),
+        "kv": lambda: tensor_parallel(step_kv3, 4).init(apply_kv3.params),
         "plan": lambda: tensor_parallel(zf.train_step(lambda p, b: conv(p, b).sum(), zf.optim.sgd(0.1)), 2).init(
             conv.params
         ),
@@ -179,7 +185,7 @@ def _refusals() -> dict:
 def test_bad_sizes_plans_and_batches_are_refused(ranks):
     for out in ranks(4).run(_refusals):
         assert "size 3 does not divide the world size 4" in out["size"], out["size"]
-        assert "holds 2 key/value heads, which 4 ranks cannot split whole" in out["kv"], out["kv"]
+        assert "holds 3 key/value heads, which 4 ranks can neither split whole nor share" in out["kv"], out["kv"]
         assert "cannot plan Sequential" in out["plan"], out["plan"]
         assert "fed different batches" in out["batch"], out["batch"]
         assert "split over 2 groups of ranks (tensor parallelism)" in out["save"], out["save"]
