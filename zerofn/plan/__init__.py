@@ -11,7 +11,8 @@ tensor, to count what its state holds: :func:`optimizer_bytes`).
 The package, by concern: ``shapes`` (Hugging Face configs: :class:`ModelShape`,
 :func:`model_shape`), ``activations`` (:func:`activation_bytes`), ``lora`` (LoRA adapters
 on a frozen base, quantized or not: :class:`LoraPlan`, :func:`lora_plan`,
-:func:`dequant_bytes`), ``estimates``
+:func:`dequant_bytes`), ``tensor`` (tensor parallelism's split: :class:`TensorParallelPlan`,
+:func:`tensor_parallel_plan`), ``estimates``
 (:class:`Estimate`, :func:`estimate`, :func:`compositions`), ``cli``
 (:func:`main`, :func:`parse_size`, :func:`parse_count`), ``text``
 (:func:`plan_text`, :func:`fmt_bytes`) and ``plotting`` (:func:`plot`); every
@@ -73,6 +74,14 @@ projection's weight dequantized for its call adds ``Estimate.dequant`` in
 the step: total = ... + max(activations + gathered units + dequant, update).
 See :mod:`zerofn.plan.lora`.
 
+Tensor parallelism (``estimate(..., tp=t)``, ``tensor_parallel(step, t)``): each GPU holds ``1 / t`` of
+every block's projections (and of an untied embedding and head, over the vocabulary) and the rest (the
+norms) whole, and the step runs on the
+``N / t`` data-parallel ranks: the table above applies to the parameters one GPU holds with N the
+data-parallel ranks. Activations split attention's and the MLP's intermediates by t; the
+activations' all-reduces, four a block per micro-batch, are ``Estimate.tp_traffic``. See
+:mod:`zerofn.plan.tensor`.
+
 Optimizer state in CPU RAM (``"cpu"``): the GPU keeps only parameters and
 the gradients of the buckets backward is landing; the host holds, per
 rank, the optimizer state (K S), an fp32 gradient buffer kept from step
@@ -122,6 +131,7 @@ from zerofn.plan.estimates import (
 from zerofn.plan.lora import LoraPlan, dequant_bytes, lora_plan
 from zerofn.plan.plotting import plot
 from zerofn.plan.shapes import ModelShape, model_shape
+from zerofn.plan.tensor import TensorParallelPlan, tensor_parallel_plan
 from zerofn.plan.text import fmt_bytes, format_count, plan_text
 
 __all__ = [
@@ -134,6 +144,7 @@ __all__ = [
     "LoraPlan",
     "ModelShape",
     "OptimizerBytes",
+    "TensorParallelPlan",
     "activation_bytes",
     "compositions",
     "dequant_bytes",
@@ -148,4 +159,5 @@ __all__ = [
     "parse_size",
     "plan_text",
     "plot",
+    "tensor_parallel_plan",
 ]

@@ -22,6 +22,7 @@ def activation_bytes(
     flash: bool = True,
     device: str = "cuda",
     lora_rank: int = 0,
+    tp: int = 1,
 ) -> int:
     """Activation bytes alive at a training step's peak on one GPU, for a GPT-like model.
 
@@ -53,6 +54,15 @@ def activation_bytes(
       gated block, 6 otherwise) save their r-wide middle (A's output, B's
       input): a x r more per projection. Their input is the projection's,
       saved already; a frozen projection saves nothing for a weight gradient.
+    - ``tp``: tensor parallelism over ``tp`` GPUs (Megatron's accounting
+      without sequence parallelism, Korthikanti et al.'s
+      ``s b h (10 + 24 / t)``): what attention and the MLP compute between
+      the column-wise and the row-wise layers is split, ``a (2 h + 2 h_kv +
+      4 f) / tp`` (q, k, v, the attention output, the MLP's activations) and
+      attention's statistics and softmax by heads / tp; the residual stream,
+      the norms' inputs and outputs (4 a h), the embedding's output and the
+      block inputs remat keeps are whole on every GPU (a head split over the
+      vocabulary: pass ``vocab / tp``, the logits one GPU holds).
 
     Returns:
         Bytes (an int).
@@ -70,15 +80,18 @@ def activation_bytes(
     act = 2 if mixed_precision else 4
     norm32 = 4 if (mixed_precision and device != "cpu") else 0  # CUDA autocast: layer norms in fp32
     sb = s * b
-    elems = 6 * h + 2 * h_kv + (4 if gated else 2) * f + (7 if gated else 6) * int(lora_rank)
-    stats = 16 + 4 * a_heads
-    per_layer = sb * (act * elems + 2 * norm32 * h + stats + (0 if flash else act * a_heads * s))
+    t = int(tp)
+    # whole: the first norm's output, the residual after attention, the second norm's output, the block's
+    # output; split over tensor-parallel GPUs: q, k, v, the attention output and the MLP's activations
+    elems = 4 * h + (2 * h + 2 * h_kv + (4 if gated else 2) * f) / t + (7 if gated else 6) * int(lora_rank)
+    stats = 16 + 4 * a_heads / t
+    per_layer = sb * (act * elems + 2 * norm32 * h + stats + (0 if flash else act * a_heads * s / t))
     x = sb * act * h  # one residual-stream tensor
     if inference:
-        return x + per_layer + sb * act * int(vocab)
+        return int(x + per_layer + sb * act * int(vocab))
     head = x + sb * (norm32 * h + 8 + 12 * int(vocab))
     if not remat:
-        return x + L * per_layer + head
+        return int(x + L * per_layer + head)
     start = (L + 1) * x + head
-    first_block = L * x + per_layer + sb * act * f
-    return max(start, first_block)
+    first_block = L * x + per_layer + sb * act * f / t
+    return int(max(start, first_block))

@@ -116,6 +116,16 @@ def _parser() -> argparse.ArgumentParser:
         help="hold the frozen base's projection weights quantized, as zerofn.transforms.quantize(step, KIND) does "
         "(QLoRA: nf4, 0.516 bytes per parameter with its scales; int8: 1.0625); needs --lora-rank",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor parallelism over N consecutive GPUs (zerofn.transforms.tensor_parallel(step, N)): each holds "
+        "1/N of every block's q, k, v, o, gate, up and down, the rest whole; the ZeRO stages shard over the "
+        "GPUs / N data-parallel ranks. N divides --gpus and the heads; needs the shapes (--model, or --layers and "
+        "--hidden); --micro-batch is then per data-parallel rank",
+    )
     p.add_argument("--plot", metavar="FILE.png", help="draw bytes per GPU by composition against the GPU memory")
     return p
 
@@ -200,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.lora_rank is not None:
         kw["lora_rank"] = args.lora_rank
         kw["quantize"] = args.quantize
+    if args.tp != 1:
+        kw["tp"] = args.tp
     try:
         rows = compositions(source, inference=args.inference, **kw)
     except ValueError as e:
@@ -216,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     if lora is not None:
         what += f"; LoRA rank {lora.rank} ({format_count(lora.trainable)} trainable), the base frozen"
         what += f" in {lora.quantize.upper()}" if lora.quantize else ""
+    tensor = rows[0].tensor_parallel
+    if tensor is not None:
+        what += f"; tensor parallel {tensor.size} x data parallel {tensor.data}"
     name = f" ({source.name})" if isinstance(source, ModelShape) and source.name else ""
     title = (
         f"{format_count(psi)} parameters{name} on {n} GPU(s) ({args.nodes} node(s) x {args.gpus}), "

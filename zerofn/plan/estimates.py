@@ -14,6 +14,7 @@ from zerofn import optim as O
 from zerofn.plan.activations import activation_bytes
 from zerofn.plan.lora import LoraPlan, lora_plan, projections
 from zerofn.plan.shapes import ModelShape
+from zerofn.plan.tensor import TensorParallelPlan, tensor_parallel_plan
 
 __all__ = [
     "ADAM_COUNT_BYTES",
@@ -128,6 +129,11 @@ class Estimate:
             call (the largest's, forward and again in backward; 0 unquantized).
         lora: the adapters and the frozen base (:class:`~zerofn.plan.LoraPlan`), or None: every parameter
             trainable.
+        tensor_parallel: the split of ``estimate(..., tp=)`` (:class:`~zerofn.plan.TensorParallelPlan`), or
+            None (tp 1). The columns above are then one GPU's, of the parameters it holds, sharded over
+            the data-parallel ranks (``world_size / tp``), and ``traffic`` counts those over those ranks.
+        tp_traffic: bytes all-reduced on the tensor-parallel group per micro-batch (4 all-reduces of the
+            activations a block, 6 under remat; 0 without ``tp`` or without ``seq`` and ``micro_batch``).
     """
 
     label: str
@@ -155,6 +161,8 @@ class Estimate:
     frozen: int = 0
     dequant: int = 0
     lora: LoraPlan | None = None
+    tensor_parallel: TensorParallelPlan | None = None
+    tp_traffic: int = 0
 
     @property
     def model_state(self) -> int:
@@ -269,6 +277,7 @@ def estimate(
     optimizer: O.GradientTransformation | None = None,
     lora_rank: int | None = None,
     quantize: str | None = None,
+    tp: int = 1,
 ) -> Estimate:
     """Bytes per GPU, per rank on the host and per node for one zerofn composition (see the module docs).
 
@@ -323,6 +332,17 @@ def estimate(
             parameters' dtype. ZeRO-3 gathers the quantized bytes, and each
             projection's weight is dequantized just for its call (``Estimate.dequant``).
             Needs ``lora_rank``: quantize holds frozen weights only.
+        tp: tensor parallelism, ``tensor_parallel(step, tp)``: every block's q, k, v, o and MLP
+            projections split over ``tp`` consecutive GPUs (Megatron's column- and row-wise layers,
+            attention's heads whole), and, from a :class:`ModelShape`, an untied embedding and head
+            over the vocabulary when ``tp`` divides it (logits ``vocab / tp`` wide per GPU); everything
+            else (norms, a tied embedding) whole on each; the step runs on the ``gpus x nodes / tp`` data-parallel ranks, over which ``stage`` shards
+            what one GPU holds. Each GPU's parameters, gradients and optimizer state are those of its
+            ``1 / tp`` of the split layers and of the whole rest; activations split attention's and the
+            MLP's intermediates by ``tp`` (the residual stream and the norms' inputs stay whole: no
+            sequence parallelism); ``Estimate.tp_traffic`` counts the activations' all-reduces. ``tp``
+            must divide the GPUs per node (a group stays in a node), the attention heads, the
+            key/value heads and the MLP's width; it needs the shapes. See :mod:`zerofn.plan.tensor`.
 
     Returns:
         An :class:`Estimate`.
@@ -332,7 +352,9 @@ def estimate(
             combination zerofn does not run (parameters off the GPU without
             stage 3 or with the optimizer state on the GPU; parameters on NVMe
             without the optimizer state there too); ``quantize`` without
-            ``lora_rank``, or either with ``inference`` or without the shapes.
+            ``lora_rank``, or either with ``inference`` or without the shapes; a
+            ``tp`` that does not divide the GPUs per node, the heads or the MLP's
+            width, or with ``lora_rank`` or ``inference``.
 
     Example:
         >>> from zerofn import memory
@@ -412,10 +434,17 @@ def estimate(
             "modelled: its experts are not one Linear per projection. Plan its dense counterpart, or without "
             "lora_rank."
         )
+    if tp != 1 and (lora_rank is not None or inference):
+        what = f"lora_rank={lora_rank!r}" if lora_rank is not None else "inference=True"
+        raise ValueError(
+            f"estimate: tp={tp!r} with {what} is not modelled: tensor_parallel splits the trainable Linear "
+            "layers of a training step (not LoRA's adapters on a frozen base, not weights alone). Leave one of "
+            "the two out."
+        )
     gpus, nodes = int(gpus), int(nodes)
     if gpus < 1 or nodes < 1:
         raise ValueError(f"estimate: gpus and nodes must be at least 1, got {gpus} and {nodes}")
-    n = gpus * nodes
+    n = world = gpus * nodes
 
     pb = 2 if (mixed_precision or inference) else 4  # parameter (and gradient) bytes
     masters = mixed_precision and master_weights and not inference  # amp's fp32 copy in the optimizer state
@@ -433,6 +462,32 @@ def estimate(
         else:
             layer_params = psi // layers
         layer_params = min(layer_params, psi // layers)
+    tensor = None
+    if tp != 1:
+        # One GPU's parameters: its slices of the split layers and the whole rest; from here on Psi counts
+        # those, a block (a ZeRO-3 unit) its share, and N the data-parallel ranks the step runs on.
+        tensor = tensor_parallel_plan(
+            size=tp,
+            gpus=gpus,
+            nodes=nodes,
+            params=psi,
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=shape and shape.head_dim,
+            ffn=ffn,
+            gated=bool(gated),
+            layer_params=layer_params,
+            biases=(shape.qkv_bias, shape.out_bias, shape.mlp_bias) if shape else (False, False, False),
+            experts=shape.experts if shape else 1,
+            vocab=vocab,
+            tied=shape.tied if shape else True,
+            seq=seq,
+            micro_batch=micro_batch,
+            activation_bytes=2 if mixed_precision else 4,
+        )
+        psi, layer_params, n = tensor.local, tensor.block, tensor.data
     lora = None
     if lora_rank is not None:
         if shape is None:  # the block as its projections (norms are a rounding error)
@@ -474,7 +529,7 @@ def estimate(
             heads=heads,
             kv_heads=kv_heads,
             ffn=ffn,
-            vocab=vocab or 0,
+            vocab=(vocab or 0) // (tp if tensor is not None and tensor.vocab_split else 1),  # the logits per GPU
             gated=bool(gated),
             mixed_precision=mixed_precision or inference,
             remat=remat,
@@ -482,6 +537,7 @@ def estimate(
             flash=flash,
             device=device,
             lora_rank=lora.rank if lora else 0,
+            tp=tp,
         )
     gathered = 0
     # ZeRO-3's units in flight at once: the root unit (embeddings, head, final norm) and prefetch + 2 blocks.
@@ -507,13 +563,15 @@ def estimate(
         remat=remat,
         mixed_precision=mixed_precision and not inference,
         inference=inference,
-        world_size=n,
+        world_size=world,
         gpus_per_node=gpus,
         activations=acts,
         gathered=gathered,
         optimizer_per_param=0 if inference else k,
         dequant=lora.dequant if lora else 0,
         lora=lora,
+        tensor_parallel=tensor,
+        tp_traffic=tensor.traffic(remat=remat) if tensor else 0,
     )
     if inference:
         held = pb * (padded // n if stage == 3 else psi)
@@ -613,7 +671,9 @@ def compositions(
     Every other keyword goes to :func:`estimate` for each row: ``lora_rank=`` (LoRA adapters of that rank
     on every block's projections, the rest frozen) and ``quantize=`` (``"nf4"`` or ``"int8"``: the frozen
     projections held quantized, QLoRA) among them, with :func:`estimate`'s meaning; there the parameters'
-    placement moves the frozen base too (ZeRO-3 with its parameters in CPU RAM or on NVMe).
+    placement moves the frozen base too (ZeRO-3 with its parameters in CPU RAM or on NVMe); and ``tp=``
+    (tensor parallelism: every row one GPU's share of the split model, sharded over the data-parallel
+    ranks).
 
     Example:
         >>> from zerofn.plan import compositions

@@ -36,6 +36,9 @@ class ModelShape:
     name: str = ""
     head_dim: int | None = None
     experts: int = 1
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
 
     @property
     def root_params(self) -> int:
@@ -159,4 +162,7 @@ def model_shape(config: dict | str | os.PathLike) -> ModelShape:
         name=name or kind,
         head_dim=head_dim,
         experts=experts,
+        qkv_bias=qkv_bias,
+        out_bias=out_bias,
+        mlp_bias=mlp_bias,
     )

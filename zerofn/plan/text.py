@@ -56,6 +56,31 @@ def _lora_lines(e: Estimate) -> list[str]:
     return lines
 
 
+def _tensor_lines(e: Estimate) -> list[str]:
+    """What one GPU holds of a split model and what its tensor-parallel group sends, for :func:`plan_text`."""
+    t = e.tensor_parallel
+    act = 2 if e.mixed_precision else 4
+    lines = [
+        f"tensor parallelism over {t.size} GPUs x {t.data} data-parallel ranks: each GPU holds 1/{t.size} of every "
+        f"block's projections{' and of the embedding and head, over the vocabulary' if t.vocab_split else ''} "
+        f"({format_count(t.split)} parameters in all) and the rest whole "
+        f"({'norms' if t.vocab_split else 'embeddings, head, norms'}: {format_count(t.replicated)}): "
+        f"{format_count(t.local)} parameters per GPU, which the ZeRO stages below shard over the {t.data} "
+        "data-parallel rank(s)"
+    ]
+    if t.allreduce:
+        lines.append(
+            f"tensor-parallel traffic per micro-batch: 4 all-reduces a block (2 in forward, 2 in backward; 6 under "
+            f"remat, which recomputes the forward){' and 2 for the vocabulary' if t.vocab_split else ''} of "
+            f"micro-batch x seq x hidden x {act} bytes = {fmt_bytes(t.allreduce)} each: "
+            f"{fmt_bytes(t.traffic(remat=False))} over {t.layers} blocks ({fmt_bytes(t.traffic(remat=True))} under "
+            f"remat), on each node's links (a ring all-reduce sends 2 x {t.size - 1}/{t.size} of it from each GPU)"
+        )
+    else:
+        lines.append("tensor-parallel traffic not counted: pass --seq and --micro-batch")
+    return lines
+
+
 def _recommend(rows: list[Estimate], gpu: float, cpu: float | None, nvme: float | None) -> Estimate | None:
     return next((e for e in rows if e.fits(gpu, cpu, nvme)), None)
 
@@ -70,6 +95,15 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
     elif lora is not None:
         lines += _lora_lines(e0)
         psi = lora.trainable  # the lines below are about what trains
+    elif e0.tensor_parallel is not None:
+        lines += _tensor_lines(e0)
+        psi = e0.tensor_parallel.local  # the lines below are about what one GPU holds
+        k = e0.optimizer_per_param
+        pb = 2 if e0.mixed_precision else 4
+        lines.append(
+            f"model state: {pb} + {pb} + {k} bytes per parameter (parameters + gradients + optimizer state) "
+            f"= {fmt_bytes((2 * pb + k) * psi)} per GPU under DDP"
+        )
     else:
         k = e0.optimizer_per_param
         pb = 2 if e0.mixed_precision else 4
@@ -135,11 +169,12 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
         host = next(e for e in rows if e.optimizer_offload == "cpu" and e.stage == 3 and not e.param_offload)
         k = e0.optimizer_per_param
         pb = 2 if e0.mixed_precision else 4
+        whose = "the adapters" if lora else "every GPU's share" if e0.tensor_parallel else "the whole model"
         lines.append(
             f"optimizer state in CPU RAM: zerofn holds {pb + 4 + k} bytes per {'trainable ' if lora else ''}parameter "
             f"on the host ({k} optimizer state + 4 fp32 gradient buffer + {pb} parameter copy), "
             f"{fmt_bytes(host.cpu_per_node * host.world_size / host.gpus_per_node)} for "
-            f"{'the adapters' if lora else 'the whole model'} over all nodes; ZeRO-Offload write-ups count {k} ({fmt_bytes(k * psi)})"
+            f"{whose} over all nodes; ZeRO-Offload write-ups count {k} ({fmt_bytes(k * psi)}{' per GPU' if e0.tensor_parallel else ''})"
         )
         if e0.mixed_precision:
             lines.append(
