@@ -9,6 +9,7 @@ keys ask for, the same Step one would write by hand::
       -> amp(torch.float16 | torch.bfloat16, loss scale ...)          fp16 / bf16
       -> offload("cpu" | "nvme", params=..., sub_group_bytes=...)     offload_optimizer / offload_param
       -> remat()                                                      activation_checkpointing
+      -> tensor_parallel(N)                                           tensor_parallel.autotp_size
 
 It returns ``DeepSpeedRun(step, batch)``: the step, whose name and state are
 those of the composition written by hand (a state of either steps the other),
@@ -48,7 +49,8 @@ The rules (the key-by-key table is in docs/migrating/deepspeed.md):
 The modules: ``_reader`` (the file and its blocks, key by key), ``_auto``
 (``"auto"`` as the Trainer fills it), ``_keys`` (the tables of known keys), ``_batch`` (the batch sizes), ``_optimizer``
 (optimizer, scheduler, clipping), ``_precision`` (fp16 / bf16), ``_zero``
-(ZeRO, offload, activation checkpointing) and ``_build`` (the step).
+(ZeRO, offload, activation checkpointing), ``_tensor`` (AutoTP's ``tensor_parallel`` block) and
+``_build`` (the step).
 
 Example:
     >>> import torch, zerofn as zf

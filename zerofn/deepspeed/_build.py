@@ -20,9 +20,10 @@ from zerofn.deepspeed._keys import TOP_ERRORS, TOP_IGNORED, TOP_QUIET
 from zerofn.deepspeed._optimizer import read_optimizer
 from zerofn.deepspeed._precision import AmpSpec, read_precision
 from zerofn.deepspeed._reader import Block, asks_nothing, load_config
+from zerofn.deepspeed._tensor import read_tensor_parallel
 from zerofn.deepspeed._zero import read_remat, read_zero
 from zerofn.step import DEFAULT_BUCKET_BYTES, Step, train_step
-from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params
+from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params, tensor_parallel
 from zerofn.transforms.offload import DEFAULT_SUB_GROUP_BYTES
 
 __all__ = ["DeepSpeedRun", "from_deepspeed"]
@@ -64,7 +65,8 @@ def from_deepspeed(
             ``"optimizer"`` (as ``deepspeed.initialize(optimizer=...)``).
         group: the torch ``ProcessGroup`` the step runs on (``zf.train_step(..., group=)``;
             default: the current group, the world unless a ``zf.collectives.group_scope`` says otherwise);
-            the batch sizes are resolved for its world size.
+            the batch sizes are resolved for its world size (under ``tensor_parallel.autotp_size`` N,
+            for the ``world // N`` data-parallel ranks, as DeepSpeed does; ``group=`` is then refused).
         training_args: a ``transformers.TrainingArguments``, or a dict of its fields
             (``per_device_train_batch_size``, ``learning_rate``, ``max_steps``, ...; its defaults
             for the absent ones): each ``"auto"`` takes the value the Hugging Face Trainer would put
@@ -99,7 +101,7 @@ def from_deepspeed(
         ``UserWarning``.
 
     Raises:
-        ValueError: batch sizes that disagree, an unsupported optimizer or
+        ValueError: an ``autotp_size`` that does not divide the world, batch sizes that disagree, an unsupported optimizer or
             scheduler, an "auto" zerofn cannot resolve (the message names the
             key and the training_args field that fills it), a value that
             disagrees with training_args, or a key that would change the
@@ -112,10 +114,14 @@ def from_deepspeed(
     world = C.world_size(group=group)
     raw = load_config(config)
     _refuse_features(raw)  # first: a feature zerofn lacks is the one thing to say about such a config
+    # AutoTP: the batch sizes are DeepSpeed's over the data-parallel ranks, world // autotp_size
+    tp = read_tensor_parallel(raw, world, group, ignored)
+    world //= tp
     if training_args is not None or hidden_size is not None:  # "auto" as the Hugging Face Trainer fills it
         hidden = hidden_size if hidden_size is not None else (lambda: _model_hidden_size(loss_fn))
         raw = resolve_auto(raw, training_args, world, hidden)
     r = Block("", raw)
+    r.raw("tensor_parallel")  # read above
     sizes = resolve_batch_sizes(r, world)
     spec = with_trainer_schedule(read_optimizer(r, optimizer, ignored), trainer_schedule(raw, training_args))
     precision = read_precision(r, ignored)
@@ -156,6 +162,8 @@ def from_deepspeed(
         step = offload(step, "cpu", params=zero.param_device == "cpu", pin_memory=zero.pin_memory)
     if remat_on:
         step = remat(step)
+    if tp > 1:  # last: it runs the whole composition on its data-parallel group
+        step = tensor_parallel(step, tp)
     if ignored:
         lines = "\n".join(f"  {k}: {why}" for k, why in ignored.items())
         warnings.warn(

@@ -20,6 +20,9 @@ __all__ = [
     "TOP_ERRORS",
     "TOP_IGNORED",
     "TOP_QUIET",
+    "TP_ERRORS",
+    "TP_IGNORED",
+    "TP_PRESETS",
     "ZERO_ALIASES",
     "COMPRESSION_TECHNIQUES",
     "OFFLOAD_KNOWN",
@@ -112,7 +115,6 @@ TOP_IGNORED = {
     "timers": "no timers",
     "data_types": "gradients accumulate in the dtype they are reduced in (communication_data_type)",
     "seq_parallel_communication_data_type": "no sequence parallelism",
-    "tensor_parallel": "no tensor parallelism",
     "weight_quantization": "no quantization",
     "communication_data_type": "gradients of fp32 parameters are reduced in fp32 (another dtype needs bf16 or fp16)",
 }
@@ -252,3 +254,26 @@ PRECISION_IGNORED = {
     "immediate_grad_update": "gradients accumulate into their bucket as backward produces them",
     "check_grad_overflow": "a step whose loss or gradient is not finite is always skipped",
 }
+
+# The tensor_parallel block (AutoTP training): autotp_size N is tensor_parallel(step, N); tp.tp_size, mpu,
+# tp_group and preset_model are read beside it (_tensor.py). Keys that change no number: warned.
+TP_IGNORED = {
+    "tp_overlap_comm": "the tensor-parallel all-reduces run as the layers reach them, not overlapped (true only "
+    "changes when they run)",
+    "dtype": "the parameters' dtype is the precision block's: fp32, or bf16 / fp16 under amp",
+    "keep_module_on_host": "tensor_parallel slices each weight where it is (a model built on the meta device under "
+    "ZeRO-3 is split as each layer is initialised)",
+    "tp_grain_size": "heads and features split evenly over the ranks (DeepSpeed does not use it in training either)",
+    "replace_with_kernel_inject": "no inference kernels: the model's own layers compute",
+    "kernel_inject": "no inference kernels: the model's own layers compute",
+}
+# Keys that would change which layers are split or how: errors, with what to write instead.
+TP_ERRORS = {
+    "partition_config": "a custom split of the layers; zerofn derives Megatron's for Hugging Face Llama, Qwen2/3 and "
+    "Mistral. Remove it for those, or build the step by hand: tensor_parallel(step, N, plan={module path: "
+    "'colwise' | 'rowwise'})",
+    "injection_policy_tuple": "an injection policy names the row-wise layers of another model; zerofn derives "
+    "Megatron's split for Hugging Face Llama, Qwen2/3 and Mistral. Remove it for those, or build the step by hand: "
+    "tensor_parallel(step, N, plan={module path: 'colwise' | 'rowwise'})",
+}
+TP_PRESETS = ("llama", "qwen2")  # DeepSpeed's presets whose split zerofn derives itself
