@@ -80,7 +80,9 @@ from zerofn.storage import ParamSplit, split_params
 __all__ = ["Mesh", "TensorParallelOptions", "mesh", "tensor_parallel"]
 
 COLWISE, ROWWISE, EMBEDDING, HEAD = "colwise", "rowwise", "embedding", "head"
-KINDS = (COLWISE, ROWWISE, EMBEDDING, HEAD)
+COLWISE_QKV = "colwise_qkv"  # column-wise over a fused q/k/v output (GPT-2's c_attn): each third split alike
+KINDS = (COLWISE, COLWISE_QKV, ROWWISE, EMBEDDING, HEAD)
+_COLUMNS = (COLWISE, COLWISE_QKV, HEAD)
 
 
 @dataclass(frozen=True)
@@ -214,10 +216,18 @@ _LLAMA = {
     "mlp.down_proj": ROWWISE,
 }
 
+_GPT2 = {"attn.c_attn": COLWISE_QKV, "attn.c_proj": ROWWISE, "mlp.c_fc": COLWISE, "mlp.c_proj": ROWWISE}
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's Linear with its weight transposed: ``(in, out)``)."""
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and hasattr(m, "nx")
+
 
 def derive_plan(module: nn.Module, size: int = 1) -> dict[str, str]:
-    """The plan for a Hugging Face Llama-style model, found by the modules' paths ({} if it has none):
-    attention's q/k/v column-wise and o row-wise, the MLP's gate/up column-wise and down row-wise, and,
+    """The plan for a Hugging Face Llama-style or GPT-2 model, found by the modules' paths ({} if it has
+    none): attention's q/k/v column-wise (GPT-2's fused ``c_attn`` by thirds) and its output row-wise, the
+    MLP's gate/up (``c_fc``) column-wise and down (``c_proj``) row-wise, and,
     when its vocabulary splits evenly over ``size`` ranks and the head is not tied to the embedding, the
     input embedding vocabulary-parallel and the output head column-wise over the vocabulary."""
     out = {}
@@ -225,6 +235,9 @@ def derive_plan(module: nn.Module, size: int = 1) -> dict[str, str]:
     for path, m in module.named_modules():
         for suffix, how in _LLAMA.items():
             if (path == suffix or path.endswith("." + suffix)) and isinstance(m, nn.Linear):
+                out[path] = how
+        for suffix, how in _GPT2.items():
+            if (path == suffix or path.endswith("." + suffix)) and _is_conv1d(m):
                 out[path] = how
     if not out:
         return out
@@ -282,13 +295,15 @@ def _prepare(
             layer = module.get_submodule(path)
         except AttributeError:
             raise ValueError(f"{where}: tensor_parallel's plan names {path!r}, which the model does not have") from None
-        if isinstance(layer, _SplitLinear):
+        if isinstance(layer, _Split):
             continue
         want = nn.Embedding if how == EMBEDDING else nn.Linear
-        if not isinstance(layer, want) or type(layer).forward is not want.forward:
+        conv = _is_conv1d(layer) and how in (COLWISE, COLWISE_QKV, ROWWISE)
+        if not conv and (not isinstance(layer, want) or type(layer).forward is not want.forward):
             raise ValueError(
                 f"{where}: tensor_parallel's plan names {path!r} as {how!r}, a {type(layer).__name__}; {how!r} "
-                f"splits an nn.{want.__name__} (whose forward is {want.__name__}'s). Leave it out of the plan."
+                f"splits an nn.{want.__name__} (whose forward is {want.__name__}'s) or, but for 'embedding' and "
+                "'head', a transformers Conv1D. Leave it out of the plan."
             )
         if how == EMBEDDING and (layer.max_norm is not None or layer.scale_grad_by_freq or layer.sparse):
             raise ValueError(
@@ -296,14 +311,14 @@ def _prepare(
                 "vocabulary-parallel embedding does not support. Leave it out of the plan (replicated)."
             )
         share = _check_heads(module, path, how, m.tensor, where)
-        features = (
-            layer.num_embeddings
-            if how == EMBEDDING
-            else layer.out_features
-            if how in (COLWISE, HEAD)
-            else layer.in_features
-        )
-        if features % (m.tensor // share):
+        if how == EMBEDDING:
+            features = layer.num_embeddings
+        elif how in _COLUMNS:
+            features = layer.nf if conv else layer.out_features
+        else:
+            features = layer.nx if conv else layer.in_features
+        parts = 3 if how == COLWISE_QKV else 1
+        if features % (parts * (m.tensor // share)):
             raise ValueError(
                 f"{where}: tensor_parallel({m.tensor}): {path!r} has {features} "
                 f"{'input' if how == ROWWISE else 'output'} features, which {m.tensor} ranks cannot split evenly"
@@ -312,6 +327,11 @@ def _prepare(
     names = {}
     for path, (layer, how, share) in layers.items():
         names.update(_split(layer, how, m, path, split.named, share))
+        if how == COLWISE_QKV:  # GPT-2's attention splits the fused output by its (now local) width
+            attention = module.get_submodule(path.rpartition(".")[0])
+            for attr in ("split_size", "num_heads", "embed_dim"):
+                if isinstance(getattr(attention, attr, None), int):
+                    setattr(attention, attr, getattr(attention, attr) // m.tensor)
         if share > 1:  # the attention's query heads per key/value head, as this rank holds them
             attention = module.get_submodule(path.rpartition(".")[0])
             if hasattr(attention, "num_key_value_groups"):
@@ -333,6 +353,8 @@ def _check_heads(module: nn.Module, path: str, how: str, size: int, where: str) 
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
     leaf = path.rpartition(".")[2]
+    if how == COLWISE_QKV or (leaf == "c_proj" and hasattr(parent, "split_size")):
+        leaf = "q_proj"  # GPT-2's attention: its heads split as query heads
     if leaf in ("q_proj", "o_proj") and heads and heads % size:
         raise ValueError(
             f"{where}: tensor_parallel({size}): {path!r} holds {heads} attention heads, which {size} ranks "
@@ -358,13 +380,14 @@ def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict, share: i
     prefix = f"{path}." if path else ""
     out = {}
     n, r = m.tensor // share, m.tensor_rank // share  # slices, and which one this rank holds
+    conv = _is_conv1d(layer)
     source = {}
     for pname in ("weight", "bias"):
         p = layer._parameters.get(pname)
         if p is None:
             continue
         held = named.get(prefix + pname, p)
-        local = _slice(held.detach(), how, pname, n, r)
+        local = _slice(held.detach(), how, pname, n, r, conv)
         if held.device.type == "meta":  # built on meta: shard_params' init slices the parameter's init
             source[pname] = p
             local = torch.empty(local.shape, dtype=held.dtype, device="meta")
@@ -379,16 +402,24 @@ def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict, share: i
         if hasattr(layer, k)
     }
     layer.__dict__["_zf_how"] = how
-    layer.__dict__["_zf_slices"] = (n, r)
+    layer.__dict__["_zf_slices"] = (n, r, conv)
     layer._zf_replicas = _replica_group(m, share) if share > 1 else None
     cls = type(layer)
     key = (cls, how)
     if key not in _CLASSES:
-        base = {COLWISE: _ColumnLinear, ROWWISE: _RowLinear, EMBEDDING: _VocabEmbedding, HEAD: _VocabHead}[how]
+        if conv:
+            base = _RowConv1D if how == ROWWISE else _ColumnConv1D
+        else:
+            base = {COLWISE: _ColumnLinear, ROWWISE: _RowLinear, EMBEDDING: _VocabEmbedding, HEAD: _VocabHead}[how]
         _CLASSES[key] = type(f"{base.__name__[1:]}{cls.__name__}", (base, cls), {"__module__": __name__})
     layer.__class__ = _CLASSES[key]
     layer._zf_group, layer._zf_mesh = m.tensor_group, m
-    if how in (COLWISE, HEAD):
+    if conv:
+        if how == ROWWISE:
+            layer.nx //= n
+        else:
+            layer.nf //= n
+    elif how in _COLUMNS:
         layer.out_features //= n  # n: the slices (fewer than the ranks when they share key/value heads)
     elif how == ROWWISE:
         layer.in_features //= n
@@ -401,13 +432,17 @@ def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict, share: i
     return out
 
 
-def _slice(t: torch.Tensor, how: str, pname: str, n: int, r: int) -> torch.Tensor:
-    """Rank ``r``'s slice of a split layer's parameter ``pname`` (of ``n``)."""
-    if how in (COLWISE, HEAD, EMBEDDING):  # rows: output features, or the vocabulary's
-        return t.chunk(n, dim=0)[r]
-    if pname == "weight":
-        return t.chunk(n, dim=1)[r]
-    return t  # a row-wise layer's bias is whole, added after the all-reduce
+def _slice(t: torch.Tensor, how: str, pname: str, n: int, r: int, conv: bool = False) -> torch.Tensor:
+    """Rank ``r``'s slice of a split layer's parameter ``pname`` (of ``n``); ``conv``: a Conv1D, whose
+    weight is ``(in, out)``."""
+    if how == ROWWISE:
+        if pname == "bias":
+            return t  # a row-wise layer's bias is whole, added after the all-reduce
+        return t.chunk(n, dim=0 if conv else 1)[r]
+    dim = 1 if conv and pname == "weight" else 0  # output features, or the vocabulary's rows
+    if how == COLWISE_QKV:  # each of q, k and v split alike, side by side again
+        return torch.cat([part.chunk(n, dim=dim)[r] for part in t.chunk(3, dim=dim)], dim=dim)
+    return t.chunk(n, dim=dim)[r]
 
 
 class _Split:
@@ -434,9 +469,9 @@ class _Split:
             for k, v in split.items():
                 setattr(self, k, v)
         prefix = f"{path}." if path else ""
-        n, r = d["_zf_slices"]
+        n, r, conv = d["_zf_slices"]
         for k in source:
-            got[prefix + k] = _slice(got[prefix + k], how, k, n, r)
+            got[prefix + k] = _slice(got[prefix + k], how, k, n, r, conv)
         return got
 
 
@@ -476,6 +511,25 @@ def _copy(x: torch.Tensor, group: Any) -> torch.Tensor:
     copied = _Copy.apply(x, group)
     copies[(id(x), id(group))] = (x, copied)
     return copied
+
+
+class _ColumnConv1D(_Split, nn.Module):
+    """transformers' Conv1D holding a slice of its output features (the columns of its ``(in, out)``
+    weight): input copied in (gradient all-reduced)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _copy(x, self._zf_group)
+        y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
+        return y.view(*x.shape[:-1], self.nf)
+
+
+class _RowConv1D(_Split, nn.Module):
+    """transformers' Conv1D holding a slice of its input features (the rows of its weight): output summed
+    over the ranks, then the bias."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _Reduce.apply(x.reshape(-1, x.shape[-1]) @ self.weight, self._zf_group)
+        return (y + self.bias).view(*x.shape[:-1], y.shape[-1])
 
 
 class _RowLinear(_SplitLinear):

@@ -40,6 +40,23 @@ def _llama(kv_heads: int = 2, heads: int = 4) -> nn.Module:
 SEEN: list = []  # what the loss saw as logits in training: their type and the local shape
 
 
+def _gpt2() -> nn.Module:
+    """A small GPT-2: fused q/k/v (Conv1D c_attn), its head tied to the embedding (which stay replicated)."""
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=64, n_embd=64, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    return GPT2LMHeadModel(cfg).float()
+
+
+def _model(kv: int) -> nn.Module:
+    return _gpt2() if kv == 0 else _llama(kv)  # kv 0: GPT-2
+
+
 def _loss_fn(apply):
     def loss_fn(params, batch):
         logits = apply(params, input_ids=batch[:, :-1]).logits
@@ -55,12 +72,14 @@ def _batch(i: int) -> torch.Tensor:
 
 
 COMPOSITIONS = {"plain": lambda s: s, "shard_grads": shard_grads, "shard_params": shard_params}
+# AdamW with eps 1e-4: a gradient zero in exact arithmetic (GPT-2's key bias: softmax ignores a constant added to
+# every key) is rounding noise, which Adam with a tiny eps turns into full-size steps of either sign
 
 
 def _train(tp: int, name: str, kv_heads: int = 2) -> tuple[dict, float, str]:
-    model = _llama(kv_heads)
+    model = _model(kv_heads)
     apply = zf.functional(model)
-    step = COMPOSITIONS[name](zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-3, weight_decay=0.1)))
+    step = COMPOSITIONS[name](zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-3, eps=1e-4, weight_decay=0.1)))
     if tp:
         step = tensor_parallel(step, tp)
     state = step.init(apply.params)
@@ -68,7 +87,7 @@ def _train(tp: int, name: str, kv_heads: int = 2) -> tuple[dict, float, str]:
     prompt = _batch(99)[:2, :SEQ]
     first = step.apply(state, input_ids=prompt).logits
     with torch.no_grad():
-        want = _llama(kv_heads)(input_ids=prompt).logits
+        want = _model(kv_heads)(input_ids=prompt).logits
     apply_diff = float((first - want).abs().max())
     data, here = zf.collectives.world_size(step.group), zf.collectives.data_rank(step)
     SEEN.clear()
@@ -84,7 +103,15 @@ def _local(ref: dict, tp: int, t: int, kv: int) -> dict:
     out = {}
     for k, v in ref.items():
         layer = k.rsplit(".", 2)[-2]
-        if layer in ("k_proj", "v_proj") and kv < tp:
+        w = k.endswith("weight")
+        if ".attn.c_attn." in k:  # GPT-2's fused q/k/v, a Conv1D: (in, out) weight; each third split
+            dim = 1 if w else 0
+            v = torch.cat([p.chunk(tp, dim)[t] for p in v.chunk(3, dim)], dim)
+        elif ".mlp.c_fc." in k:
+            v = v.chunk(tp, 1 if w else 0)[t]
+        elif ".c_proj." in k:  # row-wise Conv1D: the weight's rows, the bias whole
+            v = v.chunk(tp, 0)[t] if w else v
+        elif layer in ("k_proj", "v_proj") and kv < tp:
             v = v.chunk(kv, 0)[t // (tp // kv)]
         elif layer in COLS:
             v = v.chunk(tp, 0)[t]
@@ -105,7 +132,7 @@ def _cases(cases: list) -> dict:
 
 @pytest.fixture(scope="module")
 def references():
-    return {kv: _train(0, "plain", kv) for kv in (2, 4)}
+    return {kv: _train(0, "plain", kv) for kv in (0, 2, 4)}
 
 
 def _check(results: list, references: dict, tp: int, name: str, kv: int) -> None:
@@ -122,11 +149,14 @@ def _check(results: list, references: dict, tp: int, name: str, kv: int) -> None
         assert r["apply_diff"] <= 1e-5, r["apply_diff"]
         # in training the loss saw the logits split over the vocabulary, never whole
         vocab = r["full_shape"][-1]
-        assert r["seen"] and all(kind == "DTensor" and shape[-1] == vocab // tp for kind, shape in r["seen"]), r["seen"]
+        split = vocab // tp if kv else vocab  # GPT-2's head is tied to its embedding: both replicated
+        kinds = {"DTensor"} if kv else {"Tensor"}
+        assert r["seen"] and all(k in kinds and shape[-1] == split for k, shape in r["seen"]), r["seen"]
 
 
 def test_tp2_on_two_ranks_trains_as_one_process(ranks, references):
-    results = ranks(2).run(_cases, [(2, "plain", 2)])
+    results = ranks(2).run(_cases, [(2, "plain", 2), (2, "plain", 0)])
+    _check(results, references, 2, "plain", 0)  # GPT-2
     _check(results, references, 2, "plain", 2)
     # comm_bytes: Megatron's count, all on the tensor-parallel group (one data-parallel rank): per block two
     # all-reduces of the activations in forward (o_proj, down_proj) and two in backward (the inputs of
@@ -141,6 +171,7 @@ def test_tp2_on_two_ranks_trains_as_one_process(ranks, references):
 def test_tp2_by_dp2_and_tp4_with_shared_key_value_heads_train_as_one_process(ranks, references):
     # tp 4 with 4 key/value heads splits them; with 2, each is shared by the 2 ranks whose query heads read it
     cases = [(2, "shard_grads", 2), (2, "shard_params", 2), (4, "plain", 4), (4, "shard_params", 2)]
+    cases += [(2, "shard_params", 0), (4, "plain", 0)]  # GPT-2
     results = ranks(4).run(_cases, cases)
     for tp, name, kv in cases:
         _check(results, references, tp, name, kv)
