@@ -153,6 +153,43 @@ def test_bench_phases_py_breaks_the_step_into_phases():
         assert phases[system, "backward (DDP's all-reduce inside)"] > 0, out
 
 
+def test_bench_tp_py_trains_tp_2_x_dp_2_as_dp_4_and_counts_the_all_reduces(tmp_path):
+    """The tensor-parallel benchmark at a tiny size under torchrun on 4 ranks: both systems train and are timed
+    and reach the same loss; tp 2 x dp 2 holds per rank what dp 4 holds (a quarter of every split layer) plus
+    its replicated norms sharded over 2 instead of 4, and moves Megatron's activation all-reduces on its
+    tensor-parallel group beside fewer data-parallel bytes."""
+    hidden, layers, seq, global_batch = 64, 2, 16, 8
+    out_json = tmp_path / "tp.json"
+    out = _run(
+        *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", "examples/bench_tp.py"),
+        *("--hidden", str(hidden), "--intermediate", "128", "--layers", str(layers), "--heads", "4", "--kv-heads", "2"),
+        *("--vocab", "64", "--seq-len", str(seq), "--global-batch", str(global_batch), "--steps", "2", "--rounds", "1"),
+        *("--quiet", "--json", str(out_json)),
+    )
+    assert re.search(r"Llama 0\.1 M parameters", out), out
+    assert re.search(r"loss after 5 steps: .* the same within 0\.0001", out), out
+    res = json.loads(out_json.read_text())
+    assert len(res["ranks"]) == 4 and res["same_loss"]
+    norms = (2 * layers + 1) * hidden  # replicated under tensor_parallel: each rank holds 1/2 of them, not 1/4
+    activation = global_batch // 2 * seq * hidden * 4  # one all-reduce's bytes: a data-parallel rank's rows
+    for rank in res["ranks"]:
+        f = rank["figures"]
+        dp, tp = f["dp"], f["tp"]
+        for system in (dp, tp):
+            assert system["step_s"] > 0 and system["comm_bytes"] > 0 and system["step_peak"] > 0, system
+            assert math.isfinite(system["last_loss"]) and system["last_loss"] < system["first_loss"], system
+        assert abs(tp["last_loss"] - dp["last_loss"]) <= 1e-4, (tp["last_loss"], dp["last_loss"])
+        extra = norms * 4 // 2 - norms * 4 // 4  # fp32: the norms' half against their quarter, the rest the same
+        assert tp["state"]["params"] - dp["state"]["params"] == extra, (tp["state"], dp["state"])
+        assert tp["state"]["optimizer"] - dp["state"]["optimizer"] == 2 * extra, (tp["state"], dp["state"])  # 2 moments
+        # two all-reduces per block in forward, two in backward, the embedding's and the head's input's, counted
+        # 2 x their bytes, and the batch check's 96 bytes
+        assert tp["tensor_comm_bytes"] == 2 * activation * (4 * layers + 2) + 96, tp["tensor_comm_bytes"]
+        assert dp["tensor_comm_bytes"] == 0
+        assert tp["comm_bytes"] - tp["tensor_comm_bytes"] < dp["comm_bytes"], (tp, dp)
+    assert "tp 2 x dp 2 / dp 4, rank 3:" in out, out
+
+
 def test_bench_quantize_py_holds_and_gathers_the_nf4_base_in_fewer_bytes(tmp_path):
     """The QLoRA benchmark at a tiny size under torchrun on 2 ranks: every system trains and is timed, and on
     each rank the NF4 base holds fewer bytes than the bf16 one (its projections at most 0.3 x: 4 bits and the
@@ -179,3 +216,31 @@ def test_bench_quantize_py_holds_and_gathers_the_nf4_base_in_fewer_bytes(tmp_pat
             assert nf4["frozen_base"] < bf16["frozen_base"] and nf4["state"]["params"] < bf16["state"]["params"]
             assert nf4["comm_bytes"] < bf16["comm_bytes"], (nf4["comm_bytes"], bf16["comm_bytes"])
     assert "nf4 base / bf16 base, rank 1:" in out, out
+
+
+def test_bench_generate_py_gathers_once_and_moves_activations_under_tensor_parallel(tmp_path):
+    """The generation benchmark at a tiny size under torchrun on 2 ranks: every system generates and is timed;
+    gathering once gives the per-call path's tokens for fewer bytes per token, and tensor_parallel(2), whose
+    tokens move activations only, fewer still."""
+    out_json = tmp_path / "generate.json"
+    out = _run(
+        *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "examples/bench_generate.py"),
+        *("--hidden", "64", "--intermediate", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2"),
+        *("--vocab", "64", "--prompt", "8", "--tokens", "4", "--rounds", "1", "--json", str(out_json)),
+    )
+    assert re.search(r"Llama 0\.1 M parameters", out), out
+    res = json.loads(out_json.read_text())
+    assert len(res["ranks"]) == 2
+    for rank in res["ranks"]:
+        f = rank["figures"]
+        assert set(f) == {"tensor_parallel(2)", "shard_params, per call", "shard_params, once"}
+        for system in f.values():
+            assert system["token_s"] > 0 and len(system["tokens"]) == 4, system
+        once, per_call, tp = f["shard_params, once"], f["shard_params, per call"], f["tensor_parallel(2)"]
+        assert once["tokens"] == per_call["tokens"]  # the same state, the same math
+        assert (
+            once["comm_calls"]["default group"]["all_gather"] * 4
+            == per_call["comm_calls"]["default group"]["all_gather"]
+        ), (once["comm_calls"], per_call["comm_calls"])  # one gather of each bucket against one per token
+        assert tp["comm_bytes_per_token"] < once["comm_bytes_per_token"] < per_call["comm_bytes_per_token"]
+    assert "shard_params, once" in out and "vs tensor_parallel(2)" in out, out
