@@ -53,7 +53,10 @@ Key/value heads fewer than ``size`` (a multiple of them) are shared: each
 rank holds the one its query heads read, and the ranks sharing it sum its
 gradient (an all-reduce over them, :class:`_SumGrad`).
 
-Not yet: sequence parallelism, checkpoints of a split
+With ``sequence_parallel=True`` the residual stream between the regions is
+split over the sequence (Megatron-SP, :func:`_sequence_parallel`).
+
+Not yet: checkpoints of a split
 model (refused), and counting the cross-entropy's own all-reduces (torch's
 ``loss_parallel``) in ``metrics["comm_bytes"]``, where the layers' are.
 """
@@ -164,7 +167,9 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
         size: ranks per tensor-parallel group; it must divide the world size.
         plan: ``{module path: "colwise" | "rowwise" | "embedding" | "head"}``; None: derived for
             Hugging Face Llama, Qwen2/3 and Mistral models.
-        sequence_parallel: not yet supported (raises).
+        sequence_parallel: split the residual stream between the regions over the sequence (all-gather
+            and reduce-scatter in place of the all-reduces; the norms run on the slice); needs the head
+            split over the vocabulary and a sequence that is a multiple of ``size``.
 
     Returns:
         The rewritten Step, named ``tensor_parallel(...)``, running on this rank's data-parallel group.
@@ -174,8 +179,6 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
             split that does not divide its features (or its attention heads); at ``init``: params not
             from ``zf.functional``, a model it cannot plan.
     """
-    if sequence_parallel:
-        raise ValueError("tensor_parallel: sequence_parallel=True is not supported yet; leave it False")
     if plan is not None and (
         not isinstance(plan, dict) or any(v not in KINDS or not isinstance(k, str) for k, v in plan.items())
     ):
@@ -336,6 +339,8 @@ def _prepare(
             attention = module.get_submodule(path.rpartition(".")[0])
             if hasattr(attention, "num_key_value_groups"):
                 attention.num_key_value_groups = attention.config.num_attention_heads // m.tensor
+    if options.sequence_parallel and m.tensor > 1:
+        _sequence_parallel(module, plan, m, where)
     if not names:
         return split
     functional.refresh()
@@ -448,6 +453,8 @@ def _slice(t: torch.Tensor, how: str, pname: str, n: int, r: int, conv: bool = F
 class _Split:
     """What a split layer's class adds: its slices' initial values when it was built on the meta device."""
 
+    _zf_seq = False  # sequence parallelism: the residual stream around this layer is split over the sequence
+
     def zf_materialise(self, path: str, values: Callable[[], dict]) -> dict[str, torch.Tensor]:
         """This layer's slices' initial values by name: ``values()`` gives its whole parameters' (by
         ``init_fn`` or its model's initialisation), which it is for the while (shard_params' sharded init,
@@ -489,26 +496,43 @@ class _ColumnLinear(_SplitLinear):
         if self._zf_replicas is not None:  # a key/value head several ranks hold: their gradients summed
             w = _SumGrad.apply(w, self._zf_replicas)
             b = None if b is None else _SumGrad.apply(b, self._zf_replicas)
-        return F.linear(_copy(x, self._zf_group), w, b)
+        seq = _seq(self)
+        if not (seq and not isinstance(self, _VocabHead)):  # in a block under sequence parallelism the
+            x = _copy(x, self._zf_group, seq)  # region's module gathered its input already
+        return F.linear(x, w, b)
 
 
 _COPIES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("zerofn_tp_copies", default=None)
 
 
-def _copy(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """``x`` entering a tensor-parallel region: once per tensor while a step runs, so the layers that read
+def _seq(layer: Any) -> bool:
+    """Whether the sequence is split around ``layer`` now: with sequence parallelism, in training (a
+    forward without gradients, ``step.apply`` and generation, runs with the whole sequence: the same math)."""
+    return layer._zf_seq and torch.is_grad_enabled()
+
+
+def _leave(y: torch.Tensor, group: Any, seq: bool) -> torch.Tensor:
+    """A row-wise layer's partial output leaving the region: summed over the ranks (all-reduce), or with
+    sequence parallelism reduce-scattered over the sequence (dimension 1)."""
+    return _ReduceScatterSeq.apply(y, group) if seq else _Reduce.apply(y, group)
+
+
+def _copy(x: torch.Tensor, group: Any, seq: bool = False) -> torch.Tensor:
+    """``x`` entering a tensor-parallel region (with sequence parallelism: all-gathered over the sequence,
+    its gradient reduce-scattered): once per tensor while a step runs, so the layers that read
     the same input (attention's q, k and v; the MLP's gate and up) share one copy, whose gradient autograd
     sums over them before the one all-reduce (Megatron's count: one per region in backward, not one per
     layer). The step's copies are kept (with their inputs, which backward keeps anyway) until it ends."""
+    enter = _GatherSeq.apply if seq else _Copy.apply
     copies = _COPIES.get()
-    if not x.requires_grad:
+    if not x.requires_grad and not seq:
         return x
     if copies is None:
-        return _Copy.apply(x, group)
+        return enter(x, group)
     found = copies.get((id(x), id(group)))
     if found is not None and found[0] is x:
         return found[1]
-    copied = _Copy.apply(x, group)
+    copied = enter(x, group)
     copies[(id(x), id(group))] = (x, copied)
     return copied
 
@@ -518,7 +542,8 @@ class _ColumnConv1D(_Split, nn.Module):
     weight): input copied in (gradient all-reduced)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _copy(x, self._zf_group)
+        if not _seq(self):  # under sequence parallelism the region's module gathered its input already
+            x = _copy(x, self._zf_group)
         y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
         return y.view(*x.shape[:-1], self.nf)
 
@@ -528,16 +553,21 @@ class _RowConv1D(_Split, nn.Module):
     over the ranks, then the bias."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _Reduce.apply(x.reshape(-1, x.shape[-1]) @ self.weight, self._zf_group)
-        return (y + self.bias).view(*x.shape[:-1], y.shape[-1])
+        seq = _seq(self)
+        y = _leave(x @ self.weight, self._zf_group, seq)
+        return y + (_SumGrad.apply(self.bias, self._zf_group) if seq else self.bias)
 
 
 class _RowLinear(_SplitLinear):
-    """A Linear holding a slice of its input features: output summed over the ranks, then the bias."""
+    """A Linear holding a slice of its input features: output summed over the ranks, then the bias
+    (with sequence parallelism: reduce-scattered over the sequence, and the bias's gradient summed)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _Reduce.apply(F.linear(x, self.weight), self._zf_group)
-        return y if self.bias is None else y + self.bias
+        seq = _seq(self)
+        y = _leave(F.linear(x, self.weight), self._zf_group, seq)
+        if self.bias is None:
+            return y
+        return y + (_SumGrad.apply(self.bias, self._zf_group) if seq else self.bias)
 
 
 class _VocabEmbedding(_Split, nn.Embedding):
@@ -620,6 +650,185 @@ class _SumGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return C.all_reduce(grad.contiguous(), group=ctx.group), None
+
+
+def _seq_gather(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The whole sequence (dimension 1) from every rank's consecutive slice of it."""
+    n = dist.get_world_size(group)
+    local = x.transpose(0, 1).contiguous()
+    full = local.new_empty((local.shape[0] * n, *local.shape[1:]))
+    C.all_gather(full.view(-1), local.view(-1), group=group)  # flat: the rows lie back to back
+    return full.transpose(0, 1).contiguous()  # one copy the layers reading it save, not one each
+
+
+def _seq_reduce_scatter(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's slice of the sequence (dimension 1) of the sum over the ranks."""
+    n = dist.get_world_size(group)
+    full = x.transpose(0, 1).contiguous()
+    if full.shape[0] % n:
+        raise ValueError(
+            f"tensor_parallel(sequence_parallel=True): the sequence has {full.shape[0]} positions, which {n} "
+            "ranks cannot split evenly; pad the batch's sequence to a multiple of the tensor-parallel size"
+        )
+    out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
+    C.reduce_scatter(out.view(-1), full.view(-1), group=group)
+    return out.transpose(0, 1).contiguous()
+
+
+def _seq_slice(x: torch.Tensor, group: Any) -> torch.Tensor:
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[1] % n:
+        raise ValueError(
+            f"tensor_parallel(sequence_parallel=True): the sequence has {x.shape[1]} positions, which {n} "
+            "ranks cannot split evenly; pad the batch's sequence to a multiple of the tensor-parallel size"
+        )
+    return x.chunk(n, dim=1)[r].contiguous()
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather over the sequence in forward; reduce-scatter of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Reduce-scatter over the sequence in forward; all-gather of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_gather(grad.contiguous(), ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """This rank's slice of a sequence every rank holds whole; the gradient all-gathered in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_slice(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_gather(grad.contiguous(), ctx.group), None
+
+
+def _sequence_parallel(module: nn.Module, plan: dict, m: Mesh, where: str) -> None:
+    """Megatron's sequence parallelism: the residual stream between the regions is split over the
+    sequence. The first block takes its slice of the sequence (the embedding and the masks the model builds
+    before it see the whole of it); the column-wise layers all-gather it and the row-wise layers
+    reduce-scatter it; the norms between run on the slice, their gradients summed over the ranks; the
+    vocabulary-parallel head all-gathers it."""
+    kinds = set(plan.values())
+    if HEAD not in kinds:
+        raise ValueError(
+            f"{where}: tensor_parallel(sequence_parallel=True) needs the output head split over the vocabulary "
+            "(plan 'head'), which gathers the sequence back; a head tied to the embedding is not split yet"
+        )
+    blocks = _blocks(module, plan)
+    if blocks is None:
+        raise ValueError(
+            f"{where}: tensor_parallel(sequence_parallel=True) found no list of blocks holding the split layers "
+            "(a ModuleList, as Hugging Face models keep their layers), so it cannot tell where the sequence "
+            "splits; leave sequence_parallel False"
+        )
+    split = {id(module.get_submodule(p)) for p in plan}
+    for layer in (module.get_submodule(p) for p in plan):
+        if isinstance(layer, _Split) and not isinstance(layer, _VocabEmbedding):
+            layer._zf_seq = True
+    head = next(module.get_submodule(p) for p, k in plan.items() if k == HEAD)
+    embedding = [module.get_submodule(p) for p, k in plan.items() if k == EMBEDDING]
+    # modules between the regions that hold parameters of their own (the norms): gradients summed
+    for path, sub in module.named_modules():
+        inside = any(path.startswith(b + ".") for b in blocks[1]) or sub is _final_norm(module, head)
+        own = [n for n, p in sub._parameters.items() if p is not None]
+        if inside and own and id(sub) not in split and sub not in embedding:
+            cls = type(sub)
+            if not issubclass(cls, _SeqNorm):
+                key = (cls, "seq")
+                if key not in _CLASSES:
+                    _CLASSES[key] = type(f"SequenceParallel{cls.__name__}", (_SeqNorm, cls), {"__module__": __name__})
+                sub.__class__ = _CLASSES[key]
+            sub._zf_group = m.tensor_group
+    first = module.get_submodule(blocks[1][0])
+    first.register_forward_pre_hook(_on_input(_ScatterSeq.apply, m.tensor_group), with_kwargs=True)
+    # a region's module (attention, the MLP) gathers the sequence as it enters: the model's own reshapes by
+    # its input's shape then see the whole sequence, and its column-wise layers read that input as it is
+    regions = {p.rpartition(".")[0] for p, k in plan.items() if k in (COLWISE, COLWISE_QKV)}
+    for path in sorted(regions):
+        region = module.get_submodule(path)
+        region.register_forward_pre_hook(_on_input(_gather_once, m.tensor_group), with_kwargs=True)
+
+
+def _gather_once(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _copy(x, group, True)
+
+
+def _on_input(fn: Callable, group: Any) -> Callable:
+    """A forward pre-hook applying ``fn(hidden_states, group)`` to a module's first input (positional, or
+    the ``hidden_states`` keyword), in training only (see :func:`_seq`)."""
+
+    def hook(mod, args, kwargs):
+        if not torch.is_grad_enabled():
+            return None
+        if args:
+            return (fn(args[0], group), *args[1:]), kwargs
+        key = next((k for k in ("hidden_states", "x", "input") if k in kwargs), None)
+        if key is None:
+            return None
+        return args, {**kwargs, key: fn(kwargs[key], group)}
+
+    return hook
+
+
+def _blocks(module: nn.Module, plan: dict) -> tuple[str, list[str]] | None:
+    """The ModuleList holding the split layers, and its children's paths."""
+    for path, sub in module.named_modules():
+        if isinstance(sub, nn.ModuleList) and len(sub):
+            kids = [f"{path}.{k}" if path else k for k, _ in sub.named_children()]
+            if any(any(p.startswith(k + ".") for k in kids) for p in plan):
+                return path, kids
+    return None
+
+
+def _final_norm(module: nn.Module, head: nn.Module) -> nn.Module | None:
+    """The norm a Hugging Face causal LM applies between its last block and its head."""
+    inner = getattr(module, "model", None) or getattr(module, "transformer", None)
+    for name in ("norm", "ln_f", "final_layernorm"):
+        found = getattr(inner, name, None) if inner is not None else None
+        if isinstance(found, nn.Module):
+            return found
+    return None
+
+
+class _SeqNorm:
+    """A module between the regions (a norm) running on a slice of the sequence: each of its parameters
+    is read through an identity whose backward sums the gradient over the tensor-parallel group (every
+    rank computes it from its own positions)."""
+
+    _zf_group: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        own = {n: p for n, p in self._parameters.items() if p is not None and p.requires_grad}
+        if not own or not torch.is_grad_enabled():
+            return super().__call__(*args, **kwargs)
+        for n, p in own.items():
+            self._parameters[n] = _SumGrad.apply(p, self._zf_group)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            self._parameters.update(own)
 
 
 class _Copy(torch.autograd.Function):

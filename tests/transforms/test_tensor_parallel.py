@@ -32,7 +32,7 @@ def _llama(kv_heads: int = 2, heads: int = 4) -> nn.Module:
         num_hidden_layers=2,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=32,
+        max_position_embeddings=256,
     )
     return LlamaForCausalLM(cfg).float()
 
@@ -79,9 +79,11 @@ COMPOSITIONS = {"plain": lambda s: s, "shard_grads": shard_grads, "shard_params"
 def _train(tp: int, name: str, kv_heads: int = 2) -> tuple[dict, float, str]:
     model = _model(kv_heads)
     apply = zf.functional(model)
+    seq = name.endswith("+sp")
+    name = name.removesuffix("+sp")
     step = COMPOSITIONS[name](zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-3, eps=1e-4, weight_decay=0.1)))
     if tp:
-        step = tensor_parallel(step, tp)
+        step = tensor_parallel(step, tp, sequence_parallel=seq)
     state = step.init(apply.params)
     # step.apply gathers the logits whole (no gradient): those of the same model unsplit
     prompt = _batch(99)[:2, :SEQ]
@@ -155,9 +157,10 @@ def _check(results: list, references: dict, tp: int, name: str, kv: int) -> None
 
 
 def test_tp2_on_two_ranks_trains_as_one_process(ranks, references):
-    results = ranks(2).run(_cases, [(2, "plain", 2), (2, "plain", 0)])
+    results = ranks(2).run(_cases, [(2, "plain", 2), (2, "plain", 0), (2, "plain+sp", 2)])
     _check(results, references, 2, "plain", 0)  # GPT-2
     _check(results, references, 2, "plain", 2)
+    _check(results, references, 2, "plain+sp", 2)  # sequence parallel
     # comm_bytes: Megatron's count, all on the tensor-parallel group (one data-parallel rank): per block two
     # all-reduces of the activations in forward (o_proj, down_proj) and two in backward (the inputs of
     # attention and of the MLP); the embedding's in forward, the head's input in backward; the batch check
@@ -172,6 +175,7 @@ def test_tp2_by_dp2_and_tp4_with_shared_key_value_heads_train_as_one_process(ran
     # tp 4 with 4 key/value heads splits them; with 2, each is shared by the 2 ranks whose query heads read it
     cases = [(2, "shard_grads", 2), (2, "shard_params", 2), (4, "plain", 4), (4, "shard_params", 2)]
     cases += [(2, "shard_params", 0), (4, "plain", 0)]  # GPT-2
+    cases += [(2, "shard_params+sp", 2), (4, "plain+sp", 4)]  # sequence parallel
     results = ranks(4).run(_cases, cases)
     for tp, name, kv in cases:
         _check(results, references, tp, name, kv)
@@ -245,3 +249,27 @@ def _meta_case(directory: str) -> bool:
 def test_a_model_built_on_meta_is_split_as_its_files_are_read(ranks, tmp_path):
     _llama(2).save_pretrained(tmp_path)
     assert ranks(4).run(_meta_case, str(tmp_path)) == [True] * 4
+
+
+def _activation_peaks() -> dict:
+    """The peak tensor bytes a training step allocates at tp 2, with and without sequence parallelism, on a
+    batch long enough that activations dominate."""
+    out = {}
+    batch = torch.randint(0, 64, (8, 257), generator=torch.Generator().manual_seed(3))
+    for seq in (False, True):
+        model = _llama(2)
+        apply = zf.functional(model)
+        step = tensor_parallel(zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-3)), 2, sequence_parallel=seq)
+        state = step.init(apply.params)
+        state, _ = step(state, batch)  # the first step allocates the optimizer state
+        with zf.memory.track() as t:
+            state, m = step(state, batch)
+        out[seq] = (t.peak, float(m["loss"]))
+    return out
+
+
+def test_sequence_parallelism_saves_activation_memory(ranks):
+    for out in ranks(2).run(_activation_peaks):
+        (plain, loss), (seq, seq_loss) = out[False], out[True]
+        assert abs(loss - seq_loss) <= 1e-5, (loss, seq_loss)
+        assert seq < 0.9 * plain, (seq, plain)  # the residual stream and the norms inputs are halved
