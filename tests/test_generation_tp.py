@@ -1,7 +1,8 @@
 """zf.generate under tensor_parallel: a grouped-query Llama split over 2 ranks (tp 2) and over 4 (tp 4) generates
 the greedy tokens of one process (Hugging Face's generate on the unsplit model), left-padded prompts included,
 and each call moves only activations on the tensor-parallel group: two all-reduces per block of
-batch x new positions x hidden fp32 values, whatever the weights weigh."""
+batch x new positions x hidden fp32 values, whatever the weights weigh. Under shard_params across the data
+axis (tp 2 x dp 2) it generates those tokens per call and gathered once (one gather of each bucket in all)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,37 @@ def test_tensor_parallel_generates_one_processes_tokens_moving_activations_only(
         assert r["bytes"] == _activations(batch, prompt, n) + (NEW - 1) * _activations(batch, 1, n)
         assert _activations(batch, 1, n) * 50 < r["weights"], (_activations(batch, 1, n), r["weights"])
         assert r["held"] < r["weights"]  # each rank holds its slices of the split layers only
+
+
+def _under_shard_params() -> dict:
+    """tp 2 x dp 2 under shard_params: tokens per call and gathered once, and the data axis' bytes of each."""
+    from zerofn.transforms import shard_params
+
+    model = _llama()
+    apply = zf.functional(model)
+
+    def loss_fn(params, ids):
+        return apply(params, input_ids=ids, labels=ids).loss
+
+    step = tensor_parallel(shard_params(zf.train_step(loss_fn, zf.optim.adamw(1e-3))), 2)
+    state = step.init(apply.params)
+    out = {}
+    for once in (False, True):
+        with zf.collectives.counting(group=step.group) as c:  # the data-parallel axis, where units are gathered
+            out[once] = zf.generate(
+                step, state, PROMPTS, attention_mask=MASK, max_new_tokens=NEW, pad_token_id=0, gather_once=once
+            )
+        out[once, "gathers"] = c.calls.get("all_gather", 0)
+    with torch.no_grad():
+        out["want"] = _llama().generate(
+            PROMPTS, attention_mask=MASK, max_new_tokens=NEW, do_sample=False, pad_token_id=0
+        )
+    layout = state.spec.layout
+    out["buckets"] = len(layout.buckets) + len(layout.frozen_buckets)
+    return out
+
+
+def test_tp2_by_dp2_under_shard_params_generates_per_call_and_gathered_once(ranks):
+    for rank, r in enumerate(ranks(4).run(_under_shard_params)):
+        assert torch.equal(r[False], r["want"]) and torch.equal(r[True], r["want"]), rank
+        assert r[False, "gathers"] == NEW * r["buckets"] and r[True, "gathers"] == r["buckets"], (rank, r)
