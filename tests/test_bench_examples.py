@@ -153,6 +153,43 @@ def test_bench_phases_py_breaks_the_step_into_phases():
         assert phases[system, "backward (DDP's all-reduce inside)"] > 0, out
 
 
+def test_bench_tp_py_trains_tp_2_x_dp_2_as_dp_4_and_counts_the_all_reduces(tmp_path):
+    """The tensor-parallel benchmark at a tiny size under torchrun on 4 ranks: both systems train and are timed
+    and reach the same loss; tp 2 x dp 2 holds per rank what dp 4 holds (a quarter of every split layer) plus
+    its replicated norms sharded over 2 instead of 4, and moves Megatron's activation all-reduces on its
+    tensor-parallel group beside fewer data-parallel bytes."""
+    hidden, layers, seq, global_batch = 64, 2, 16, 8
+    out_json = tmp_path / "tp.json"
+    out = _run(
+        *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", "examples/bench_tp.py"),
+        *("--hidden", str(hidden), "--intermediate", "128", "--layers", str(layers), "--heads", "4", "--kv-heads", "2"),
+        *("--vocab", "64", "--seq-len", str(seq), "--global-batch", str(global_batch), "--steps", "2", "--rounds", "1"),
+        *("--quiet", "--json", str(out_json)),
+    )
+    assert re.search(r"Llama 0\.1 M parameters", out), out
+    assert re.search(r"loss after 5 steps: .* the same within 0\.0001", out), out
+    res = json.loads(out_json.read_text())
+    assert len(res["ranks"]) == 4 and res["same_loss"]
+    norms = (2 * layers + 1) * hidden  # replicated under tensor_parallel: each rank holds 1/2 of them, not 1/4
+    activation = global_batch // 2 * seq * hidden * 4  # one all-reduce's bytes: a data-parallel rank's rows
+    for rank in res["ranks"]:
+        f = rank["figures"]
+        dp, tp = f["dp"], f["tp"]
+        for system in (dp, tp):
+            assert system["step_s"] > 0 and system["comm_bytes"] > 0 and system["step_peak"] > 0, system
+            assert math.isfinite(system["last_loss"]) and system["last_loss"] < system["first_loss"], system
+        assert abs(tp["last_loss"] - dp["last_loss"]) <= 1e-4, (tp["last_loss"], dp["last_loss"])
+        extra = norms * 4 // 2 - norms * 4 // 4  # fp32: the norms' half against their quarter, the rest the same
+        assert tp["state"]["params"] - dp["state"]["params"] == extra, (tp["state"], dp["state"])
+        assert tp["state"]["optimizer"] - dp["state"]["optimizer"] == 2 * extra, (tp["state"], dp["state"])  # 2 moments
+        # two all-reduces per block in forward, two in backward, the embedding's and the head's input's, counted
+        # 2 x their bytes, and the batch check's 96 bytes
+        assert tp["tensor_comm_bytes"] == 2 * activation * (4 * layers + 2) + 96, tp["tensor_comm_bytes"]
+        assert dp["tensor_comm_bytes"] == 0
+        assert tp["comm_bytes"] - tp["tensor_comm_bytes"] < dp["comm_bytes"], (tp, dp)
+    assert "tp 2 x dp 2 / dp 4, rank 3:" in out, out
+
+
 def test_bench_quantize_py_holds_and_gathers_the_nf4_base_in_fewer_bytes(tmp_path):
     """The QLoRA benchmark at a tiny size under torchrun on 2 ranks: every system trains and is timed, and on
     each rank the NF4 base holds fewer bytes than the bf16 one (its projections at most 0.3 x: 4 bits and the
