@@ -77,6 +77,9 @@ def _generate(size: int) -> dict:
     # 2 all-reduces per block (attention's output, the MLP's down), and one more where the embedding is split
     # over the vocabulary (each rank looks up its rows, the lookups summed)
     reduces = 2 * LAYERS + int(model.get_input_embeddings().weight.shape[0] < 64)
+    # a head split over the vocabulary gathers its logits whole without gradients: one all-gather of the
+    # last position's (generate keeps only those), batch x 64 fp32
+    head = model.get_output_embeddings().weight.shape[0] < 64
     return {
         "got": got,
         "want": want,
@@ -85,6 +88,7 @@ def _generate(size: int) -> dict:
         "weights": weights,
         "held": held,
         "reduces": reduces,
+        "head": head,
     }
 
 
@@ -104,12 +108,14 @@ def test_tensor_parallel_generates_one_processes_tokens_moving_activations_only(
         assert len(set(r["got"][:, prompt:].flatten().tolist())) > 2  # the model says something, not one token
         # the prompt's call, then one call per token after the first, each feeding one new position per row
         n = r["reduces"]
+        logits = batch * 64 * 4 if r["head"] else 0
+        kinds = {"all_reduce": n, **({"all_gather": 1} if r["head"] else {})}
         assert len(r["calls"]) == NEW
-        assert r["calls"][0] == (_activations(batch, prompt, n), {"all_reduce": n}), r["calls"][0]
+        assert r["calls"][0] == (_activations(batch, prompt, n) + logits, kinds), r["calls"][0]
         for call in r["calls"][1:]:
-            assert call == (_activations(batch, 1, n), {"all_reduce": n}), call
+            assert call == (_activations(batch, 1, n) + logits, kinds), call
         # nothing else on the group (apply runs no batch check), and a token costs far less than the weights
-        assert r["bytes"] == _activations(batch, prompt, n) + (NEW - 1) * _activations(batch, 1, n)
+        assert r["bytes"] == _activations(batch, prompt, n) + (NEW - 1) * _activations(batch, 1, n) + NEW * logits
         assert _activations(batch, 1, n) * 50 < r["weights"], (_activations(batch, 1, n), r["weights"])
         assert r["held"] < r["weights"]  # each rank holds its slices of the split layers only
 
