@@ -56,8 +56,10 @@ gradient (an all-reduce over them, :class:`_SumGrad`).
 With ``sequence_parallel=True`` the residual stream between the regions is
 split over the sequence (Megatron-SP, :func:`_sequence_parallel`).
 
-Not yet: checkpoints of a split
-model (refused), and counting the cross-entropy's own all-reduces (torch's
+Checkpoints save one part per tensor-parallel rank and load on any split
+(:mod:`zerofn.checkpoint.partitioned`, from ``state.spec.slices``).
+
+Not yet: counting the cross-entropy's own all-reduces (torch's
 ``loss_parallel``) in ``metrics["comm_bytes"]``, where the layers' are.
 """
 
@@ -201,6 +203,7 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
             around=lambda model, state: _Around(m, model),
             partition=(lambda: (m.tensor_rank, m.tensor)) if m.tensor > 1 else None,
             groups=(lambda: (m.tensor_group, *_replica_groups(m))) if m.tensor > 1 else None,
+            slices=(lambda: _slices(options, m)) if m.tensor > 1 else None,
         )
     )
     return out.replace(group=m.data_group) if m.data_group is not None else out
@@ -328,8 +331,10 @@ def _prepare(
             )
         layers[path] = (layer, how, share)
     names = {}
+    done = _LAYERS.setdefault(id(options), {})
     for path, (layer, how, share) in layers.items():
         names.update(_split(layer, how, m, path, split.named, share))
+        done[path] = layer
         if how == COLWISE_QKV:  # GPT-2's attention splits the fused output by its (now local) width
             attention = module.get_submodule(path.rpartition(".")[0])
             for attr in ("split_size", "num_heads", "embed_dim"):
@@ -635,6 +640,26 @@ def _replica_group(m: Mesh, share: int) -> Any:
                 mine = g
         _REPLICAS[key] = mine
     return _REPLICAS[key]
+
+
+_LAYERS: dict[int, dict] = {}  # id(options) -> {path: split layer}, as prepare split them (for _slices)
+
+
+def _slices(options: TensorParallelOptions, m: Mesh) -> tuple:
+    """(name, dim, parts, count, index) of every split parameter: how each is cut from the whole one."""
+    out = []
+    for path, layer in _LAYERS.get(id(options), {}).items():
+        how, (n, r, conv) = layer.__dict__["_zf_how"], layer.__dict__["_zf_slices"]
+        prefix = f"{path}." if path else ""
+        for pname in ("weight", "bias"):
+            if layer._parameters.get(pname) is None or (how == ROWWISE and pname == "bias"):
+                continue
+            if how == ROWWISE:
+                dim = 0 if conv else 1
+            else:
+                dim = 1 if conv and pname == "weight" else 0
+            out.append((prefix + pname, dim, 3 if how == COLWISE_QKV else 1, n, r))
+    return tuple(out)
 
 
 def _replica_groups(m: Mesh) -> tuple:

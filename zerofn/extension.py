@@ -25,6 +25,9 @@ optional:
 - ``partition``: ``partition() -> (index, count)``: the params this rank's
   step holds are part ``index`` of a model split over ``count`` groups of
   ranks (``tensor_parallel``'s slices); recorded in ``state.spec``.
+- ``slices``: ``slices() -> ((name, dim, parts, count, index), ...)``: the
+  parameters that are slices of whole ones and how (recorded in
+  ``state.spec``; checkpoints reassemble them to load on another split).
 - ``groups``: ``groups() -> (group, ...)``: process groups other than
   the step's that its collectives run on (a tensor-parallel group); their
   traffic counts in ``metrics["comm_bytes"]``.
@@ -81,6 +84,7 @@ class Extension:
             step returns, for parameters on that device type (None: never).
         partition: ``() -> (index, count)``: which part of a split model this rank's state holds.
         groups: ``() -> (group, ...)``: other process groups its collectives use, counted in comm_bytes.
+        slices: ``() -> ((name, dim, parts, count, index), ...)``: its parameters that are slices of whole ones.
     """
 
     name: str
@@ -93,3 +97,4 @@ class Extension:
     updates_late: Callable[[str], bool] | None = None
     partition: Callable[[], tuple[int, int]] | None = None
     groups: Callable[[], tuple] | None = None
+    slices: Callable[[], tuple] | None = None

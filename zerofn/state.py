@@ -191,6 +191,9 @@ class StateSpec:
     # (index, count): this state holds part `index` of a model split over `count` groups of ranks
     # (tensor parallelism's slices), each group training its part; (0, 1): the whole model.
     partition: tuple[int, int] = (0, 1)
+    # (name, dim, parts, count, index) for each parameter that is a slice of a whole one: the whole one
+    # cut in `parts` equal chunks along `dim`, each cut in `count` and the `index`-th of each put side by side
+    slices: tuple = ()
 
 
 class DonatedStateError(RuntimeError):

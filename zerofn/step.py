@@ -257,6 +257,7 @@ class Step:
                 split.treedef,
                 functional.state_dict_names() if functional else (),
                 next((e.partition() for e in self.extensions if e.partition is not None), (0, 1)),
+                tuple(x for e in self.extensions if e.slices is not None for x in e.slices()),
             ),
         )
         if functional is not None and not keep_module:

@@ -12,6 +12,7 @@ from zerofn._io import write_json
 from zerofn._safetensors import Writer
 from zerofn.checkpoint._format import CheckpointError
 from zerofn.checkpoint.manifest import Saved, Source
+from zerofn.checkpoint.partitioned import partitions, whole
 from zerofn.checkpoint.parts import PARAMS
 
 __all__ = ["consolidate"]
@@ -74,7 +75,8 @@ def consolidate(
     Returns:
         The files written.
     """
-    saved = Saved(path)
+    split = partitions(path)  # a split model's checkpoint: its parts reassembled, one parameter at a time
+    saved = Saved(path) if split is None else whole(os.fspath(path), split)
     try:
         if not saved.m.get("frozen", True):
             raise CheckpointError(

@@ -18,6 +18,7 @@ from zerofn import keys
 from zerofn._io import FileTensor, remove
 from zerofn.checkpoint._format import CheckpointError, layout_json, signature
 from zerofn.checkpoint.manifest import Saved, Source
+from zerofn.checkpoint.partitioned import PartView, partitions, rules, view
 from zerofn.checkpoint.parts import BUFFERS, FROZEN, PARAM_STEPS, PARAMS, Part, frozen_crc, layouts, state_parts
 from zerofn.functional import owner_of
 from zerofn.state import TrainState
@@ -254,7 +255,8 @@ def load(
 
 
 def _load(path: str | os.PathLike, step: Any, state: TrainState | None, params: Any, rng: bool) -> TrainState:
-    saved = Saved(path)
+    split = partitions(path)  # a split model's checkpoint: one per part (zerofn.checkpoint.partitioned)
+    saved = Saved(path) if split is None else Saved(os.path.join(path, "part0"))
     frozen_saved = saved.m.get("frozen", True)
     try:
         if state is None:
@@ -272,11 +274,10 @@ def _load(path: str | os.PathLike, step: Any, state: TrainState | None, params: 
         else:
             step.check_state(state)
         index, count = state.spec.partition
-        if count > 1:
-            raise CheckpointError(
-                f"checkpoint.load: {step.name}'s state holds part {index} of a model split over {count} groups of "
-                "ranks (tensor parallelism), and checkpoints of a split model are not supported yet."
-            )
+        if split is not None:  # the saved parts, reassembled and cut as this state's part is (if it differs)
+            saved = view(path, split, saved, index, count, state.spec.slices)
+        elif count > 1:  # an ordinary checkpoint into a split state: each parameter cut from the whole
+            saved = PartView(path, [saved], {0: {}}, rules(state.spec.slices))
         lays = layouts(state)
         _check_model(saved, lays, state)
         held = state_parts(state, C.rank(), lays)

@@ -259,7 +259,12 @@ def complete(directory: str) -> list[Complete]:
             with open(os.path.join(full, MANIFEST)) as f:
                 m = json.load(f)
         except (OSError, ValueError):
-            continue
+            try:  # a split model's checkpoint (zerofn.checkpoint.partitioned): complete once this is written
+                with open(os.path.join(full, "partitions.json")) as f:
+                    m = json.load(f)
+                m["count"] = m["model_count"]
+            except (OSError, ValueError, KeyError):
+                continue
         if m.get("format") == FORMAT:
             out.append(Complete(int(m["count"]), float(m.get("time", 0.0)), full))
     return sorted(out)

@@ -5,6 +5,7 @@ directory into place)."""
 from __future__ import annotations
 
 import atexit
+import contextvars
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from zerofn import collectives as C
 from zerofn import keys
@@ -36,6 +38,7 @@ from zerofn.checkpoint._format import (
     signature,
 )
 from zerofn.checkpoint.manifest import complete
+from zerofn.checkpoint.partitioned import PARTITIONS
 from zerofn.checkpoint.parts import FROZEN, Part, frozen_crc, layouts, quantities, state_parts
 from zerofn.state import TrainState
 
@@ -150,12 +153,8 @@ def save(
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"checkpoint.save: keep must be an int >= 1 or None, got {keep!r}")
     index, count = state.spec.partition
-    if count > 1:
-        raise CheckpointError(
-            f"checkpoint.save: this state holds part {index} of a model split over {count} groups of ranks "
-            "(tensor parallelism), and checkpoints of a split model are not supported yet. Gather the parameters "
-            "with step.full_params(state) on every rank to keep them."
-        )
+    if count > 1 and not _IN_PART.get():
+        return _save_partition(state, path, index, count, keep=keep, group=group, frozen=frozen)
     if frozen not in (True, False, ONCE) or not isinstance(frozen, (bool, str)):
         raise ValueError(f"checkpoint.save: frozen must be True, False or {ONCE!r}, got {frozen!r}")
     wait_saves()
@@ -200,6 +199,59 @@ def save(
         handle.wait()
         _RUNNING.remove(handle)
         handle.blocked_s = time.perf_counter() - start
+    return handle
+
+
+_IN_PART: contextvars.ContextVar[bool] = contextvars.ContextVar("zerofn_saving_a_part", default=False)
+
+
+def _save_partition(
+    state: TrainState, path: Any, index: int, count: int, *, keep: int | None, group: Any, frozen: bool | str
+) -> SaveHandle:
+    """A state holding part ``index`` of a model split over ``count`` groups of ranks (tensor parallelism):
+    each group saves its part as a checkpoint of its own, ``path/part{index}``, on its group; once all
+    have, the world's rank 0 writes ``partitions.json`` (each part's slices) and renames the directory into
+    place. Blocking; collective over the world."""
+    world = dist.group.WORLD
+    if C.world_size(group=group) != state.spec.world_size:
+        raise CheckpointError(
+            f"checkpoint.save: this state holds part {index} of a model split over {count} groups of ranks; "
+            f"each group saves its part, so pass the step's group: save(state, path, group=step.group) "
+            f"(the group given has {C.world_size(group=group)} ranks, the state's {state.spec.world_size})"
+        )
+    if frozen is False:
+        raise CheckpointError(
+            "checkpoint.save: frozen=False is not supported for a state split over groups of ranks yet; "
+            "save with frozen=True or 'once'"
+        )
+    wait_saves()
+    path = os.path.abspath(os.fspath(path))
+    partial = path + PARTIAL
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    C.barrier(group=world)
+    token = _IN_PART.set(True)  # the part itself is an ordinary checkpoint of its group
+    try:
+        handle = save(state, os.path.join(partial, f"part{index}"), blocking=True, group=group, frozen=frozen)
+    finally:
+        _IN_PART.reset(token)
+    slices = C.gather_objects((index, [list(x) for x in state.spec.slices]), group=world)
+    if dist.get_rank() == 0:
+        parts = {str(i): sl for i, sl in slices}
+        write_json(
+            os.path.join(partial, PARTITIONS),
+            {"format": FORMAT, "count": count, "parts": parts, "model_count": int(state.count), "time": time.time()},
+        )
+        fsync_dir(partial)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.rename(partial, path)
+        fsync_dir(os.path.dirname(path))
+        if keep is not None:
+            _prune(os.path.dirname(path), keep)
+    C.barrier(group=world)
+    handle.path = path
     return handle
 
 
