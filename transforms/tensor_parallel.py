@@ -792,13 +792,14 @@ def _sequence_parallel(module: nn.Module, plan: dict, m: Mesh, where: str) -> No
                 sub.__class__ = _CLASSES[key]
             sub._zf_group = m.tensor_group
     first = module.get_submodule(blocks[1][0])
-    first.register_forward_pre_hook(_on_input(_ScatterSeq.apply, m.tensor_group), with_kwargs=True)
+    hooks = [(first, _on_input(_ScatterSeq.apply, m.tensor_group))]  # installed while a step runs (_Around)
     # a region's module (attention, the MLP) gathers the sequence as it enters: the model's own reshapes by
     # its input's shape then see the whole sequence, and its column-wise layers read that input as it is
     regions = {p.rpartition(".")[0] for p, k in plan.items() if k in (COLWISE, COLWISE_QKV)}
     for path in sorted(regions):
         region = module.get_submodule(path)
-        region.register_forward_pre_hook(_on_input(_gather_once, m.tensor_group), with_kwargs=True)
+        hooks.append((region, _on_input(_gather_once, m.tensor_group)))
+    module.__dict__["_zf_sequence_hooks"] = hooks
 
 
 def _gather_once(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -892,16 +893,20 @@ class _Reduce(torch.autograd.Function):
 class _Around:
     """Around forward and backward: before the model's call, the ranks of a tensor-parallel group compare
     what they feed it (structure, shapes and a checksum of the values; one small all-reduce); with a head
-    split over the vocabulary, torch's ``loss_parallel`` (its cross-entropy on the split logits)."""
+    split over the vocabulary, torch's ``loss_parallel`` (its cross-entropy on the split logits); with
+    sequence parallelism, its hooks (the first block's slice, the regions' gathers). All only while the
+    step runs."""
 
     def __init__(self, m: Mesh, model: Callable):
-        self.m, self.model, self.hook, self.loss = m, model, None, None
+        self.m, self.model, self.hooks, self.loss = m, model, [], None
 
     def __enter__(self):
         self.copies = _COPIES.set({})
         if self.m.tensor > 1:
             module = self.model().module
-            self.hook = module.register_forward_pre_hook(self._check, with_kwargs=True)
+            self.hooks.append(module.register_forward_pre_hook(self._check, with_kwargs=True))
+            for sub, fn in module.__dict__.get("_zf_sequence_hooks", ()):  # sequence parallelism's, for the step
+                self.hooks.append(sub.register_forward_pre_hook(fn, with_kwargs=True))
             if any(isinstance(x, _VocabHead) for x in module.modules()):
                 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -912,8 +917,9 @@ class _Around:
     def __exit__(self, *exc):
         if self.loss is not None:
             self.loss.__exit__(*exc)
-        if self.hook is not None:
-            self.hook.remove()
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
         _COPIES.reset(self.copies)
         return False
 
