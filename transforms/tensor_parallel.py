@@ -49,6 +49,10 @@ step computes under torch's ``loss_parallel``); without gradients the head
 gathers them whole. A model built on the meta device is split as
 ``shard_params``' sharded init reaches each layer (:meth:`_Split.zf_materialise`).
 
+A peft LoRA layer is planned through its wrapper (:func:`_lora_plan`), and
+``quantize`` applied around this transform holds each rank's slices
+quantized (the split layers' ``zf_around`` runs its dequantized matmul).
+
 Key/value heads fewer than ``size`` (a multiple of them) are shared: each
 rank holds the one its query heads read, and the ranks sharing it sum its
 gradient (an all-reduce over them, :class:`_SumGrad`).
@@ -86,8 +90,10 @@ __all__ = ["Mesh", "TensorParallelOptions", "mesh", "tensor_parallel"]
 
 COLWISE, ROWWISE, EMBEDDING, HEAD = "colwise", "rowwise", "embedding", "head"
 COLWISE_QKV = "colwise_qkv"  # column-wise over a fused q/k/v output (GPT-2's c_attn): each third split alike
-KINDS = (COLWISE, COLWISE_QKV, ROWWISE, EMBEDDING, HEAD)
-_COLUMNS = (COLWISE, COLWISE_QKV, HEAD)
+INSIDE = "colwise_inside"  # column-wise whose input is already inside the region (a LoRA B after its A)
+SUMMED = "replicated_summed"  # whole on every rank, its input copied into the region, its gradients summed
+KINDS = (COLWISE, COLWISE_QKV, ROWWISE, EMBEDDING, HEAD, INSIDE, SUMMED)
+_COLUMNS = (COLWISE, COLWISE_QKV, HEAD, INSIDE)
 
 
 @dataclass(frozen=True)
@@ -225,6 +231,27 @@ _LLAMA = {
 _GPT2 = {"attn.c_attn": COLWISE_QKV, "attn.c_proj": ROWWISE, "mlp.c_fc": COLWISE, "mlp.c_proj": ROWWISE}
 
 
+def _is_lora(m: nn.Module) -> bool:
+    """A peft LoRA layer around a Linear (``base_layer``, ``lora_A``/``lora_B`` per adapter)."""
+    return isinstance(getattr(m, "base_layer", None), nn.Linear) and isinstance(
+        getattr(m, "lora_A", None), nn.ModuleDict
+    )
+
+
+def _lora_plan(path: str, m: nn.Module, how: str) -> dict[str, str]:
+    """A LoRA layer's plan: its base split as the layer would be; beside a column-wise base, each adapter's A
+    whole (its input copied into the region, its gradient summed: every rank's B rows contribute) and its B
+    split by rows like the base; beside a row-wise base, A split by columns (its output summed) and B whole."""
+    out = {f"{path}.base_layer": how}
+    for name in m.lora_A:
+        a, b = f"{path}.lora_A.{name}", f"{path}.lora_B.{name}"
+        if how == COLWISE:
+            out[a], out[b] = SUMMED, INSIDE
+        else:
+            out[a] = ROWWISE
+    return out
+
+
 def _is_conv1d(m: nn.Module) -> bool:
     """transformers' ``Conv1D`` (GPT-2's Linear with its weight transposed: ``(in, out)``)."""
     return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and hasattr(m, "nx")
@@ -242,6 +269,8 @@ def derive_plan(module: nn.Module, size: int = 1) -> dict[str, str]:
         for suffix, how in _LLAMA.items():
             if (path == suffix or path.endswith("." + suffix)) and isinstance(m, nn.Linear):
                 out[path] = how
+            elif (path == suffix or path.endswith("." + suffix)) and _is_lora(m):
+                out.update(_lora_plan(path, m, how))
         for suffix, how in _GPT2.items():
             if (path == suffix or path.endswith("." + suffix)) and _is_conv1d(m):
                 out[path] = how
@@ -303,6 +332,12 @@ def _prepare(
             raise ValueError(f"{where}: tensor_parallel's plan names {path!r}, which the model does not have") from None
         if isinstance(layer, _Split):
             continue
+        if hasattr(layer, "_zf_quantized"):
+            raise ValueError(
+                f"{where}: tensor_parallel's plan names {path!r}, which quantize holds quantized already: apply "
+                "quantize around tensor_parallel (quantize(tensor_parallel(step, size))), so that each rank "
+                "quantizes its own slice"
+            )
         want = nn.Embedding if how == EMBEDDING else nn.Linear
         conv = _is_conv1d(layer) and how in (COLWISE, COLWISE_QKV, ROWWISE)
         if not conv and (not isinstance(layer, want) or type(layer).forward is not want.forward):
@@ -319,6 +354,8 @@ def _prepare(
         share = _check_heads(module, path, how, m.tensor, where)
         if how == EMBEDDING:
             features = layer.num_embeddings
+        elif how == SUMMED:
+            features = 0  # not split
         elif how in _COLUMNS:
             features = layer.nf if conv else layer.out_features
         else:
@@ -341,7 +378,7 @@ def _prepare(
                 if isinstance(getattr(attention, attr, None), int):
                     setattr(attention, attr, getattr(attention, attr) // m.tensor)
         if share > 1:  # the attention's query heads per key/value head, as this rank holds them
-            attention = module.get_submodule(path.rpartition(".")[0])
+            attention = module.get_submodule(_projection(path).rpartition(".")[0])
             if hasattr(attention, "num_key_value_groups"):
                 attention.num_key_value_groups = attention.config.num_attention_heads // m.tensor
     if options.sequence_parallel and m.tensor > 1:
@@ -358,6 +395,9 @@ def _check_heads(module: nn.Module, path: str, how: str, size: int, where: str) 
     """Attention's heads split whole: q/o by attention heads, k/v by key/value heads; returns how many
     ranks share each key/value head (1: split; more: fewer key/value heads than ranks, each rank holding
     the one its query heads read, Megatron's grouped-query rule)."""
+    if how == SUMMED:
+        return 1  # whole on every rank
+    path = _projection(path)  # a LoRA layer's base or adapter: its projection's heads
     parent = module.get_submodule(path.rpartition(".")[0]) if "." in path else module
     config = getattr(parent, "config", None)
     heads = getattr(config, "num_attention_heads", None)
@@ -379,6 +419,16 @@ def _check_heads(module: nn.Module, path: str, how: str, size: int, where: str) 
             )
         return size // kv
     return 1
+
+
+def _projection(path: str) -> str:
+    """The attention projection a path lies in (``...self_attn.k_proj`` for its peft ``base_layer`` or
+    ``lora_B.default``), or the path itself."""
+    segs = path.split(".")
+    for i in range(len(segs) - 1, -1, -1):
+        if segs[i] in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            return ".".join(segs[: i + 1])
+    return path
 
 
 _CLASSES: dict[tuple[type, str], type] = {}
@@ -420,7 +470,14 @@ def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict, share: i
         if conv:
             base = _RowConv1D if how == ROWWISE else _ColumnConv1D
         else:
-            base = {COLWISE: _ColumnLinear, ROWWISE: _RowLinear, EMBEDDING: _VocabEmbedding, HEAD: _VocabHead}[how]
+            base = {
+                COLWISE: _ColumnLinear,
+                ROWWISE: _RowLinear,
+                EMBEDDING: _VocabEmbedding,
+                HEAD: _VocabHead,
+                INSIDE: _InsideLinear,
+                SUMMED: _SummedLinear,
+            }[how]
         _CLASSES[key] = type(f"{base.__name__[1:]}{cls.__name__}", (base, cls), {"__module__": __name__})
     layer.__class__ = _CLASSES[key]
     layer._zf_group, layer._zf_mesh = m.tensor_group, m
@@ -429,6 +486,8 @@ def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict, share: i
             layer.nx //= n
         else:
             layer.nf //= n
+    elif how == SUMMED:
+        pass
     elif how in _COLUMNS:
         layer.out_features //= n  # n: the slices (fewer than the ranks when they share key/value heads)
     elif how == ROWWISE:
@@ -445,6 +504,8 @@ def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict, share: i
 def _slice(t: torch.Tensor, how: str, pname: str, n: int, r: int, conv: bool = False) -> torch.Tensor:
     """Rank ``r``'s slice of a split layer's parameter ``pname`` (of ``n``); ``conv``: a Conv1D, whose
     weight is ``(in, out)``."""
+    if how == SUMMED:
+        return t
     if how == ROWWISE:
         if pname == "bias":
             return t  # a row-wise layer's bias is whole, added after the all-reduce
@@ -497,14 +558,21 @@ class _ColumnLinear(_SplitLinear):
     _zf_replicas: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
+        w = self.weight
         if self._zf_replicas is not None:  # a key/value head several ranks hold: their gradients summed
             w = _SumGrad.apply(w, self._zf_replicas)
-            b = None if b is None else _SumGrad.apply(b, self._zf_replicas)
+        return self.zf_around(x, lambda x, b: F.linear(x, w, b))
+
+    def zf_around(self, x: torch.Tensor, linear: Callable) -> torch.Tensor:
+        """The layer's communication around ``linear(x, bias)``, its local matmul (another transform may
+        compute it otherwise: ``quantize`` with its dequantized weight)."""
+        b = self.bias
+        if b is not None and self._zf_replicas is not None:
+            b = _SumGrad.apply(b, self._zf_replicas)
         seq = _seq(self)
         if not (seq and not isinstance(self, _VocabHead)):  # in a block under sequence parallelism the
             x = _copy(x, self._zf_group, seq)  # region's module gathered its input already
-        return F.linear(x, w, b)
+        return linear(x, b)
 
 
 _COPIES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("zerofn_tp_copies", default=None)
@@ -563,13 +631,34 @@ class _RowConv1D(_Split, nn.Module):
         return y + (_SumGrad.apply(self.bias, self._zf_group) if seq else self.bias)
 
 
+class _InsideLinear(_SplitLinear):
+    """A Linear holding a slice of its output features whose input is already inside the region (a LoRA
+    B after its A, whose output every rank computes whole)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _SummedLinear(_SplitLinear):
+    """A Linear every rank holds whole, inside a region (a LoRA A beside a column-wise base): its input
+    copied in, its gradients summed over the ranks (each rank's slice of what follows adds its part)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = None if self.bias is None else _SumGrad.apply(self.bias, self._zf_group)
+        return F.linear(_copy(x, self._zf_group), _SumGrad.apply(self.weight, self._zf_group), b)
+
+
 class _RowLinear(_SplitLinear):
     """A Linear holding a slice of its input features: output summed over the ranks, then the bias
     (with sequence parallelism: reduce-scattered over the sequence, and the bias's gradient summed)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.zf_around(x, lambda x, b: F.linear(x, self.weight, b))
+
+    def zf_around(self, x: torch.Tensor, linear: Callable) -> torch.Tensor:
+        """The layer's communication around ``linear(x, None)``, its local matmul, then the bias."""
         seq = _seq(self)
-        y = _leave(F.linear(x, self.weight), self._zf_group, seq)
+        y = _leave(linear(x, None), self._zf_group, seq)
         if self.bias is None:
             return y
         return y + (_SumGrad.apply(self.bias, self._zf_group) if seq else self.bias)
@@ -652,7 +741,7 @@ def _slices(options: TensorParallelOptions, m: Mesh) -> tuple:
         how, (n, r, conv) = layer.__dict__["_zf_how"], layer.__dict__["_zf_slices"]
         prefix = f"{path}." if path else ""
         for pname in ("weight", "bias"):
-            if layer._parameters.get(pname) is None or (how == ROWWISE and pname == "bias"):
+            if layer._parameters.get(pname) is None or (how == ROWWISE and pname == "bias") or how == SUMMED:
                 continue
             if how == ROWWISE:
                 dim = 0 if conv else 1

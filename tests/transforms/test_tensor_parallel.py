@@ -357,3 +357,78 @@ def _ckpt_case(root: str) -> dict:
 def test_checkpoints_load_across_tensor_parallel_sizes(ranks, tmp_path):
     for out in ranks(4).run(_ckpt_case, str(tmp_path)):
         assert out == {"latest": True, "resume": True, "tp1": True, "tp4": True, "from_dp4": True, "consolidate": True}
+
+
+def _lora(tp: int, nf4: int = 0) -> tuple[dict, float]:
+    """A peft LoRA Llama (adapters on all seven projections, B started non-zero) trained 4 steps; ``nf4``:
+    its frozen base held as NF4 (tp > 0: quantize around tensor_parallel, each rank its slices; tp 0: the
+    one-process reference, its base weights replaced by ``nf4`` ranks' slices dequantized, side by side)."""
+    from peft import LoraConfig, get_peft_model
+    from zerofn.transforms import quantize
+    from zerofn.transforms.quantize._codecs import codec
+
+    model = _llama(2)
+    if nf4 and not tp:
+        fmt = codec("nf4", 64)
+        with torch.no_grad():
+            for path, m in model.named_modules():
+                if isinstance(m, nn.Linear) and path.rpartition(".")[2] in COLS[:5] + ROWS:
+                    dim = 1 if path.rpartition(".")[2] in ROWS else 0
+                    pieces = [fmt.decode(fmt.encode(c), c.shape, c.dtype) for c in m.weight.chunk(nf4, dim)]
+                    m.weight.copy_(torch.cat(pieces, dim))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.02)
+    apply = zf.functional(model)
+    step = zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-3, eps=1e-4, weight_decay=0.1))
+    if tp:
+        step = tensor_parallel(step, tp)
+    if tp and nf4:
+        step = quantize(step, "nf4")
+    state = step.init(apply.params)
+    for i in range(STEPS):
+        state, m = step(state, _batch(i))
+    full = step.full_params(state)
+    return (full if not nf4 else {k: v for k, v in full.items() if "lora_" in k}), float(m["loss"])
+
+
+def test_a_peft_lora_model_trains_split_as_one_process(ranks):
+    pytest.importorskip("peft")
+    ref, ref_loss = _lora(0)
+    for rank, (got, loss) in enumerate(ranks(2).run(_lora, 2)):
+        assert abs(loss - ref_loss) <= 1e-5, (loss, ref_loss)
+        for k, v in ref.items():
+            layer = k.split(".")
+            if "lora_B" in k and any(p in layer for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+                v = v.chunk(2, 0)[rank]  # B split by rows beside a column-wise base
+            elif "lora_A" in k and any(p in layer for p in ("o_proj", "down_proj")):
+                v = v.chunk(2, 1)[rank]  # A split by columns beside a row-wise base
+            elif "base_layer" in k:
+                proj = next(p for p in layer if p.endswith("_proj"))
+                if proj in ("o_proj", "down_proj"):
+                    v = v.chunk(2, 1)[rank] if k.endswith("weight") else v
+                else:
+                    v = v.chunk(2, 0)[rank]
+            elif "embed_tokens" in k or "lm_head" in k:
+                v = v.chunk(2, 0)[rank]
+            assert got[k].shape == v.shape, (k, got[k].shape, v.shape)
+            assert torch.allclose(got[k], v, atol=1e-5, rtol=0), (k, rank)
+
+
+def test_qlora_quantizes_each_ranks_slices_and_trains_as_one_process(ranks):
+    pytest.importorskip("peft")
+    ref, ref_loss = _lora(0, nf4=2)
+    for rank, (got, loss) in enumerate(ranks(2).run(_lora, 2, 2)):
+        assert abs(loss - ref_loss) <= 1e-5, (loss, ref_loss)
+        assert got.keys() == {k for k in ref if "lora_" in k}
+        for k, v in got.items():
+            layer = k.split(".")
+            want = ref[k]
+            if "lora_B" in k and any(p in layer for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+                want = want.chunk(2, 0)[rank]
+            elif "lora_A" in k and any(p in layer for p in ("o_proj", "down_proj")):
+                want = want.chunk(2, 1)[rank]
+            assert torch.allclose(v, want, atol=1e-5, rtol=0), (k, rank)

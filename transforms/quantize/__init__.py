@@ -300,10 +300,11 @@ def _targets(policy: Any, module: nn.Module, functional: Functional, split: Para
         w = m._parameters.get("weight") if isinstance(m, nn.Linear) else None
         if policy is None and (w is None or w.requires_grad or name in tied or name not in split.named):
             continue
-        if not isinstance(m, nn.Linear) or type(m).forward is not nn.Linear.forward:
+        if not isinstance(m, nn.Linear) or not (type(m).forward is nn.Linear.forward or hasattr(m, "zf_around")):
             raise ValueError(
                 f"{where}: quantize's policy picked {path or '<root>'!r}, a {type(m).__name__}; only nn.Linear layers "
-                "(whose forward is Linear's) can be held quantized. Leave it out of the policy."
+                "(whose forward is Linear's, or a layer tensor_parallel split) can be held quantized. Leave it out of "
+                "the policy."
             )
         if w is None or name not in split.named:
             raise ValueError(f"{where}: quantize's policy picked {path!r}, whose weight is not among the params")
@@ -372,6 +373,9 @@ class _QuantizedLinear(nn.Linear):
         held = self._zf_quantized
         names = tuple(held.codec.parts(held.shape.numel(), held.dtype))
         parts = [self._parameters[f"weight_{k}"] for k in names]
+        around = getattr(super(), "zf_around", None)  # a layer split over ranks: its communication around
+        if around is not None:
+            return around(x, lambda x, b: QuantizedLinearFn.apply(x, b, held, names, *parts))
         return QuantizedLinearFn.apply(x, self.bias, held, names, *parts)
 
     def zf_materialise(self, path: str, values: Callable[[], dict]) -> dict[str, torch.Tensor]:
