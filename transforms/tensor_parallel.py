@@ -210,6 +210,7 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
             partition=(lambda: (m.tensor_rank, m.tensor)) if m.tensor > 1 else None,
             groups=(lambda: (m.tensor_group, *_replica_groups(m))) if m.tensor > 1 else None,
             slices=(lambda: _slices(options, m)) if m.tensor > 1 else None,
+            prepare_first=True,  # quantize, applied before or after, then holds each rank's slices
         )
     )
     return out.replace(group=m.data_group) if m.data_group is not None else out

@@ -25,6 +25,9 @@ optional:
 - ``partition``: ``partition() -> (index, count)``: the params this rank's
   step holds are part ``index`` of a model split over ``count`` groups of
   ranks (``tensor_parallel``'s slices); recorded in ``state.spec``.
+- ``prepare_first``: its ``prepare`` runs before the other extensions'
+  (in the order of application otherwise): it changes what the model's
+  layers are (``tensor_parallel`` splits them), which the others' read.
 - ``slices``: ``slices() -> ((name, dim, parts, count, index), ...)``: the
   parameters that are slices of whole ones and how (recorded in
   ``state.spec``; checkpoints reassemble them to load on another split).
@@ -85,6 +88,7 @@ class Extension:
         partition: ``() -> (index, count)``: which part of a split model this rank's state holds.
         groups: ``() -> (group, ...)``: other process groups its collectives use, counted in comm_bytes.
         slices: ``() -> ((name, dim, parts, count, index), ...)``: its parameters that are slices of whole ones.
+        prepare_first: its ``prepare`` runs before the other extensions'.
     """
 
     name: str
@@ -98,3 +102,4 @@ class Extension:
     partition: Callable[[], tuple[int, int]] | None = None
     groups: Callable[[], tuple] | None = None
     slices: Callable[[], tuple] | None = None
+    prepare_first: bool = False

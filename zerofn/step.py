@@ -212,7 +212,9 @@ class Step:
         owner = functional.owner if functional is not None else (lambda name: None)
         named = {k: self.precision.cast(v, owner(k)) for k, v in split.named.items()}  # held (and run) so
         split = split._replace(named=named, trainable={k: named[k] for k in split.trainable})
-        for e in self.extensions:
+        # the extensions that change what the model's layers are (their shapes) first, whatever the order of
+        # application, so that the others' prepares see the layers as they will run
+        for e in sorted(self.extensions, key=lambda e: not e.prepare_first):
             if e.prepare is not None:
                 split = e.prepare(split, functional, f"{self.name}.init")
         groups = O.labels(self.optimizer, _names_view(split.treedef, split.named))  # its masks and groups, if any

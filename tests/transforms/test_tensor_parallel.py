@@ -384,10 +384,10 @@ def _lora(tp: int, nf4: int = 0) -> tuple[dict, float]:
             nn.init.normal_(p, std=0.02)
     apply = zf.functional(model)
     step = zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-3, eps=1e-4, weight_decay=0.1))
+    if tp and nf4:  # quantize applied first: tensor_parallel still splits first, each rank quantizes its slices
+        step = quantize(step, "nf4")
     if tp:
         step = tensor_parallel(step, tp)
-    if tp and nf4:
-        step = quantize(step, "nf4")
     state = step.init(apply.params)
     for i in range(STEPS):
         state, m = step(state, _batch(i))
