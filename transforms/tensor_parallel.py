@@ -262,8 +262,9 @@ def derive_plan(module: nn.Module, size: int = 1) -> dict[str, str]:
     """The plan for a Hugging Face Llama-style or GPT-2 model, found by the modules' paths ({} if it has
     none): attention's q/k/v column-wise (GPT-2's fused ``c_attn`` by thirds) and its output row-wise, the
     MLP's gate/up (``c_fc``) column-wise and down (``c_proj``) row-wise, and,
-    when its vocabulary splits evenly over ``size`` ranks and the head is not tied to the embedding, the
-    input embedding vocabulary-parallel and the output head column-wise over the vocabulary."""
+    when its vocabulary splits evenly over ``size`` ranks, the
+    input embedding vocabulary-parallel and the output head column-wise over the vocabulary (a head tied to
+    the embedding keeps holding the embedding's rows: the same slice)."""
     out = {}
     paths = {id(m): path for path, m in module.named_modules()}
     for path, m in module.named_modules():
@@ -278,11 +279,12 @@ def derive_plan(module: nn.Module, size: int = 1) -> dict[str, str]:
     if not out:
         return out
     emb, head = _io_embeddings(module)
-    tied = emb is not None and head is not None and emb.weight is head.weight
-    if isinstance(emb, nn.Embedding) and not tied and emb.num_embeddings % size == 0 and id(emb) in paths:
+    if isinstance(emb, nn.Embedding) and emb.num_embeddings % size == 0 and id(emb) in paths:
         out[paths[id(emb)]] = EMBEDDING
-    if isinstance(head, nn.Linear) and not tied and head.out_features % size == 0 and id(head) in paths:
-        out[paths[id(head)]] = HEAD
+    if isinstance(head, nn.Linear) and head.out_features % size == 0 and id(head) in paths:
+        tied = isinstance(emb, nn.Embedding) and emb.weight is head.weight
+        if not tied or paths.get(id(emb)) in out:  # a tied head splits with its embedding, or not at all
+            out[paths[id(head)]] = HEAD
     return out
 
 
@@ -370,8 +372,10 @@ def _prepare(
         layers[path] = (layer, how, share)
     names = {}
     done = _LAYERS.setdefault(id(options), {})
-    for path, (layer, how, share) in layers.items():
-        names.update(_split(layer, how, m, path, split.named, share))
+    replaced: dict[int, nn.Parameter] = {}  # a weight tied to a split one's: the same slice (an embedding's head)
+    order = sorted(layers.items(), key=lambda item: item[1][1] != EMBEDDING)
+    for path, (layer, how, share) in order:
+        names.update(_split(layer, how, m, path, split.named, share, replaced))
         done[path] = layer
         if how == COLWISE_QKV:  # GPT-2's attention splits the fused output by its (now local) width
             attention = module.get_submodule(path.rpartition(".")[0])
@@ -435,7 +439,9 @@ def _projection(path: str) -> str:
 _CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict, share: int = 1) -> dict[str, torch.Tensor]:
+def _split(
+    layer: nn.Linear, how: str, m: Mesh, path: str, named: dict, share: int = 1, replaced: dict | None = None
+) -> dict[str, torch.Tensor]:
     """Make ``layer`` hold this rank's slice of its weight (and bias) and compute as ``how`` says;
     ``share`` ranks hold the same slice (a key/value head shared by that many ranks' query heads)."""
     prefix = f"{path}." if path else ""
@@ -447,6 +453,9 @@ def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict, share: i
         p = layer._parameters.get(pname)
         if p is None:
             continue
+        if replaced is not None and id(p) in replaced:  # tied to a weight split already: that very slice
+            layer._parameters[pname] = replaced[id(p)]
+            continue
         held = named.get(prefix + pname, p)
         local = _slice(held.detach(), how, pname, n, r, conv)
         if held.device.type == "meta":  # built on meta: shard_params' init slices the parameter's init
@@ -456,6 +465,8 @@ def _split(layer: nn.Linear, how: str, m: Mesh, path: str, named: dict, share: i
             local = local.clone()
         layer._parameters[pname] = nn.Parameter(local, requires_grad=p.requires_grad)
         out[prefix + pname] = layer._parameters[pname]
+        if replaced is not None:
+            replaced[id(p)] = layer._parameters[pname]
     layer.__dict__["_zf_source"] = source
     layer.__dict__["_zf_whole"] = {
         k: getattr(layer, k)
@@ -570,9 +581,8 @@ class _ColumnLinear(_SplitLinear):
         b = self.bias
         if b is not None and self._zf_replicas is not None:
             b = _SumGrad.apply(b, self._zf_replicas)
-        seq = _seq(self)
-        if not (seq and not isinstance(self, _VocabHead)):  # in a block under sequence parallelism the
-            x = _copy(x, self._zf_group, seq)  # region's module gathered its input already
+        if not _seq(self):  # under sequence parallelism the region's module (or the final norm, for the
+            x = _copy(x, self._zf_group)  # head) gathered the input already
         return linear(x, b)
 
 
@@ -849,12 +859,12 @@ def _sequence_parallel(module: nn.Module, plan: dict, m: Mesh, where: str) -> No
     sequence. The first block takes its slice of the sequence (the embedding and the masks the model builds
     before it see the whole of it); the column-wise layers all-gather it and the row-wise layers
     reduce-scatter it; the norms between run on the slice, their gradients summed over the ranks; the
-    vocabulary-parallel head all-gathers it."""
+    final norm's output is all-gathered, which the vocabulary-parallel head reads as it is."""
     kinds = set(plan.values())
     if HEAD not in kinds:
         raise ValueError(
             f"{where}: tensor_parallel(sequence_parallel=True) needs the output head split over the vocabulary "
-            "(plan 'head'), which gathers the sequence back; a head tied to the embedding is not split yet"
+            "(plan 'head'), which gathers the sequence back"
         )
     blocks = _blocks(module, plan)
     if blocks is None:
@@ -882,7 +892,16 @@ def _sequence_parallel(module: nn.Module, plan: dict, m: Mesh, where: str) -> No
                 sub.__class__ = _CLASSES[key]
             sub._zf_group = m.tensor_group
     first = module.get_submodule(blocks[1][0])
+    final = _final_norm(module, head)
+    if final is None:
+        raise ValueError(
+            f"{where}: tensor_parallel(sequence_parallel=True) found no final norm before the head (model.norm or "
+            "transformer.ln_f), where the sequence is gathered back; leave sequence_parallel False"
+        )
     hooks = [(first, _on_input(_ScatterSeq.apply, m.tensor_group))]  # installed while a step runs (_Around)
+    # the final norm's output gathered whole (its gradient reduce-scattered): the model's own reshapes after it
+    # (GPT-2's view by the input's length) and the head see the whole sequence
+    hooks.append((final, _on_output(m.tensor_group)))
     # a region's module (attention, the MLP) gathers the sequence as it enters: the model's own reshapes by
     # its input's shape then see the whole sequence, and its column-wise layers read that input as it is
     regions = {p.rpartition(".")[0] for p, k in plan.items() if k in (COLWISE, COLWISE_QKV)}
@@ -890,6 +909,16 @@ def _sequence_parallel(module: nn.Module, plan: dict, m: Mesh, where: str) -> No
         region = module.get_submodule(path)
         hooks.append((region, _on_input(_gather_once, m.tensor_group)))
     module.__dict__["_zf_sequence_hooks"] = hooks
+
+
+def _on_output(group: Any) -> Callable:
+    """A forward hook gathering a module's output over the sequence, in training only."""
+
+    def hook(mod, args, output):
+        return _GatherSeq.apply(output, group) if torch.is_grad_enabled() else None
+
+    hook.zf_after = True  # a forward hook, not a pre-hook (see _Around)
+    return hook
 
 
 def _gather_once(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -996,7 +1025,10 @@ class _Around:
             module = self.model().module
             self.hooks.append(module.register_forward_pre_hook(self._check, with_kwargs=True))
             for sub, fn in module.__dict__.get("_zf_sequence_hooks", ()):  # sequence parallelism's, for the step
-                self.hooks.append(sub.register_forward_pre_hook(fn, with_kwargs=True))
+                if getattr(fn, "zf_after", False):
+                    self.hooks.append(sub.register_forward_hook(fn))
+                else:
+                    self.hooks.append(sub.register_forward_pre_hook(fn, with_kwargs=True))
             if any(isinstance(x, _VocabHead) for x in module.modules()):
                 from torch.distributed.tensor.parallel import loss_parallel
 
