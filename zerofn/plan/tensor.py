@@ -55,9 +55,10 @@ class TensorParallelPlan:
             ``vocab_split``.
         block_split: one block's share of ``split``.
         vocab_split: the input embedding's and the output head's parameters when they are split over the
-            vocabulary (0 when they are whole: tied, or a vocabulary ``size`` does not divide).
+            vocabulary (one tensor when they are tied; 0 when a vocabulary ``size`` does not divide).
         block: one block's parameters on one GPU (its split layers' ``1 / size``, the rest whole).
-        local: parameters on one GPU: ``params - split + split / size``.
+        local: parameters on one GPU: ``params - split + split / size`` (key/value heads fewer than
+            ``size``, shared: ``1 / kv_heads`` of k and v instead).
         allreduce: bytes of one all-reduce of the activations, ``micro_batch x seq x hidden x`` the
             activations' bytes (0 without ``seq`` and ``micro_batch``).
     """
@@ -147,13 +148,15 @@ def tensor_parallel_plan(
     heads = int(heads or max(1, hidden // 64))
     kv_heads = int(kv_heads or heads)
     f = int(ffn or 4 * hidden)
+    # key/value heads fewer than tp (a divisor of it) are shared: each GPU holds the one its query heads read
+    shared = kv_heads < size and size % kv_heads == 0 and heads % size == 0
     for count, what in ((heads, "attention"), (kv_heads, "key/value")):
-        if count % size:
-            fit = _divisors(math.gcd(math.gcd(heads, kv_heads), gpus))
+        if count % size and not (shared and what == "key/value"):
+            fit = [d for d in _divisors(gpus) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
             raise ValueError(
-                f"estimate: tp={size} cannot split the model's {count} {what} heads whole (it has {heads} attention "
-                f"and {kv_heads} key/value heads; the planner counts heads / tp of each per GPU, and does not model "
-                f"key/value heads shared by several GPUs yet). Pick tp from {fit}."
+                f"estimate: tp={size} cannot split the model's {count} {what} heads whole nor share them (it has "
+                f"{heads} attention and {kv_heads} key/value heads; tp must divide the attention heads, and divide "
+                f"the key/value heads or be a multiple of them). Pick tp from {fit}."
             )
     if f % size:
         raise ValueError(
@@ -171,10 +174,13 @@ def tensor_parallel_plan(
             f"estimate: one block's projections hold {block_split} parameters, more than the block's {block_params}; "
             "the shapes (hidden, heads, kv_heads, ffn) disagree with the parameter count"
         )
-    vocab_split = 2 * int(vocab) * hidden if vocab and not tied and int(vocab) % size == 0 else 0
+    # the embedding and the head split over the vocabulary (a tied pair: one parameter, the same slice)
+    vocab_split = (1 if tied else 2) * int(vocab) * hidden if vocab and int(vocab) % size == 0 else 0
     split = layers * block_split + vocab_split
-    block = block_params - block_split + block_split // size
-    local = params - split + split // size
+    kv = sum(i * o + (o if qkv_bias else 0) for j, (i, o) in enumerate(linears) if j in (1, 2))
+    extra = kv // kv_heads - kv // size if shared else 0  # a shared key/value head: 1 / kv_heads of k and v
+    block = block_params - block_split + block_split // size + extra
+    local = params - split + split // size + layers * extra
     allreduce = int(micro_batch or 0) * int(seq or 0) * hidden * activation_bytes
     return TensorParallelPlan(
         size=size,
