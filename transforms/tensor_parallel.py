@@ -386,6 +386,8 @@ def _prepare(
             attention = module.get_submodule(_projection(path).rpartition(".")[0])
             if hasattr(attention, "num_key_value_groups"):
                 attention.num_key_value_groups = attention.config.num_attention_heads // m.tensor
+    if m.tensor > 1:
+        _sum_inside(module, plan, m)
     if options.sequence_parallel and m.tensor > 1:
         _sequence_parallel(module, plan, m, where)
     if not names:
@@ -883,14 +885,8 @@ def _sequence_parallel(module: nn.Module, plan: dict, m: Mesh, where: str) -> No
     for path, sub in module.named_modules():
         inside = any(path.startswith(b + ".") for b in blocks[1]) or sub is _final_norm(module, head)
         own = [n for n, p in sub._parameters.items() if p is not None]
-        if inside and own and id(sub) not in split and sub not in embedding:
-            cls = type(sub)
-            if not issubclass(cls, _SeqNorm):
-                key = (cls, "seq")
-                if key not in _CLASSES:
-                    _CLASSES[key] = type(f"SequenceParallel{cls.__name__}", (_SeqNorm, cls), {"__module__": __name__})
-                sub.__class__ = _CLASSES[key]
-            sub._zf_group = m.tensor_group
+        if inside and own and id(sub) not in split and sub not in embedding and not isinstance(sub, _Split):
+            _sum_gradients(sub, m.tensor_group)
     first = module.get_submodule(blocks[1][0])
     final = _final_norm(module, head)
     if final is None:
@@ -904,7 +900,7 @@ def _sequence_parallel(module: nn.Module, plan: dict, m: Mesh, where: str) -> No
     hooks.append((final, _on_output(m.tensor_group)))
     # a region's module (attention, the MLP) gathers the sequence as it enters: the model's own reshapes by
     # its input's shape then see the whole sequence, and its column-wise layers read that input as it is
-    regions = {p.rpartition(".")[0] for p, k in plan.items() if k in (COLWISE, COLWISE_QKV)}
+    regions = {_region_of(p) for p, k in plan.items() if k in (COLWISE, COLWISE_QKV)}
     for path in sorted(regions):
         region = module.get_submodule(path)
         hooks.append((region, _on_input(_gather_once, m.tensor_group)))
@@ -919,6 +915,44 @@ def _on_output(group: Any) -> Callable:
 
     hook.zf_after = True  # a forward hook, not a pre-hook (see _Around)
     return hook
+
+
+def _region_of(path: str) -> str:
+    """The module a column-wise layer's region is (attention, the MLP): its parent, past a peft LoRA
+    wrapper's ``base_layer`` or adapter."""
+    segs = path.split(".")
+    for i, seg in enumerate(segs):
+        if seg in ("base_layer", "lora_A", "lora_B"):
+            segs = segs[: i - 1] + [segs[i - 1]]  # the LoRA layer's own path
+            break
+    return ".".join(segs).rpartition(".")[0]
+
+
+def _sum_inside(module: nn.Module, plan: dict, m: Mesh) -> None:
+    """Modules inside a region (between its column-wise and row-wise layers) holding parameters of their own
+    that are not split (Qwen3's per-head q_norm and k_norm) run on each rank's heads only: their gradients
+    are summed over the group."""
+    regions = {_region_of(p) for p, k in plan.items() if k in (COLWISE, COLWISE_QKV)}
+    split = {id(module.get_submodule(p)) for p in plan}
+    for path in regions:
+        region = module.get_submodule(path)
+        for sub in region.modules():
+            if sub is region or id(sub) in split or isinstance(sub, _Split) or _is_lora(sub):
+                continue
+            if any(id(x) in split for x in sub.modules()):  # a wrapper of split layers (peft's LoRA)
+                continue
+            if any(p is not None for p in sub._parameters.values()):
+                _sum_gradients(sub, m.tensor_group)
+
+
+def _sum_gradients(sub: nn.Module, group: Any) -> None:
+    cls = type(sub)
+    if not issubclass(cls, _SeqNorm):
+        key = (cls, "seq")
+        if key not in _CLASSES:
+            _CLASSES[key] = type(f"SequenceParallel{cls.__name__}", (_SeqNorm, cls), {"__module__": __name__})
+        sub.__class__ = _CLASSES[key]
+    sub._zf_group = group
 
 
 def _gather_once(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -53,8 +53,26 @@ def _gpt2() -> nn.Module:
     return GPT2LMHeadModel(cfg).float()
 
 
+def _qwen3() -> nn.Module:
+    """A small Qwen3: per-head q_norm and k_norm inside attention (replicated, their gradients summed)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+    return Qwen3ForCausalLM(cfg).float()
+
+
 def _model(kv: int) -> nn.Module:
-    return _gpt2() if kv == 0 else _llama(kv)  # kv 0: GPT-2
+    return _gpt2() if kv == 0 else _qwen3() if kv == -1 else _llama(kv)  # kv 0: GPT-2, -1: Qwen3 (2 kv heads)
 
 
 def _loss_fn(apply):
@@ -121,7 +139,7 @@ def _local(ref: dict, tp: int, t: int, kv: int) -> dict:
             v = v.chunk(tp, 1 if w else 0)[t]
         elif ".c_proj." in k:  # row-wise Conv1D: the weight's rows, the bias whole
             v = v.chunk(tp, 0)[t] if w else v
-        elif layer in ("k_proj", "v_proj") and kv < tp:
+        elif layer in ("k_proj", "v_proj") and 0 < kv < tp:
             v = v.chunk(kv, 0)[t // (tp // kv)]
         elif layer in COLS:
             v = v.chunk(tp, 0)[t]
@@ -142,7 +160,7 @@ def _cases(cases: list) -> dict:
 
 @pytest.fixture(scope="module")
 def references():
-    refs = {kv: _train(0, "plain", kv) for kv in (0, 2, 4)}
+    refs = {kv: _train(0, "plain", kv) for kv in (0, 2, 4, -1)}
     refs[(2, "amp")] = _train(0, "amp", 2)  # one process under amp
     return refs
 
@@ -168,6 +186,7 @@ def _check(results: list, references: dict, tp: int, name: str, kv: int) -> None
 def test_tp2_on_two_ranks_trains_as_one_process(ranks, references):
     cases = [(2, "plain", 2), (2, "plain", 0), (2, "plain+sp", 2), (2, "remat", 2), (2, "offload", 2), (2, "amp", 2)]
     cases += [(2, "plain+sp", 0)]  # GPT-2: its tied embedding and head split over the vocabulary, the sequence too
+    cases += [(2, "plain", -1), (2, "plain+sp", -1)]  # Qwen3: q_norm and k_norm inside attention
     results = ranks(2).run(_cases, cases)
     for _, name, kv in cases[3:]:  # remat, offload and amp around the split model; GPT-2 sequence parallel
         _check(results, references, 2, name, kv)
