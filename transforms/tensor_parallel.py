@@ -936,10 +936,13 @@ def _sum_inside(module: nn.Module, plan: dict, m: Mesh) -> None:
     split = {id(module.get_submodule(p)) for p in plan}
     for path in regions:
         region = module.get_submodule(path)
-        for sub in region.modules():
+        wrapped = [q for q, sub in region.named_modules() if _is_lora(sub)]  # peft's LoRA layers: planned already
+        for sub_path, sub in region.named_modules():
             if sub is region or id(sub) in split or isinstance(sub, _Split) or _is_lora(sub):
                 continue
-            if any(id(x) in split for x in sub.modules()):  # a wrapper of split layers (peft's LoRA)
+            if any(sub_path.startswith(q + ".") for q in wrapped):  # (a row-wise base's B runs after its sum)
+                continue
+            if any(id(x) in split for x in sub.modules()):  # a wrapper of split layers
                 continue
             if any(p is not None for p in sub._parameters.values()):
                 _sum_gradients(sub, m.tensor_group)

@@ -377,6 +377,11 @@ def test_checkpoints_load_across_tensor_parallel_sizes(ranks, tmp_path):
         assert out == {"latest": True, "resume": True, "tp1": True, "tp4": True, "from_dp4": True, "consolidate": True}
 
 
+# The adapters as one process trains them (a gradient summed twice, as a B after a row-wise base's sum once
+# was, moves them by 2e-4 and more).
+LORA_TOL = 1e-5
+
+
 def _lora(tp: int, nf4: int = 0) -> tuple[dict, float]:
     """A peft LoRA Llama (adapters on all seven projections, B started non-zero) trained 4 steps; ``nf4``:
     its frozen base held as NF4 (tp > 0: quantize around tensor_parallel, each rank its slices; tp 0: the
@@ -417,7 +422,7 @@ def test_a_peft_lora_model_trains_split_as_one_process(ranks):
     pytest.importorskip("peft")
     ref, ref_loss = _lora(0)
     for rank, (got, loss) in enumerate(ranks(2).run(_lora, 2)):
-        assert abs(loss - ref_loss) <= 1e-5, (loss, ref_loss)
+        assert abs(loss - ref_loss) <= LORA_TOL, (loss, ref_loss)
         for k, v in ref.items():
             layer = k.split(".")
             if "lora_B" in k and any(p in layer for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
@@ -433,14 +438,14 @@ def test_a_peft_lora_model_trains_split_as_one_process(ranks):
             elif "embed_tokens" in k or "lm_head" in k:
                 v = v.chunk(2, 0)[rank]
             assert got[k].shape == v.shape, (k, got[k].shape, v.shape)
-            assert torch.allclose(got[k], v, atol=1e-5, rtol=0), (k, rank)
+            assert torch.allclose(got[k], v, atol=LORA_TOL, rtol=0), (k, rank)
 
 
 def test_qlora_quantizes_each_ranks_slices_and_trains_as_one_process(ranks):
     pytest.importorskip("peft")
     ref, ref_loss = _lora(0, nf4=2)
     for rank, (got, loss) in enumerate(ranks(2).run(_lora, 2, 2)):
-        assert abs(loss - ref_loss) <= 1e-5, (loss, ref_loss)
+        assert abs(loss - ref_loss) <= LORA_TOL, (loss, ref_loss)
         assert got.keys() == {k for k in ref if "lora_" in k}
         for k, v in got.items():
             layer = k.split(".")
@@ -449,4 +454,4 @@ def test_qlora_quantizes_each_ranks_slices_and_trains_as_one_process(ranks):
                 want = want.chunk(2, 0)[rank]
             elif "lora_A" in k and any(p in layer for p in ("o_proj", "down_proj")):
                 want = want.chunk(2, 1)[rank]
-            assert torch.allclose(v, want, atol=1e-5, rtol=0), (k, rank)
+            assert torch.allclose(v, want, atol=LORA_TOL, rtol=0), (k, rank)
