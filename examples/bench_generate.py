@@ -45,6 +45,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_helpers import add_shape_args, build_llama  # noqa: E402
 from cli_paths import output_file  # noqa: E402
 
 SYSTEMS = ("tensor_parallel(2)", "shard_params, per call", "shard_params, once")
@@ -53,12 +54,7 @@ SYSTEMS = ("tensor_parallel(2)", "shard_params, per call", "shard_params, once")
 def parse_args(argv=None):
     """The command line, its path checked (standard library only: run before torch is imported)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--intermediate", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=16000)
+    add_shape_args(p, hidden=768, intermediate=2048, layers=12, heads=12, kv_heads=4, vocab=16000)
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens (batch 1)")
     p.add_argument("--tokens", type=int, default=16, help="consecutive tokens generated per system per round")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds, after a warm-up round")
@@ -85,20 +81,7 @@ import zerofn as zf  # noqa: E402
 
 def build_model(args):
     """The same Llama on every rank and for every system (a fresh module each: tensor_parallel splits its layers)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.prompt + args.tokens, 128),
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).float().eval()
+    return build_llama(args, args.prompt + args.tokens).eval()
 
 
 def build(name: str, args):

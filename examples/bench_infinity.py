@@ -34,6 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_helpers import proc_status  # noqa: E402
 from cli_paths import existing_dir  # noqa: E402
 
 CHUNK = 64 * 2**20
@@ -78,14 +79,6 @@ from zerofn.transforms import offload, shard_params  # noqa: E402
 
 import zerofn as zf  # noqa: E402
 from zerofn.bench.gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for  # noqa: E402
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _ram_bytes() -> int:
@@ -160,7 +153,7 @@ def main(argv=None) -> None:
         batches = MarkovCorpus(args.vocab).sample(args.batch * (args.steps + 1), args.seq_len + 1, seed=1)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM from here
-        base = _status("VmRSS")
+        base = proc_status("VmRSS")
         t0 = time.perf_counter()
         state = step.init(apply.params)
         t_init = time.perf_counter() - t0
@@ -172,7 +165,7 @@ def main(argv=None) -> None:
         zf.block_until_ready(state)
         t_step = (time.perf_counter() - t0) / args.steps
         last = float(m["loss"])
-        peak = _status("VmHWM")
+        peak = proc_status("VmHWM")
         reads, writes = moved_per_step(state)
         bound = reads / read_bw + writes / write_bw
         ram = _ram_bytes()

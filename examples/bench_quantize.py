@@ -46,6 +46,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_helpers import add_shape_args, build_llama, proc_status  # noqa: E402
 from cli_paths import output_file  # noqa: E402
 
 SYSTEMS = ("bf16 base", "nf4 base", "bf16 base, offloaded", "nf4 base, offloaded")
@@ -55,12 +56,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def parse_args(argv=None):
     """The command line, its path checked (standard library only: run before torch is imported)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--intermediate", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=16000)
+    add_shape_args(p, hidden=768, intermediate=2048, layers=12, heads=12, kv_heads=4, vocab=16000)
     p.add_argument("--lora", type=int, default=16, metavar="R", help="LoRA rank on the seven projections")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=128)
@@ -93,20 +89,8 @@ from zerofn.placement import held_bytes  # noqa: E402
 def build_model(args):
     """The same LoRA Llama on every rank and for every system (a fresh module each: quantize rewrites its layers)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.seq_len, 128),
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float()
+    model = build_llama(args, args.seq_len)
     n = sum(p.numel() for p in model.parameters())
     lora = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=list(PROJECTIONS), lora_dropout=0.0)
     return get_peft_model(model, lora), n
@@ -153,14 +137,6 @@ def dequantize_s(layers: dict) -> float:
             runs.append(time.perf_counter() - t0)
         total += statistics.median(runs[1:]) * count
     return total
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def main(argv=None) -> None:
@@ -239,7 +215,7 @@ def main(argv=None) -> None:
             if name.startswith("nf4"):
                 figures[name]["dequantize_s"] = 2 * dequantize_s(layers)
     every = [None] * world
-    torch.distributed.all_gather_object(every, {"figures": figures, "peak_rss": _status("VmHWM"), "times": times})
+    torch.distributed.all_gather_object(every, {"figures": figures, "peak_rss": proc_status("VmHWM"), "times": times})
     if rank == 0:
         ratios = report(args, every, n, trainable, load)
         if args.json:

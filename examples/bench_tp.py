@@ -44,6 +44,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_helpers import add_shape_args, build_llama, proc_status  # noqa: E402
 from cli_paths import output_file  # noqa: E402
 
 DP, TP = "dp", "tp"
@@ -52,12 +53,7 @@ DP, TP = "dp", "tp"
 def parse_args(argv=None):
     """The command line, its path checked (standard library only: run before torch is imported)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1408)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8000)
+    add_shape_args(p, hidden=512, intermediate=1408, layers=4, heads=8, kv_heads=4, vocab=8000)
     p.add_argument("--tp", type=int, default=2, help="ranks per tensor-parallel group")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step over all the ranks")
     p.add_argument("--seq-len", type=int, default=128)
@@ -89,20 +85,7 @@ from zerofn.bench.gpt import MarkovCorpus  # noqa: E402
 
 def build_model(args):
     """The same Llama on every rank and for both systems (a fresh module each: tensor_parallel splits its layers)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.seq_len, 128),
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).float()
+    return build_llama(args, args.seq_len)
 
 
 def build_step(name: str, apply, args):
@@ -131,14 +114,6 @@ def all_reduce_s(args, group, rows: int) -> float:
             torch.distributed.all_reduce(x, group=group)
         runs.append(time.perf_counter() - t0)
     return statistics.median(runs[1:])
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def main(argv=None) -> None:
@@ -227,7 +202,7 @@ def main(argv=None) -> None:
     if tensor_group is not None:  # what the activations' all-reduces cost a step, timed alone
         figures[TP]["all_reduce_s"] = all_reduce_s(args, tensor_group, figures[TP]["rows"])
     every = [None] * world
-    torch.distributed.all_gather_object(every, {"figures": figures, "peak_rss": _status("VmHWM"), "times": times})
+    torch.distributed.all_gather_object(every, {"figures": figures, "peak_rss": proc_status("VmHWM"), "times": times})
     ok = True
     if rank == 0:
         ratios, ok = report(args, every, n, load)
