@@ -387,9 +387,11 @@ def _prepare(
             if hasattr(attention, "num_key_value_groups"):
                 attention.num_key_value_groups = attention.config.num_attention_heads // m.tensor
     if m.tensor > 1:
-        _sum_inside(module, plan, m)
-    if options.sequence_parallel and m.tensor > 1:
-        _sequence_parallel(module, plan, m, where)
+        # the modules a column-wise layer's region is (attention, the MLP), past peft's LoRA wrappers
+        regions = sorted({_region_of(p) for p, k in plan.items() if k in (COLWISE, COLWISE_QKV)})
+        _sum_inside(module, plan, regions, m)
+        if options.sequence_parallel:
+            _sequence_parallel(module, plan, regions, m, where)
     if not names:
         return split
     functional.refresh()
@@ -515,19 +517,26 @@ def _split(
     return out
 
 
-def _slice(t: torch.Tensor, how: str, pname: str, n: int, r: int, conv: bool = False) -> torch.Tensor:
-    """Rank ``r``'s slice of a split layer's parameter ``pname`` (of ``n``); ``conv``: a Conv1D, whose
-    weight is ``(in, out)``."""
-    if how == SUMMED:
-        return t
+def _rule(how: str, pname: str, conv: bool) -> tuple[int, int] | None:
+    """How a split layer's parameter ``pname`` is cut: (dimension, chunks cut alike), or None (whole);
+    ``conv``: a Conv1D, whose weight is ``(in, out)``."""
+    if how == SUMMED or (how == ROWWISE and pname == "bias"):
+        return None  # whole on every rank (a row-wise layer's bias is added after the all-reduce)
     if how == ROWWISE:
-        if pname == "bias":
-            return t  # a row-wise layer's bias is whole, added after the all-reduce
-        return t.chunk(n, dim=0 if conv else 1)[r]
+        return (0 if conv else 1), 1
     dim = 1 if conv and pname == "weight" else 0  # output features, or the vocabulary's rows
-    if how == COLWISE_QKV:  # each of q, k and v split alike, side by side again
-        return torch.cat([part.chunk(n, dim=dim)[r] for part in t.chunk(3, dim=dim)], dim=dim)
-    return t.chunk(n, dim=dim)[r]
+    return dim, (3 if how == COLWISE_QKV else 1)  # a fused q/k/v: each third split alike, side by side again
+
+
+def _slice(t: torch.Tensor, how: str, pname: str, n: int, r: int, conv: bool = False) -> torch.Tensor:
+    """Rank ``r``'s slice (of ``n``) of a split layer's parameter ``pname``, as :func:`_rule` says."""
+    rule = _rule(how, pname, conv)
+    if rule is None:
+        return t
+    dim, parts = rule
+    if parts == 1:
+        return t.chunk(n, dim=dim)[r]
+    return torch.cat([part.chunk(n, dim=dim)[r] for part in t.chunk(parts, dim=dim)], dim=dim)
 
 
 class _Split:
@@ -754,13 +763,9 @@ def _slices(options: TensorParallelOptions, m: Mesh) -> tuple:
         how, (n, r, conv) = layer.__dict__["_zf_how"], layer.__dict__["_zf_slices"]
         prefix = f"{path}." if path else ""
         for pname in ("weight", "bias"):
-            if layer._parameters.get(pname) is None or (how == ROWWISE and pname == "bias") or how == SUMMED:
-                continue
-            if how == ROWWISE:
-                dim = 0 if conv else 1
-            else:
-                dim = 1 if conv and pname == "weight" else 0
-            out.append((prefix + pname, dim, 3 if how == COLWISE_QKV else 1, n, r))
+            rule = _rule(how, pname, conv)
+            if layer._parameters.get(pname) is not None and rule is not None:
+                out.append((prefix + pname, *rule, n, r))
     return tuple(out)
 
 
@@ -795,26 +800,26 @@ def _seq_gather(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 def _seq_reduce_scatter(x: torch.Tensor, group: Any) -> torch.Tensor:
     """This rank's slice of the sequence (dimension 1) of the sum over the ranks."""
-    n = dist.get_world_size(group)
+    n = _splits_sequence(x, group)
     full = x.transpose(0, 1).contiguous()
-    if full.shape[0] % n:
-        raise ValueError(
-            f"tensor_parallel(sequence_parallel=True): the sequence has {full.shape[0]} positions, which {n} "
-            "ranks cannot split evenly; pad the batch's sequence to a multiple of the tensor-parallel size"
-        )
     out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
     C.reduce_scatter(out.view(-1), full.view(-1), group=group)
     return out.transpose(0, 1).contiguous()
 
 
 def _seq_slice(x: torch.Tensor, group: Any) -> torch.Tensor:
-    n, r = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(_splits_sequence(x, group), dim=1)[dist.get_rank(group)].contiguous()
+
+
+def _splits_sequence(x: torch.Tensor, group: Any) -> int:
+    """The ranks of ``group``, which must split ``x``'s sequence (dimension 1) evenly."""
+    n = dist.get_world_size(group)
     if x.shape[1] % n:
         raise ValueError(
             f"tensor_parallel(sequence_parallel=True): the sequence has {x.shape[1]} positions, which {n} "
             "ranks cannot split evenly; pad the batch's sequence to a multiple of the tensor-parallel size"
         )
-    return x.chunk(n, dim=1)[r].contiguous()
+    return n
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -856,7 +861,7 @@ class _ScatterSeq(torch.autograd.Function):
         return _seq_gather(grad.contiguous(), ctx.group), None
 
 
-def _sequence_parallel(module: nn.Module, plan: dict, m: Mesh, where: str) -> None:
+def _sequence_parallel(module: nn.Module, plan: dict, regions: list[str], m: Mesh, where: str) -> None:
     """Megatron's sequence parallelism: the residual stream between the regions is split over the
     sequence. The first block takes its slice of the sequence (the embedding and the masks the model builds
     before it see the whole of it); the column-wise layers all-gather it and the row-wise layers
@@ -879,29 +884,27 @@ def _sequence_parallel(module: nn.Module, plan: dict, m: Mesh, where: str) -> No
     for layer in (module.get_submodule(p) for p in plan):
         if isinstance(layer, _Split) and not isinstance(layer, _VocabEmbedding):
             layer._zf_seq = True
-    head = next(module.get_submodule(p) for p, k in plan.items() if k == HEAD)
     embedding = [module.get_submodule(p) for p, k in plan.items() if k == EMBEDDING]
-    # modules between the regions that hold parameters of their own (the norms): gradients summed
-    for path, sub in module.named_modules():
-        inside = any(path.startswith(b + ".") for b in blocks[1]) or sub is _final_norm(module, head)
-        own = [n for n, p in sub._parameters.items() if p is not None]
-        if inside and own and id(sub) not in split and sub not in embedding and not isinstance(sub, _Split):
-            _sum_gradients(sub, m.tensor_group)
-    first = module.get_submodule(blocks[1][0])
-    final = _final_norm(module, head)
+    final = _final_norm(module)
     if final is None:
         raise ValueError(
             f"{where}: tensor_parallel(sequence_parallel=True) found no final norm before the head (model.norm or "
             "transformer.ln_f), where the sequence is gathered back; leave sequence_parallel False"
         )
+    # modules between the regions that hold parameters of their own (the norms): gradients summed
+    for path, sub in module.named_modules():
+        inside = any(path.startswith(b + ".") for b in blocks[1]) or sub is final
+        own = [n for n, p in sub._parameters.items() if p is not None]
+        if inside and own and id(sub) not in split and sub not in embedding and not isinstance(sub, _Split):
+            _sum_gradients(sub, m.tensor_group)
+    first = module.get_submodule(blocks[1][0])
     hooks = [(first, _on_input(_ScatterSeq.apply, m.tensor_group))]  # installed while a step runs (_Around)
     # the final norm's output gathered whole (its gradient reduce-scattered): the model's own reshapes after it
     # (GPT-2's view by the input's length) and the head see the whole sequence
     hooks.append((final, _on_output(m.tensor_group)))
     # a region's module (attention, the MLP) gathers the sequence as it enters: the model's own reshapes by
     # its input's shape then see the whole sequence, and its column-wise layers read that input as it is
-    regions = {_region_of(p) for p, k in plan.items() if k in (COLWISE, COLWISE_QKV)}
-    for path in sorted(regions):
+    for path in regions:
         region = module.get_submodule(path)
         hooks.append((region, _on_input(_gather_once, m.tensor_group)))
     module.__dict__["_zf_sequence_hooks"] = hooks
@@ -928,11 +931,10 @@ def _region_of(path: str) -> str:
     return ".".join(segs).rpartition(".")[0]
 
 
-def _sum_inside(module: nn.Module, plan: dict, m: Mesh) -> None:
+def _sum_inside(module: nn.Module, plan: dict, regions: list[str], m: Mesh) -> None:
     """Modules inside a region (between its column-wise and row-wise layers) holding parameters of their own
     that are not split (Qwen3's per-head q_norm and k_norm) run on each rank's heads only: their gradients
     are summed over the group."""
-    regions = {_region_of(p) for p, k in plan.items() if k in (COLWISE, COLWISE_QKV)}
     split = {id(module.get_submodule(p)) for p in plan}
     for path in regions:
         region = module.get_submodule(path)
@@ -950,10 +952,10 @@ def _sum_inside(module: nn.Module, plan: dict, m: Mesh) -> None:
 
 def _sum_gradients(sub: nn.Module, group: Any) -> None:
     cls = type(sub)
-    if not issubclass(cls, _SeqNorm):
+    if not issubclass(cls, _SumsGradients):
         key = (cls, "seq")
         if key not in _CLASSES:
-            _CLASSES[key] = type(f"SequenceParallel{cls.__name__}", (_SeqNorm, cls), {"__module__": __name__})
+            _CLASSES[key] = type(f"SummedGradients{cls.__name__}", (_SumsGradients, cls), {"__module__": __name__})
         sub.__class__ = _CLASSES[key]
     sub._zf_group = group
 
@@ -989,7 +991,7 @@ def _blocks(module: nn.Module, plan: dict) -> tuple[str, list[str]] | None:
     return None
 
 
-def _final_norm(module: nn.Module, head: nn.Module) -> nn.Module | None:
+def _final_norm(module: nn.Module) -> nn.Module | None:
     """The norm a Hugging Face causal LM applies between its last block and its head."""
     inner = getattr(module, "model", None) or getattr(module, "transformer", None)
     for name in ("norm", "ln_f", "final_layernorm"):
@@ -999,10 +1001,10 @@ def _final_norm(module: nn.Module, head: nn.Module) -> nn.Module | None:
     return None
 
 
-class _SeqNorm:
-    """A module between the regions (a norm) running on a slice of the sequence: each of its parameters
-    is read through an identity whose backward sums the gradient over the tensor-parallel group (every
-    rank computes it from its own positions)."""
+class _SumsGradients:
+    """A replicated module each rank runs on its own part of the work (a norm between the regions on its
+    slice of the sequence; Qwen3's q_norm on its heads): each of its parameters is read through an identity
+    whose backward sums the gradient over the tensor-parallel group."""
 
     _zf_group: Any
 
