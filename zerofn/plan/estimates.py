@@ -249,6 +249,20 @@ def _label(stage: int, optimizer_offload: str | None, param_offload: str | None,
     return text + (" + remat" if remat else "")
 
 
+def _block_shape(layers, hidden, heads, kv_heads, shape, ffn, gated, layer_params) -> dict:
+    """The blocks' shapes as tensor_parallel_plan and lora_plan take them."""
+    return dict(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=shape and shape.head_dim,
+        ffn=ffn,
+        gated=bool(gated),
+        layer_params=layer_params,
+    )
+
+
 def estimate(
     params: float | ModelShape,
     *,
@@ -471,14 +485,7 @@ def estimate(
             gpus=gpus,
             nodes=nodes,
             params=psi,
-            layers=layers,
-            hidden=hidden,
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=shape and shape.head_dim,
-            ffn=ffn,
-            gated=bool(gated),
-            layer_params=layer_params,
+            **_block_shape(layers, hidden, heads, kv_heads, shape, ffn, gated, layer_params),
             biases=(shape.qkv_bias, shape.out_bias, shape.mlp_bias) if shape else (False, False, False),
             experts=shape.experts if shape else 1,
             vocab=vocab,
@@ -494,14 +501,7 @@ def estimate(
             linears = projections(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=None, ffn=ffn, gated=gated)
             layer_params = min(sum(i * o for i, o in linears), psi // layers)
         lora = lora_plan(
-            layers=layers,
-            hidden=hidden,
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=shape and shape.head_dim,
-            ffn=ffn,
-            gated=bool(gated),
-            layer_params=layer_params,
+            **_block_shape(layers, hidden, heads, kv_heads, shape, ffn, gated, layer_params),
             psi=psi,
             rank=lora_rank,
             quantize=quantize,
