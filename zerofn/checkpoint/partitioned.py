@@ -70,14 +70,18 @@ def view(path: str, info: dict, first: Saved, index: int, count: int, slices: An
             return first
         first.close()
         return Saved(os.path.join(path, f"part{index}"))
-    parts = [first] + [Saved(os.path.join(path, f"part{i}")) for i in range(1, saved_count)]
-    return PartView(path, parts, {int(k): rules(v) for k, v in info["parts"].items()}, wanted)
+    return _parts_view(path, info, first, wanted)
 
 
 def whole(path: str, info: dict) -> PartView:
     """A split model's checkpoint read as the whole model (``consolidate``)."""
-    parts = [Saved(os.path.join(path, f"part{i}")) for i in range(int(info["count"]))]
-    return PartView(path, parts, {int(k): rules(v) for k, v in info["parts"].items()}, {})
+    return _parts_view(path, info, Saved(os.path.join(path, "part0")), {})
+
+
+def _parts_view(path: str, info: dict, first: Saved, wanted: dict) -> PartView:
+    """Every saved part (``first``: part 0, open), read as cut by ``wanted`` (name -> rule; {}: whole)."""
+    parts = [first] + [Saved(os.path.join(path, f"part{i}")) for i in range(1, int(info["count"]))]
+    return PartView(path, parts, {int(k): rules(v) for k, v in info["parts"].items()}, wanted)
 
 
 class PartView:
