@@ -15,8 +15,14 @@ optimizer-state-sized tensors are allocated per step beyond what torch.optim's
 foreach implementations allocate (Adam's denominator). :func:`apply_updates`
 adds updates to params in place.
 
-Step counts are int64 0-dim CPU tensors, even for CUDA params, so reading one
-(for bias correction or a schedule) never waits on the device.
+Step counts are int64 0-dim tensors on the parameters' device that carry their
+value on the host (``zerofn.counters``), so reading one (for bias correction or
+a schedule) never waits on the device. An update given ``found_inf=`` (a 0-dim
+float tensor on the device, 1: skip) by a step that decided on the device
+leaves everything as it was where it is set (``GradientTransformation.masks``):
+:func:`adam` and :func:`adamw` skip in torch's fused kernel, :func:`sgd` keeps its
+momentum by a select; an optimizer that does not declare ``masks`` (LAMB, Muon)
+has the decision read in :func:`update_params`.
 
 Extra keyword arguments to ``update`` are passed by :func:`chain` to every
 member; each transform ignores those it does not know.

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from zerofn import counters
-from zerofn.tree import Tree, describe_leaf, keystr, tree_flatten, tree_flatten_with_path
+from zerofn.tree import Tree, describe_leaf, keystr, tree_flatten, tree_flatten_with_path, tree_leaves
 
 Schedule = Callable[[int], float]  # a learning rate (or any scalar) as a function of the update count
 
@@ -135,10 +135,57 @@ def check_same(
 FIX_PARAMS = "Pass the params (or this rank's shards of them) that the updates are for."
 
 
+def count_device(params: Any) -> torch.device | None:
+    """Where an optimizer's counts live: on the parameters' accelerator (None: the CPU)."""
+    for leaf in tree_leaves(params) if params is not None else ():
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device if leaf.device.type not in ("cpu", "meta") else None
+    return None
+
+
+_TABLES = "_zerofn_tables"  # on a count tensor: schedule -> its values on the device, by count
+
+
+def schedule_at(
+    where: str, schedule: Schedule, count: torch.Tensor, check: Callable[[float, int], None] | None = None
+) -> float | torch.Tensor:
+    """``schedule`` at ``count``'s value before this update: a float while the host holds the count, else a
+    0-dim float64 tensor on the count's device (the count advanced on the device's decisions, which the
+    host did not read). The schedule still runs on the host, on every count the host cannot rule out; its
+    values go into a table on the device, which the count indexes there (8 bytes per update; the same
+    floats the host would pass). ``check(value, count)`` raises on a value the caller refuses."""
+
+    def at(c: int) -> float:
+        v = schedule_value(where, schedule, c)
+        if check is not None:
+            check(v, c)
+        return v
+
+    lo, hi = counters.bounds(count)
+    if lo == hi:
+        return at(lo)
+    tables = getattr(count, _TABLES, None)
+    if tables is None:
+        tables = {}
+        setattr(count, _TABLES, tables)
+    base, values, filled = tables.get(schedule, (lo, None, 0))
+    if values is None or base > lo:
+        base, values, filled = lo, torch.empty(64, dtype=torch.float64, device=count.device), 0
+    need = hi - base + 1
+    if need > values.numel():
+        grown = torch.empty(max(need, 2 * values.numel()), dtype=torch.float64, device=count.device)
+        grown[:filled].copy_(values[:filled])
+        values = grown
+    for c in range(base + filled, hi + 1):
+        values[c - base] = at(c)  # a fill on the device: no read
+    tables[schedule] = (base, values, need)
+    return values.index_select(0, (count - base).view(1)).view(())
+
+
 def check_count(where: str, count: Any) -> int:
     if not (isinstance(count, torch.Tensor) and count.dim() == 0 and count.dtype == torch.int64):
         raise TypeError(
-            f"{where}: state.count must be an int64 0-dim CPU tensor, got "
+            f"{where}: state.count must be an int64 0-dim tensor, got "
             f"{describe_leaf(count) if isinstance(count, torch.Tensor) else repr(count)}. "
             f"Build the state with this transform's init(params)."
         )

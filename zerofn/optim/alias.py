@@ -107,7 +107,7 @@ def _with_fused(parts: list, adam_at: int, lr, b1, b2, eps, weight_decay, mask, 
     if mask is not None and view is None:  # unbound with a mask: the keys are known only from the tree
         fused = _bind_on_call(parts, adam_at, lr, b1, b2, eps, weight_decay, mask, decoupled)
     binder = lambda v: _with_fused(parts, adam_at, lr, b1, b2, eps, weight_decay, mask, decoupled=decoupled, view=v)  # noqa: E731
-    return base._replace(update_in_place=fused, bind=binder)
+    return base._replace(update_in_place=fused, bind=binder, masks=True)  # the kernel takes found_inf
 
 
 def _bind_on_call(parts, adam_at, lr, b1, b2, eps, weight_decay, mask, decoupled):

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from zerofn import tree as T
 from zerofn.optim._checks import Schedule, check_same, flat
 from zerofn.optim.view import ParamView
 from zerofn.tree import Tree, tree_map
@@ -52,6 +53,11 @@ class GradientTransformation(NamedTuple):
     # gathers over its pieces, collectives where shards cut it): it must see whole buckets (never sub-groups
     # of one) and run on the step's thread, in the step's order of collectives (offload updates in the step).
     communicates: bool = False
+    # True when update_in_place (or start_update's commit) takes ``found_inf=``, a 0-dim float tensor on the
+    # device (1: skip this update), and leaves the state and parameters exactly as they were where it is 1
+    # without reading it on the host (fused Adam's kernel skips on the device). A step whose optimizer
+    # masks so decides on the device whether an update applies; for any other, update_params reads it.
+    masks: bool = False
 
 
 class PendingUpdate(abc.ABC):
@@ -210,8 +216,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     part = partition_all(transforms)
     talks = any(t.communicates for t in transforms)
     last = transforms[-1] if transforms else None
+    # it masks when every member does (those that keep no state run either way)
+    masks = bool(transforms) and all(t.masks for t in transforms)
     if last is None or last.update_in_place is None:
-        return GradientTransformation(init, update, bind=binder, partition=part, communicates=talks)
+        return GradientTransformation(init, update, bind=binder, partition=part, communicates=talks, masks=masks)
 
     def update_in_place(grads, state, params, **extra):
         # The members before the last transform the gradients; the last one
@@ -222,7 +230,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             head.append(s)
         return tuple(head) + (last.update_in_place(grads, state[-1], params, **extra),)
 
-    return GradientTransformation(init, update, update_in_place, bind=binder, partition=part, communicates=talks)
+    return GradientTransformation(
+        init, update, update_in_place, bind=binder, partition=part, communicates=talks, masks=masks
+    )
 
 
 def bind(optimizer: GradientTransformation, view: ParamView) -> GradientTransformation:
@@ -311,9 +321,19 @@ def update_params(optimizer: GradientTransformation, grads: Updates, state: OptS
         >>> [round(x, 4) for x in p["w"].tolist()], int(state[0].count)
         ([0.9, 0.9], 1)
     """
+    found = extra.get("found_inf")
+    if found is not None and not optimizer.masks:
+        del extra["found_inf"]
+        if bool(found):  # an optimizer that cannot skip on the device: the host reads the decision
+            return state
     if optimizer.update_in_place is not None:
         return optimizer.update_in_place(grads, state, params, **extra)
     updates, state = optimizer.update(grads, state, params, **extra)
+    found = extra.get("found_inf")
+    if found is not None:  # its members kept their state where found_inf is set; the updates are dropped there
+        skip = found != 0
+        for u in T.tree_leaves(updates):
+            u.masked_fill_(skip.to(u.device), 0.0)
     apply_updates(params, updates)
     return state
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from zerofn import counters
-from zerofn.optim._checks import check_count, flat, schedule_value
+from zerofn.optim._checks import check_count, flat, schedule_at, schedule_value
 from zerofn.optim.base import apply_updates, foreach_groups
 from zerofn.optim.view import LeafView, ParamView, Piece, by_step, info_of, keys_of
 
@@ -37,26 +37,41 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool,
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     runs_of: dict = {}  # (keys, itemsizes) -> the runs' keys, their view and where they lie (one per layout)
 
+    def check_lr(value: float, count: int) -> None:
+        if value < 0:
+            raise ValueError(
+                f"adam.update_in_place: the learning-rate schedule returned {value} at count {count}; it must be >= 0"
+            )
+
     @torch.no_grad()
     def update_in_place(grads, state, params, **extra):
+        found = extra.pop("found_inf", None)
         g, spec = flat("adam.update_in_place", "grads", grads)
         p, p_spec = flat("adam.update_in_place", "params", params)
         adam = state[adam_at]
         mu, _ = flat("adam.update_in_place", "state.mu", adam.mu)
         nu, _ = flat("adam.update_in_place", "state.nu", adam.nu)
-        if spec != p_spec or not all(_fusable(*ts) for ts in zip(p, g, mu, nu)):
+        info = info_of(extra)
+        fusable = spec == p_spec and all(_fusable(*ts) for ts in zip(p, g, mu, nu))
+        if found is not None and not (fusable and _masks_here(found, adam.count, p, info)):
+            if bool(found):  # an update the kernel cannot skip on the device: the host reads the decision
+                return state
+            found = None
+        if not fusable:
             updates, state = base.update(grads, state, params, **extra)
             apply_updates(params, updates)
             return state
-        count = check_count("adam.update_in_place", adam.count)
-        lr_value = schedule_value("adam.update_in_place", lr, count) if callable(lr) else lr
-        if lr_value < 0:
-            raise ValueError(
-                f"adam.update_in_place: the learning-rate schedule returned {lr_value} at count {count}; it must be >= 0"
-            )
-        _advance_counts(state)  # of adam, the lr schedule and the decay schedule (masked or not)
+        if found is None:
+            count = check_count("adam.update_in_place", adam.count)
+            lr_value = schedule_value("adam.update_in_place", lr, count) if callable(lr) else lr
+            check_lr(lr_value, count)
+            _advance_counts(state)  # of adam, the lr schedule and the decay schedule (masked or not)
+        else:  # the device decides: the kernel skips where found_inf is 1, and the counts advance where it is 0
+            count = 0  # one group below: every parameter counts adam.count's updates
+            lr_value = schedule_at("adam.update_in_place", lr, adam.count, check_lr) if callable(lr) else lr
+            _advance_counts(state, found == 0)
+            number = adam.count.float()  # this update's number where it applies
         keys = keys_of(spec)
-        info = info_of(extra)
         wd = [weight_decay if decayed is None or k in decayed else 0.0 for k in keys]
         for decay in sorted(set(wd)):
             pick = [i for i, w in enumerate(wd) if w == decay]
@@ -66,14 +81,15 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool,
                 at, cols = _cut(runs_of, view, *cols)
             for t, (p_, g_, mu_, nu_) in by_step(at, cols[0], info, count, *cols[1:]):
                 for p2, g2, mu2, nu2 in foreach_groups(p_, g_, mu_, nu_):
-                    step = torch.full((), float(t), dtype=torch.float32, device=p2[0].device)
+                    if found is None:
+                        step = torch.full((), float(t), dtype=torch.float32, device=p2[0].device)
                     kernel(
                         p2,
                         g2,
                         mu2,
                         nu2,
                         [],
-                        [step] * len(p2),
+                        [step if found is None else number] * len(p2),
                         lr=lr_value,
                         beta1=b1,
                         beta2=b2,
@@ -81,6 +97,7 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool,
                         eps=eps,
                         amsgrad=False,
                         maximize=False,
+                        found_inf=found,
                     )
         return state
 
@@ -136,15 +153,28 @@ def _cut(cache: dict, view: ParamView, keys: list[str], *columns: list) -> tuple
     return at, (run_keys, *out)
 
 
-def _advance_counts(node) -> None:
-    """Add one to every ``count`` of the chain's states, nested ones (a masked decay schedule's) included."""
+def _advance_counts(node, ok: torch.Tensor | None = None) -> None:
+    """Add one to every ``count`` of the chain's states, nested ones (a masked decay schedule's) included;
+    ``ok``: a 0-dim bool on the device, where the device decides whether this update applies."""
     if not isinstance(node, tuple):
         return
     c = getattr(node, "count", None) if hasattr(node, "_fields") else None
     if isinstance(c, torch.Tensor):
-        counters.add_(c)
+        if ok is None:
+            counters.add_(c)
+        else:
+            counters.advance_(c, ok)
     for child in node:
-        _advance_counts(child)
+        _advance_counts(child, ok)
+
+
+def _masks_here(found: torch.Tensor, count: torch.Tensor, params: list, info) -> bool:
+    """Whether the kernel can take the device's decision as it is: the decision, the counts and the
+    parameters on one device, and every parameter updated as often as the others (one step number)."""
+    dev = params[0].device if params else found.device
+    if found.device != dev or count.device != dev:
+        return False
+    return info is None or (not info.missing and info.steps is None)
 
 
 def _fusable(*tensors: torch.Tensor) -> bool:

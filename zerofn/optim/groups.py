@@ -149,6 +149,10 @@ def _masked(inner: GradientTransformation, mask: Any, view: ParamView | None) ->
         opt, keys = bound(grads)
         new = update_params(opt, _sub(grads, keys), state.inner_state, _sub(params, keys), **extra)
         rest = [k for k in grads if k not in set(keys)]
+        found = extra.get("found_inf")
+        if found is not None:  # the gradients of the parameters outside the mask are their updates: dropped
+            for k in rest:
+                grads[k].masked_fill_(found != 0, 0.0)
         apply_updates(_sub(params, rest), _sub(grads, rest))
         return MaskedState(new)
 
@@ -159,7 +163,13 @@ def _masked(inner: GradientTransformation, mask: Any, view: ParamView | None) ->
 
     talks = once[0].communicates if once is not None else inner.communicates
     return GradientTransformation(
-        init, update, update_in_place, bind=lambda v: _masked(inner, mask, v), partition=partition, communicates=talks
+        init,
+        update,
+        update_in_place,
+        bind=lambda v: _masked(inner, mask, v),
+        partition=partition,
+        communicates=talks,
+        masks=inner.masks,
     )
 
 
@@ -268,6 +278,7 @@ def _multi(transforms: dict, param_labels: Any, view: ParamView | None) -> Gradi
         bind=lambda v: _multi(transforms, param_labels, v),
         partition=partition,
         communicates=any(t.communicates for t in members),
+        masks=all(t.masks for t in transforms.values()),
     )
 
 

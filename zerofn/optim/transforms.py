@@ -10,6 +10,7 @@ momentum (:func:`trace`), weight decay (:func:`add_decayed_weights`,
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import torch
 
@@ -20,8 +21,10 @@ from zerofn.optim._checks import (
     check_number,
     check_same,
     check_state,
+    count_device,
     flat,
     is_real,
+    schedule_at,
     schedule_value,
 )
 from zerofn.optim.base import (
@@ -40,8 +43,9 @@ from zerofn.optim.view import ParamView, by_step, info_of, keys_of, live_columns
 from zerofn.tree import describe_leaf, tree_map
 
 
-def _new_count() -> torch.Tensor:
-    return counters.new(0)
+def _new_count(params: Any = None) -> torch.Tensor:
+    """A count of 0 on the parameters' device (so that an update the device decides on advances it there)."""
+    return counters.new(0, device=count_device(params))
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -73,7 +77,7 @@ def scale(step_size: float) -> GradientTransformation:
             torch._foreach_mul_(u, step_size)
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, masks=True)  # no state: runs either way
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
@@ -106,26 +110,37 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
 
 def _scale_by_schedule(fn: Schedule, *, sign: float, where: str, nonneg: bool = False):
     def init(params):
-        return ScaleByScheduleState(count=_new_count())
+        return ScaleByScheduleState(count=_new_count(params))
 
-    @torch.no_grad()
-    def update(updates, state, params=None, **extra):
-        check_state(where, state, ScaleByScheduleState)
-        count = check_count(where, state.count)
-        value = schedule_value(where, fn, count)
+    def check(value: float, count: int) -> None:
         if nonneg and value < 0:
             raise ValueError(
                 f"{where}: the learning-rate schedule returned {value} at count {count}; "
                 f"a learning rate must be >= 0. Check the schedule's arguments (e.g. "
                 f"end_value and decay_steps)."
             )
+
+    @torch.no_grad()
+    def update(updates, state, params=None, **extra):
+        check_state(where, state, ScaleByScheduleState)
+        found = extra.get("found_inf")
+        if found is None or found.device != state.count.device:
+            if found is not None and bool(found):  # counts elsewhere than the decision: read it
+                return updates, state
+            count = check_count(where, state.count)
+            value = schedule_value(where, fn, count)
+            check(value, count)
+            counters.add_(state.count)
+        else:  # the device decides: the schedule's value by the count there, which advances where it applies
+            value = schedule_at(where, fn, state.count, check)
+            counters.advance_(state.count, found == 0)
         leaves, _ = flat(where, "updates", updates)
         for (u,) in foreach_groups(leaves):
-            torch._foreach_mul_(u, sign * value)
-        counters.add_(state.count)
+            factor = sign * value
+            torch._foreach_mul_(u, factor.to(u[0].device) if isinstance(factor, torch.Tensor) else factor)
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, masks=True)
 
 
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> GradientTransformation:
@@ -233,7 +248,7 @@ def _scale_by_adam(
     def init(params):
         flat("scale_by_adam.init", "params", params)
         return ScaleByAdamState(
-            count=_new_count(),
+            count=_new_count(params),
             mu=tree_map(lambda p: moments_like(p, mu_dtype), params),
             nu=tree_map(lambda p: moments_like(p, nu_dtype), params),
         )
@@ -330,9 +345,18 @@ def _trace(decay: float, nesterov: bool, view: ParamView | None) -> GradientTran
         buf, buf_spec = flat(where, "state.trace", state.trace)
         check_same(where, "updates", spec, "state.trace", buf_spec, buf, g, dtypes=True)
         g, buf = live_columns(view, keys_of(spec), info_of(extra), g, buf)  # no gradient: the trace stays
+        found = extra.get("found_inf")
+        if found is not None:  # the device decides: a skipped update leaves the trace (x 1, + 0) as it was
+            skip = found != 0
+            for t in g:
+                t.masked_fill_(skip, 0.0)  # whatever it held (inf, nan): a skipped update's gradient adds nothing
         # A zero-initialised trace makes the first step trace = g exactly, as torch's clone.
         for g_, buf_ in foreach_groups(g, buf):
-            torch._foreach_mul_(buf_, decay)
+            if found is None:
+                torch._foreach_mul_(buf_, decay)
+            else:
+                one = torch.ones((), dtype=torch.float32, device=found.device)
+                torch._foreach_mul_(buf_, torch.where(skip, one, torch.full_like(one, decay)).to(buf_[0].device))
             torch._foreach_add_(buf_, g_)
             if nesterov:
                 torch._foreach_add_(g_, buf_, alpha=decay)
@@ -340,7 +364,7 @@ def _trace(decay: float, nesterov: bool, view: ParamView | None) -> GradientTran
                 torch._foreach_copy_(g_, buf_)
         return updates, state
 
-    return GradientTransformation(init, update, bind=lambda v: _trace(decay, nesterov, v))
+    return GradientTransformation(init, update, bind=lambda v: _trace(decay, nesterov, v), masks=True)
 
 
 def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
@@ -387,7 +411,7 @@ def _add_decayed_weights(weight_decay: float, view: ParamView | None) -> Gradien
             torch._foreach_add_(g_, p_, alpha=weight_decay)
         return updates, state
 
-    return GradientTransformation(init, update, bind=lambda v: _add_decayed_weights(weight_decay, v))
+    return GradientTransformation(init, update, bind=lambda v: _add_decayed_weights(weight_decay, v), masks=True)
 
 
 def _round_like_torch_scalar(x: float, dtype: torch.dtype) -> float:
@@ -435,7 +459,7 @@ def _decay_weights(rate: ScalarOrSchedule, view: ParamView | None) -> GradientTr
     where = "decay_weights.update"
 
     def init(params):
-        return ScaleByScheduleState(count=_new_count()) if callable(rate) else EmptyState()
+        return ScaleByScheduleState(count=_new_count(params)) if callable(rate) else EmptyState()
 
     @torch.no_grad()
     def update(updates, state, params=None, **extra):
@@ -463,7 +487,9 @@ def _decay_weights(rate: ScalarOrSchedule, view: ParamView | None) -> GradientTr
                 torch._foreach_add_(g_, p_, alpha=factor)
         return updates, state
 
-    return GradientTransformation(init, update, bind=lambda v: _decay_weights(rate, v))
+    # a constant rate keeps no state and runs either way; a scheduled one decides on the host (its factor
+    # is rounded there as torch rounds a Python scalar)
+    return GradientTransformation(init, update, bind=lambda v: _decay_weights(rate, v), masks=not callable(rate))
 
 
 @torch.no_grad()
@@ -565,4 +591,4 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
                 torch._foreach_mul_(u, coef)
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, masks=True)  # no state, and a tensor norm stays on the device

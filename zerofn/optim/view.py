@@ -180,12 +180,14 @@ class StepInfo:
             skip a parameter whose ``grad`` is None, so these are not updated at all.
         steps: name -> the number of updates the parameter received before this one (torch's per-parameter
             ``state["step"]``); absent names count as ``count``.
-        count: the number of updates before this one (the step's ``state.count``).
+        count: the number of updates before this one (the step's ``state.count``); None when the step
+            decided on the device whether its updates applied (the host does not hold the number): every
+            parameter then received as many updates as the optimizer's own count says.
     """
 
     missing: frozenset = frozenset()
     steps: Mapping[str, int] | None = None
-    count: int = 0
+    count: int | None = 0
 
     def step_of(self, name: str) -> int:
         """The number of updates parameter ``name`` received before this one."""
@@ -253,8 +255,8 @@ def by_step(view: ParamView | None, keys: list[str], info: StepInfo | None, coun
     """``columns`` in groups of pieces that share their parameters' update number ``t`` (1 for a parameter's
     first update): ``[(t, columns), ...]``; pieces of parameters that got no gradient are left out. One
     group of whole leaves in the usual case (every parameter updated as often as the others)."""
-    if info is None:
-        return [(count + 1, columns)]
+    if info is None or (info.count is None and not info.missing and info.steps is None):
+        return [(count + 1, columns)]  # the optimizer's own count (a step that decided on the device)
     if not info.missing and info.uniform is not None:
         return [(info.uniform + 1, columns)]
     groups: dict[int, list[list]] = {}
