@@ -114,9 +114,10 @@ class ScaleSettings(NamedTuple):
     hysteresis: int = 2
     min_scale: float = 1.0
 
-    def new(self) -> Any:
-        """A fresh loss scale of these settings; raises a ValueError on a bad setting."""
-        return _new_scale(self)
+    def new(self, device: Any = None) -> Any:
+        """A fresh loss scale of these settings (its tensors on ``device``, default the CPU); raises a
+        ValueError on a bad setting."""
+        return _new_scale(self, device)
 
 
 _COMPUTE = ("autocast", "param")
@@ -135,8 +136,16 @@ FP32_MODULES: tuple[type, ...] = (
 # ---------------------------------------------------------------- loss scales
 
 
-def _i64(v: int) -> torch.Tensor:
-    return counters.new(v)  # carries its value on the host: adjusting the scale reads no tensor
+def _i64(v: int, device: Any = None) -> torch.Tensor:
+    return counters.new(v, device=device)  # carries its value on the host: adjusting the scale reads no tensor
+
+
+def _skips(skips: torch.Tensor, finite: bool | torch.Tensor) -> torch.Tensor:
+    """The consecutive skipped steps after one that was (or was not) finite: on the host for a decision the
+    host read, on the device for a 0-dim bool tensor."""
+    if isinstance(finite, torch.Tensor):
+        return torch.where(finite, torch.zeros_like(skips), skips + 1)
+    return _i64(0 if finite else counters.value(skips) + 1, skips.device)
 
 
 @T.state_class
@@ -149,8 +158,8 @@ class NoOpLossScale:
     def scale(self) -> float:
         return 1.0
 
-    def adjust(self, finite: bool) -> NoOpLossScale:
-        return NoOpLossScale(_i64(0 if finite else counters.value(self.skips) + 1))
+    def adjust(self, finite: bool | torch.Tensor) -> NoOpLossScale:
+        return NoOpLossScale(_skips(self.skips, finite))
 
 
 @T.state_class
@@ -160,8 +169,8 @@ class StaticLossScale:
     scale: torch.Tensor
     skips: torch.Tensor
 
-    def adjust(self, finite: bool) -> StaticLossScale:
-        return StaticLossScale(self.scale, _i64(0 if finite else counters.value(self.skips) + 1))
+    def adjust(self, finite: bool | torch.Tensor) -> StaticLossScale:
+        return StaticLossScale(self.scale, _skips(self.skips, finite))
 
 
 @T.state_class
@@ -181,7 +190,9 @@ class DynamicLossScale:
     hysteresis: int = T.field(static=True, default=2)
     min_scale: float = T.field(static=True, default=1.0)
 
-    def adjust(self, finite: bool) -> DynamicLossScale:
+    def adjust(self, finite: bool | torch.Tensor) -> DynamicLossScale:
+        if isinstance(finite, torch.Tensor):
+            return self._adjust_on_device(finite)
         scale, good, left, skips = (
             counters.value(t) for t in (self.scale, self.good_steps, self.hysteresis_left, self.skips)
         )
@@ -195,15 +206,31 @@ class DynamicLossScale:
                 scale = max(scale * self.backoff, self.min_scale)
             else:
                 left -= 1
+        dev = self.scale.device
+        return self._replace(
+            counters.new(scale, torch.float32, dev), _i64(good, dev), _i64(left, dev), _i64(skips, dev)
+        )
+
+    def _adjust_on_device(self, finite: torch.Tensor) -> DynamicLossScale:
+        """:meth:`adjust` for a decision the host did not read: the same rule as ``torch.where`` selects
+        (the scale computed in float64 and rounded once, as the host rule computes it)."""
+        good = torch.where(finite, self.good_steps + 1, torch.zeros_like(self.good_steps))
+        grow = finite & (good % self.growth_interval == 0)
+        back = ~finite & (self.hysteresis_left <= 1)
+        wide = self.scale.double()
+        scale = torch.where(
+            grow, wide / self.backoff, torch.where(back, (wide * self.backoff).clamp(min=self.min_scale), wide)
+        ).float()
+        left = torch.where(
+            grow,
+            torch.full_like(self.hysteresis_left, self.hysteresis),
+            torch.where(~finite & ~back, self.hysteresis_left - 1, self.hysteresis_left),
+        )
+        return self._replace(scale, good, left, _skips(self.skips, finite))
+
+    def _replace(self, scale, good, left, skips) -> DynamicLossScale:
         return DynamicLossScale(
-            counters.new(scale, torch.float32),
-            _i64(good),
-            _i64(left),
-            _i64(skips),
-            self.growth_interval,
-            self.backoff,
-            self.hysteresis,
-            self.min_scale,
+            scale, good, left, skips, self.growth_interval, self.backoff, self.hysteresis, self.min_scale
         )
 
 
@@ -255,7 +282,7 @@ def master_weights(inner: O.GradientTransformation) -> O.GradientTransformation:
 
     # Bound to a view, the inner optimizer is: the masters hold the same pieces as the parameters.
     return O.in_place(init, update_in_place, "master_weights")._replace(
-        bind=lambda view: master_weights(O.bind(inner, view)), communicates=inner.communicates
+        bind=lambda view: master_weights(O.bind(inner, view)), communicates=inner.communicates, masks=inner.masks
     )
 
 
@@ -326,13 +353,17 @@ class MixedPrecision(Precision):
             raise ValueError("amp: no fp32 master weights in the optimizer state (a state of another step?)")
         return tuple(t.read() if isinstance(t, FileTensor) else t for t in (found[i] for i in range(len(found))))
 
-    def new_loss_scale(self) -> Any:
-        return self.scale_settings.new()
+    def new_loss_scale(self, device: Any = None) -> Any:
+        return self.scale_settings.new(device)
 
-    def loss_scale_factor(self, loss_scale: Any) -> float:
-        return float(counters.value(loss_scale.scale))
+    def loss_scale_factor(self, loss_scale: Any) -> float | torch.Tensor:
+        scale = loss_scale.scale
+        if not isinstance(scale, torch.Tensor):
+            return float(scale)
+        # the host's number while it holds it; the device's tensor once an update adjusted it there
+        return float(counters.value(scale)) if counters.known(scale) else scale
 
-    def adjust(self, loss_scale: Any, finite: bool) -> Any:
+    def adjust(self, loss_scale: Any, finite: bool | torch.Tensor) -> Any:
         return loss_scale.adjust(finite)
 
     def metrics(self, loss_scale: Any) -> dict[str, Any]:
@@ -340,7 +371,7 @@ class MixedPrecision(Precision):
             "loss_scale": loss_scale.scale.float()
             if isinstance(loss_scale.scale, torch.Tensor)
             else torch.tensor(loss_scale.scale, dtype=torch.float32),
-            "consecutive_skips": counters.value(loss_scale.skips),
+            "consecutive_skips": loss_scale.skips,
         }
 
 
@@ -544,12 +575,12 @@ def _to(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
-def _new_scale(s: ScaleSettings):
+def _new_scale(s: ScaleSettings, device: Any = None):
     """A fresh loss scale for amp's settings (checking them)."""
     loss_scale, init_scale, growth_interval, backoff = s.loss_scale, s.init_scale, s.growth_interval, s.backoff
     hysteresis, min_scale = s.hysteresis, s.min_scale
     if loss_scale is None:
-        return NoOpLossScale(_i64(0))
+        return NoOpLossScale(_i64(0, device))
     if loss_scale == "dynamic":
         if not (0 < backoff < 1):
             raise ValueError(f"amp: backoff must be in (0, 1), got {backoff}")
@@ -560,15 +591,15 @@ def _new_scale(s: ScaleSettings):
         if not (0 < min_scale <= init_scale):
             raise ValueError(f"amp: need 0 < min_scale <= init_scale, got {min_scale} and {init_scale}")
         return DynamicLossScale(
-            counters.new(float(init_scale), torch.float32),
-            _i64(0),
-            _i64(hysteresis),
-            _i64(0),
+            counters.new(float(init_scale), torch.float32, device),
+            _i64(0, device),
+            _i64(hysteresis, device),
+            _i64(0, device),
             growth_interval,
             backoff,
             hysteresis,
             float(min_scale),
         )
     if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0:
-        return StaticLossScale(counters.new(float(loss_scale), torch.float32), _i64(0))
+        return StaticLossScale(counters.new(float(loss_scale), torch.float32, device), _i64(0, device))
     raise ValueError(f'amp: loss_scale must be "dynamic", a positive float or None, got {loss_scale!r}')

@@ -67,16 +67,18 @@ class Precision:
 
     # ---------------------------------------------------------- the loss scale (a pytree in the state)
 
-    def new_loss_scale(self) -> Any:
+    def new_loss_scale(self, device: Any = None) -> Any:
         """A fresh state's loss scale; None: the state carries none."""
         return None
 
-    def loss_scale_factor(self, loss_scale: Any) -> float:
-        """What the loss is multiplied by before backward (and the gradients divided by after)."""
+    def loss_scale_factor(self, loss_scale: Any) -> float | torch.Tensor:
+        """What the loss is multiplied by before backward (and the gradients divided by after): a number,
+        or a 0-dim tensor on the device once the device adjusts it (see :meth:`adjust`)."""
         return 1.0
 
-    def adjust(self, loss_scale: Any, finite: bool) -> Any:
-        """The loss scale after a step whose gradients were (or were not) all finite."""
+    def adjust(self, loss_scale: Any, finite: bool | torch.Tensor) -> Any:
+        """The loss scale after a step whose gradients were (or were not) all finite: a bool the host read,
+        or a 0-dim bool tensor on the device (the new scale is then computed there)."""
         return loss_scale
 
     def metrics(self, loss_scale: Any) -> dict[str, Any]:
