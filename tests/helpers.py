@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerofn as zf
 
@@ -109,6 +111,15 @@ MODELS = {
 }
 
 
+def stats_bytes(trainable: int, world: int, update: bool = True) -> int:
+    """What a step's statistics all-reduce adds to comm_bytes on ``world`` ranks (counted twice, as every
+    all-reduce): the loss, the gradient's sum of squares, how many ranks lacked a gradient, the batch digest
+    and its square (5 float64), and on an update how many ranks gave each of the ``trainable`` parameters a
+    gradient, packed ``world.bit_length()`` bits a parameter into 52-bit float64s."""
+    floats = 5 + (math.ceil(trainable / (52 // world.bit_length())) if update else 0)
+    return 2 * 8 * floats
+
+
 def rank_slice(batch, rank, world):
     """This rank's share of a global batch (the first dim split in equal parts)."""
     if isinstance(batch, dict):
@@ -190,3 +201,42 @@ def compositions() -> dict:
         "amp": amp,
         "offload": lambda s: offload(s, "cpu"),
     }
+
+
+READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+
+
+class _Reads(TorchDispatchMode):
+    """Counts host reads of tensors: ``_local_scalar_dense`` (item, float(t), int(t), bool(t)) through
+    the dispatcher, and ``tolist``/``numpy``, which do not go through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in READS:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting():
+    """Count the host reads of tensors made on this thread inside the block (``.n``): each waits for the
+    device to drain."""
+    mode, patched = _Reads(), {}
+    for name in ("tolist", "numpy"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _real=real, **k):
+            mode.n += 1
+            return _real(self, *a, **k)
+
+        patched[name] = real
+        setattr(torch.Tensor, name, spy)
+    try:
+        with mode:
+            yield mode
+    finally:
+        for name, real in patched.items():
+            setattr(torch.Tensor, name, real)

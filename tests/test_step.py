@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import chex
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import MODELS, make_mlp, make_transformer, max_abs_diff, mlp_batch, rank_slice, train, transformer_batch
+from helpers import (
+    MODELS,
+    make_mlp,
+    make_transformer,
+    max_abs_diff,
+    mlp_batch,
+    rank_slice,
+    stats_bytes,
+    train,
+    transformer_batch,
+)
 from zerofn.transforms import shard_optimizer
 
 import zerofn as zf
@@ -166,9 +178,10 @@ def test_state_bytes_and_comm_bytes_formulas(ranks, world):
         if world == 1:
             assert plain["comm"] == 0 and sharded["comm"] == 0
         else:
-            # the stats all-reduce (loss, sumsq, ranks lacking a gradient, the batch digest and its square);
-            # a step's first call also agrees on the batch shapes (2 x int64)
-            scalars = 2 * 40
+            # the stats all-reduce (loss, sumsq, ranks lacking a gradient, the batch digest and its square,
+            # which ranks gave each parameter a gradient); a step's first call also agrees on the batch shapes
+            # (2 x int64)
+            scalars = stats_bytes(len(trainable), world)
             assert plain["comm"] == 2 * psi_bytes + scalars
             assert sharded["comm"] == 2 * sharded["padded_bytes"] + scalars
             assert plain["first_comm"] == plain["comm"] + 2 * 16 and sharded["first_comm"] == sharded["comm"] + 2 * 16
@@ -256,12 +269,12 @@ def test_non_finite_loss_skips_update():
     bad = mlp_batch(1, 8)
     bad["x"][0, 0] = float("nan")
     state, m = step(state, bad)
-    assert m["skipped"] is True and not torch.isfinite(m["loss"])
+    assert bool(m["skipped"]) and not torch.isfinite(m["loss"])
     assert max_abs_diff(step.full_params(state), before) == 0
     zf.testing.assert_trees_all_equal(state.opt_state, opt_before)
     assert int(state.count) == 1
     state, m = step(state, mlp_batch(2, 8))  # training goes on
-    assert m["skipped"] is False and int(state.count) == 2
+    assert not bool(m["skipped"]) and int(state.count) == 2
 
 
 def _rank_bad_batches():
@@ -282,20 +295,37 @@ def _rank_bad_batches():
     # the state was not lost: it still steps with agreeing batches
     state, _ = step(state, mlp_batch(0, 4))
     stepped = max_abs_diff(step.full_params(state), before) > 0
-    # later calls compare the shapes inside the update's statistics (no agreement of their own): caught
-    # there, before the update
+    # later calls compare the shapes inside the update's statistics, on the device: the update is skipped
+    # there and the error raised by the next wait (block_until_ready, a checkpoint), not by the call
     kept = step.full_params(state)
-    later = error(mlp_batch(1, 4 + rank))
-    return msg, stepped, later, max_abs_diff(step.full_params(state), kept)
+    state, m = step(state, mlp_batch(1, 4 + rank))
+    skipped = bool(m["skipped"])
+    try:
+        zf.block_until_ready(state)
+        later = None
+    except ValueError as e:
+        later = str(e)
+    moved = max_abs_diff(step.full_params(state), kept)
+    zf.block_until_ready(state)  # read once: the state goes on
+    state, m = step(state, mlp_batch(2, 4))
+    goes_on = not bool(m["skipped"]) and int(state.count) == 2
+    # the debugging switch reads every update's decision: the call itself raises, with the shapes
+    os.environ["ZEROFN_CHECK_EACH_UPDATE"] = "1"
+    try:
+        at_once = error(mlp_batch(3, 4 + rank))
+    finally:
+        del os.environ["ZEROFN_CHECK_EACH_UPDATE"]
+    return msg, stepped, later, moved, skipped, goes_on, at_once
 
 
 def test_batches_of_different_shapes_raise_on_every_rank(ranks):
     results = ranks(2).run(_rank_bad_batches, timeout=60)
-    for rank, (msg, stepped, later, moved) in enumerate(results):
-        for m in (msg, later):
+    for rank, (msg, stepped, later, moved, skipped, goes_on, at_once) in enumerate(results):
+        for m in (msg, at_once):
             assert m is not None, f"rank {rank} did not raise"
             assert "different shapes" in m and "rank 0: {'x': 'float32[4, 7]'" in m and "drop_last" in m
-        assert stepped and moved == 0.0
+        assert later is not None and "different shapes" in later and "ZEROFN_CHECK_EACH_UPDATE" in later
+        assert stepped and skipped and moved == 0.0 and goes_on
 
 
 def _rank_state_sharded():
@@ -331,7 +361,7 @@ def _rank_nan_on_one_rank():
     state, m = step(state, batch)
     unchanged = max_abs_diff(step.full_params(state), before) == 0
     state, m2 = step(state, mlp_batch(1, 4))
-    return m["skipped"], unchanged, m2["skipped"], int(state.count)
+    return bool(m["skipped"]), unchanged, bool(m2["skipped"]), int(state.count)
 
 
 def test_non_finite_gradient_on_one_rank_skips_everywhere(ranks):
@@ -366,7 +396,7 @@ def test_aux_values_are_averaged_over_ranks(ranks):
     assert max(local_losses) - min(local_losses) > 1e-3  # so a rank's own loss would not pass for the mean
     for m in results:
         assert m["rank_plus_one"] == pytest.approx(2.0)  # mean of 1, 2, 3
-        assert m["tag"] == "local" and m["skipped"] is False
+        assert m["tag"] == "local" and not m["skipped"]
         assert m["loss"] == pytest.approx(whole_loss, rel=1e-6)
         assert m["out_mean"] == pytest.approx(whole_out_mean, rel=1e-6, abs=1e-7)
 

@@ -83,7 +83,7 @@ from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn.extension import Extension
 from zerofn.functional import Functional
-from zerofn.step import Step, reapply, transform
+from zerofn.step import Step, reapply, report, transform
 from zerofn.storage import ParamSplit, split_params
 
 __all__ = ["Mesh", "TensorParallelOptions", "mesh", "tensor_parallel"]
@@ -211,6 +211,7 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
             groups=(lambda: (m.tensor_group, *_replica_groups(m))) if m.tensor > 1 else None,
             slices=(lambda: _slices(options, m)) if m.tensor > 1 else None,
             prepare_first=True,  # quantize, applied before or after, then holds each rank's slices
+            reports=True,  # the batch check below, made on the device
         )
     )
     return out.replace(group=m.data_group) if m.data_group is not None else out
@@ -1089,15 +1090,23 @@ class _Around:
             return None
         tree = (args, kwargs)
         leaves = [t.detach().double() for t in T.tree_leaves(tree) if isinstance(t, torch.Tensor)]
-        digest = float(T.treespec_digest(tree) & ((1 << 52) - 1))
-        sums = [float(t.sum()) for t in leaves] + [float(t.square().sum()) for t in leaves]
-        key = torch.tensor([digest, *sums], dtype=torch.float64)
+        dev = leaves[0].device if leaves else torch.device("cpu")
+        digest = torch.full((), float(T.treespec_digest(tree) & ((1 << 52) - 1)), dtype=torch.float64, device=dev)
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        # Three numbers whatever the batch (so that the all-reduce's size never differs between the ranks):
+        # the structure and shapes, and a weighted sum and sum of squares of the values; made and compared
+        # on the device, read by no one (the step skips the update and raises at the next wait).
+        total = sum((t.sum() * (i + 1) for i, t in enumerate(leaves)), zero)
+        squares = sum((t.square().sum() for t in leaves), zero)
+        key = torch.stack([digest, total, squares])
         both = torch.cat([key, -key])
         C.all_reduce(both, "max", group=self.m.tensor_group)
-        if not torch.equal(both[: len(key)], -both[len(key) :]):  # the max equals the min everywhere
-            raise ValueError(
-                f"tensor_parallel: the ranks of tensor-parallel group {self.m.data_rank} fed different batches "
-                "(their structure, shapes or values differ). Every rank of a group feeds the micro-batch of "
-                "its data-parallel rank: batch[zf.collectives.data_rank(step)] (the global rank // size)."
-            )
+        differ = (both[:3] != -both[3:]).any()  # the max is the min everywhere when they agree
+        report(
+            differ,
+            "tensor_parallel: the ranks of a tensor-parallel group fed different batches (their structure, shapes "
+            "or values differ); that update was skipped and the state kept as it was. Every rank of a group feeds "
+            "the micro-batch of its data-parallel rank: batch[zf.collectives.data_rank(step)] (the global rank // "
+            "size).",
+        )
         return None

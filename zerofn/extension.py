@@ -89,6 +89,8 @@ class Extension:
         groups: ``() -> (group, ...)``: other process groups its collectives use, counted in comm_bytes.
         slices: ``() -> ((name, dim, parts, count, index), ...)``: its parameters that are slices of whole ones.
         prepare_first: its ``prepare`` runs before the other extensions'.
+        reports: its forward reports checks made on the device (:func:`zerofn.step.report`): every
+            update's statistics then carry whether one failed, so that every rank skips alike.
     """
 
     name: str
@@ -103,3 +105,4 @@ class Extension:
     groups: Callable[[], tuple] | None = None
     slices: Callable[[], tuple] | None = None
     prepare_first: bool = False
+    reports: bool = False

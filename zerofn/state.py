@@ -228,11 +228,25 @@ class InFlight:
     other, so two states' tree structures compare equal whatever is in flight.
     """
 
-    __slots__ = ("params", "opt")
+    __slots__ = ("params", "opt", "fault", "reported")
 
-    def __init__(self) -> None:
+    def __init__(self, fault: Any = None) -> None:
         self.params: dict[int, Any] = {}
         self.opt: list = []
+        # Checks parts reported on the micro-steps of the update under way (zerofn.step.report), not read.
+        self.reported: list = []
+        # A check the device made and the host has not read: ``(code, explain)``, ``code`` a 0-dim integer
+        # tensor (0: nothing wrong), ``explain(code)`` raising what went wrong. Kept from state to state
+        # until read by check(), which block_until_ready and checkpoints call.
+        self.fault = fault
+
+    def check(self) -> None:
+        """Read the device's pending check (a wait for the device) and raise what it found, if anything."""
+        if self.fault is not None:
+            (code, explain), self.fault = self.fault, None  # raised once: the state then goes on
+            value = int(code)
+            if value:
+                explain(value)
 
     def buckets(self) -> list[int]:
         """The indices of the buckets still in flight, in order."""
@@ -393,7 +407,8 @@ class TrainState:
 
     def replace(self, **changes: Any) -> TrainState:
         fields = {f.name: self._field(f.name) for f in dataclasses.fields(self)}  # no wait for params
-        fields["inflight"] = InFlight()  # what was in flight stays with the state that launched it
+        # what was in flight stays with the state that launched it; a check not read yet goes on
+        fields["inflight"] = InFlight(self.__dict__["inflight"].fault)
         return type(self)(**{**fields, **changes})
 
     def __repr__(self) -> str:
@@ -427,6 +442,7 @@ def block_until_ready(tree: Any) -> Any:
             inflight = node.__dict__.get("inflight")  # none on a donated state
             if inflight is not None:
                 inflight.wait()
+                inflight.check()
                 params = T.tree_leaves(node.__dict__["params"])  # tensors, or shards in files
                 devices.update(t.device for t in params if isinstance(t, torch.Tensor))
         elif isinstance(node, torch.Tensor):

@@ -37,9 +37,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -239,18 +241,20 @@ class Step:
         buffers = functional.buffers() if functional is not None else {}
         if keep_module:
             buffers = {k: v.clone() for k, v in buffers.items()}
+        # The counts an update advances live where the update runs, so that the device can decide on it.
+        counts_on = None if _device(held.layout) in ("cpu", "meta") else _device(held.layout)
         state = TrainState(
             params=held.params,
             frozen=held.frozen,
             buffers=buffers,
             opt_state=opt_state,
-            count=counters.new(0),
+            count=counters.new(0, device=counts_on),
             micro=counters.new(0),
             grad_accum=None,
             seen=None,
             items=None,
-            param_steps=counters.new_like([0] * len(held.layout.trainable_names)),
-            loss_scale=self.precision.new_loss_scale(),
+            param_steps=counters.new_like([0] * len(held.layout.trainable_names), device=counts_on),
+            loss_scale=self.precision.new_loss_scale(counts_on),
             extra=extra,
             spec=StateSpec(
                 self.name,
@@ -432,7 +436,7 @@ class Step:
             reduced_sums=carried if every_micro else None,
             on_result=final if pending is not None else None,
         )
-        factors = [d / (world * k * scale) for d in sink.predivide]  # phase 4's, per bucket
+        factors = [_divide(d, world * k, scale) for d in sink.predivide]  # phase 4's, per bucket
         stats = functools.partial(_stats, world=world, rank=rank, replicated=self.reduction.replicated, digest=digest)
 
         try:
@@ -440,7 +444,12 @@ class Step:
             # A zf.Mean's running sums reach the other ranks in the statistics below; an update that starts
             # as buckets land needs the count sooner: its all-reduce overlaps backward.
             counts = early if pending is not None else None
-            loss, aux, extra, items = self._forward_backward(state, batch, sink, scale, counts)
+            token = _REPORTS.set([])
+            try:
+                loss, aux, extra, items = self._forward_backward(state, batch, sink, scale, counts)
+            finally:
+                reported = state.inflight.reported + _REPORTS.get()  # this update's micro-steps' checks
+                _REPORTS.reset(token)
             after = {"micro": counters.new(micro + 1), "extra": extra, "items": items}
 
             seen = sink.seen(state.seen)  # None: every parameter got a gradient here so far
@@ -450,32 +459,60 @@ class Step:
             # here waits for it (the metrics are read when the user reads them).
             if not reduce_now:
                 done = stats(loss, aux, None, items=items)
-                return state.replace(grad_accum=sink.full_buffers(), **after), _metrics(precision, ls, done, aux)
+                new = state.replace(grad_accum=sink.full_buffers(), **after)
+                new.inflight.reported = reported
+                return new, _metrics(precision, ls, done, aux)
             reduced = sink.finish()
             if "handle" in early:  # no bucket landed to wait for it
                 early.pop("handle").wait()
             if not last:
                 done = stats(loss, aux, None, items=items)
-                return state.replace(grad_accum=tuple(reduced.values()), **after), _metrics(precision, ls, done, aux)
+                new = state.replace(grad_accum=tuple(reduced.values()), **after)
+                new.inflight.reported = reported
+                return new, _metrics(precision, ls, done, aux)
 
             # 4. Average over ranks and micro-steps and undo the loss scale: one fused multiply. A zf.Mean
             # divides by its global count instead, which the statistics bring: the norms are taken first
             # (of the gradient before that division, which scales them alike) and the multiply follows.
             divide_later = pending is None and items is not None
             if divide_later:
-                reduced, norms = _unscale(precision, reduced, None, [d / scale for d in sink.predivide])
+                reduced, norms = _unscale(precision, reduced, None, [_divide(d, 1, scale) for d in sink.predivide])
             elif pending is None:
                 reduced, norms = _unscale(precision, reduced, factors)
-            done = stats(loss, aux, norms, unseen=seen is not None, items=items)
+            checks = _any(reported, loss.device) if any(e.reports for e in self.extensions) else None
+            done = stats(
+                loss,
+                aux,
+                norms,
+                unseen=seen is not None,
+                items=items,
+                seen=(seen, len(layout.trainable_names)),
+                reported=checks,
+            )
             if divide_later:
                 n = done["count"]
                 for g, d in zip(reduced.values(), sink.predivide):
                     g.mul_(_mean_factor(d, n, scale))
                 done["sumsq"] = done["sumsq"] / n.square()
-            # The one read of the step: whether it is finite (a skipped update) and whether some rank gave a
-            # parameter no gradient decide on the host what the update does.
-            finite, unseen = _decide(self.name, done, digest, batch)
-            info = _step_info(state, layout, seen, unseen)
+            # Whether the update applies (a finite loss and gradient, batches the ranks agree on) is decided on
+            # the device, read by no one, when the optimizer can skip there and every parameter got a gradient
+            # here (so none is missing anywhere); otherwise the host reads it, with which parameters no rank
+            # gave a gradient (the step's one read).
+            ok, fault = _verdict(done, digest)
+            on_device = (
+                optimizer.masks
+                and seen is None
+                and counters.uniform(state.param_steps)
+                and not _check_each_update()
+                and all(t.device == ok.device for t in T.tree_leaves((state.count, ls)) if isinstance(t, torch.Tensor))
+            )
+            if on_device:
+                info = O.StepInfo(frozenset(), None, None)  # none missing; the counts on the device
+                decided: Any = ok
+            else:
+                finite, missing = _decide(self.name, done, digest, batch, layout, reported)
+                info = _step_info(state, missing)
+                decided = finite
         except BaseException:
             if pending is not None:  # nothing it started may stay: the state is as it was
                 pending.cancel()
@@ -486,30 +523,38 @@ class Step:
             grad_accum=None,
             seen=None,
             items=None,
-            loss_scale=precision.adjust(ls, finite),
+            loss_scale=precision.adjust(ls, decided),
         )
-        if not finite:
+        skipped = ~ok if on_device else torch.full((), not finite, device=ok.device)
+        if not on_device and not finite:
             if pending is not None:
                 pending.cancel()
-            return state.replace(**after), _metrics(precision, after["loss_scale"], done, aux, True, grad_norm)
+            return state.replace(**after), _metrics(precision, after["loss_scale"], done, aux, skipped, grad_norm)
 
         # 5. Update in place, then 6. publish. What is left running (a host update on another thread, the
         # publish's all-gathers) is recorded in the new state's in-flight handles, which its readers wait on.
-        flats, inflight = state.arriving_params(), InFlight()
+        flats = state.arriving_params()
+        inflight = InFlight(
+            _carry_fault(state.inflight.fault, fault, self.name, reported) if on_device else state.inflight.fault
+        )
+        found = {"found_inf": skipped.float()} if on_device else {}
         with torch.no_grad(), collecting(inflight, flats):
             if pending is not None:
-                opt_state = pending.commit(grad_norm=grad_norm, info=info)
+                opt_state = pending.commit(grad_norm=grad_norm, info=info, **found)
             else:
                 opt_params = self._opt_params(flats, layout, rank)
                 opt_state = O.update_params(
-                    optimizer, reduced, state.opt_state, opt_params, grad_norm=grad_norm, info=info
+                    optimizer, reduced, state.opt_state, opt_params, grad_norm=grad_norm, info=info, **found
                 )
             del reduced
             self.storage.publish(flats, layout, rank, inflight)
-        steps = _advance_steps(state.param_steps, layout, info)
-        count = counters.new(counters.value(state.count) + 1)
+        if on_device:  # in place: the input state is donated (or a copy)
+            count, steps = counters.advance_(state.count, ok), counters.advance_(state.param_steps, ok)
+        else:
+            steps = _advance_steps(state.param_steps, layout, info)
+            count = counters.new(counters.value(state.count) + 1, device=state.count.device)
         new = state.replace(opt_state=opt_state, count=count, param_steps=steps, inflight=inflight, **after)
-        return new, _metrics(precision, after["loss_scale"], done, aux, False, grad_norm)
+        return new, _metrics(precision, after["loss_scale"], done, aux, skipped, grad_norm)
 
     def _batch_digest(self, batch: Any) -> int | None:
         """The batch's structure, shapes and dtypes as a number (a host computation), when ranks must agree
@@ -551,7 +596,7 @@ class Step:
                 if counts is not None and counters.value(state.micro) + 1 == self.accumulate_steps:
                     counts["handle"] = C.all_reduce(items.clone(), "sum", async_op=True, control=True)
             if loss.requires_grad:
-                (loss * scale if scale != 1.0 else loss).backward()
+                (loss * scale if isinstance(scale, torch.Tensor) or scale != 1.0 else loss).backward()
             del params, out
         if sink.received == 0 and state.spec.layout.buckets:
             raise ValueError(IGNORED_PARAMS_HELP.format(name=self.name))
@@ -572,8 +617,18 @@ def _unscale(precision: Precision, grads: dict, factors: list | None, norm_scale
         return grads, []
     if factors is None:
         return grads, [n * c for n, c in zip(torch._foreach_norm(list(grads.values())), norm_scales)]
-    torch._foreach_mul_(list(grads.values()), factors)
+    if any(isinstance(f, torch.Tensor) for f in factors):  # a loss scale on the device
+        for g, f in zip(grads.values(), factors):
+            g.mul_(f)
+    else:
+        torch._foreach_mul_(list(grads.values()), factors)
     return grads, torch._foreach_norm(list(grads.values()))
+
+
+def _divide(predivide: float, n: int, scale: float | torch.Tensor) -> float | torch.Tensor:
+    """``predivide / (n * scale)``, in float64 as the host computes it (a 0-dim tensor for a scale on the
+    device)."""
+    return predivide / (n * (scale.double() if isinstance(scale, torch.Tensor) else scale))
 
 
 def _mean_factor(predivide: float, count: Any, scale: float) -> Any:
@@ -694,14 +749,31 @@ def _split_loss(where: str, out: Any) -> tuple[torch.Tensor, dict, Mean | None]:
     return out, aux, None
 
 
-def _stats(loss, aux, norms, *, world: int, rank: int, replicated: bool, digest, unseen: bool = False, items=None):
+def _stats(
+    loss,
+    aux,
+    norms,
+    *,
+    world: int,
+    rank: int,
+    replicated: bool,
+    digest,
+    unseen: bool = False,
+    items=None,
+    seen=None,
+    reported=None,
+):
     """One small all-reduce, on the loss's device, read by no one here: the loss (mean over ranks), the
     gradient sum of squares (from each bucket's norm; None: no gradient), how many ranks gave some
     parameter no gradient (``unseen`` here), the batch digest and its square (equal on every rank when
     n * sum(d^2) == sum(d)^2), a ``zf.Mean``'s running sums of total and count (``items``; the loss is then
-    their quotient) and how many ranks counted a negative number, and the scalar aux values. Returns
-    device tensors; :func:`_decide` reads what the host must know, once per update."""
+    their quotient) and how many ranks counted a negative number, the scalar aux values and, on an update
+    across ranks (``seen``: this rank's bits or None, and how many trainable parameters), how many ranks gave
+    each parameter a gradient. Returns device tensors; :func:`_verdict` decides on the device, or
+    :func:`_decide` reads what the host must know, once per update."""
     scalars = {k: v for k, v in sorted(aux.items()) if _is_scalar(v)}
+    if reported is not None:  # parts' checks on the device (see report): after the aux values
+        scalars["\0reported"] = reported
     dev = loss.device
 
     def const(v: float) -> torch.Tensor:  # made on the device: no copy from the host
@@ -718,31 +790,150 @@ def _stats(loss, aux, norms, *, world: int, rank: int, replicated: bool, digest,
     parts += [
         v.detach().double().reshape(()).to(dev) if isinstance(v, torch.Tensor) else const(v) for v in scalars.values()
     ]
-    vec = torch.stack(parts)
+    bits = None
+    if seen is not None and world > 1:
+        mine, n = seen
+        bits = _pack_seen(torch.ones(n, device=dev) if mine is None else mine.to(dev), world)
+    vec = torch.stack(parts) if bits is None else torch.cat([torch.stack(parts), bits])
     C.all_reduce(vec, "sum")
     base = 8 if items is not None else 5
     out = {"vec": vec, "loss": vec[0] / world, "sumsq": vec[1], "world": world}
     if items is not None:
         total, n = vec[5], vec[6]
         out.update(loss=total / n, count=n)  # nan when no rank counted any: the step is then skipped
-    out["aux"] = {k: vec[base + j] / world for j, k in enumerate(scalars)}
+    out["aux"] = {k: vec[base + j] / world for j, k in enumerate(scalars) if k != "\0reported"}
+    if reported is not None:
+        out["reported"] = vec[base + len(scalars) - 1]
+    if bits is not None:
+        out["seen"] = (vec[base + len(scalars) :], seen[1])
+    elif seen is not None and seen[0] is not None:  # one rank: its own bits, one per field
+        out["seen"] = (_pack_seen(seen[0].to(dev), 1), seen[1])
     return out
 
 
-def _decide(where: str, stats: dict, digest: int | None, batch: Any) -> tuple[bool, bool]:
-    """The step's one host read, once per update: whether the loss and gradient are finite (else the update
-    is skipped) and whether some rank gave a parameter no gradient; raises when the ranks' batches differ
-    or a zf.Mean counted a negative number of items, before anything is updated."""
+def _any(reported: list, device: Any) -> torch.Tensor:
+    """Whether any of the reported checks failed, as a float64 on ``device`` (0 or 1)."""
+    flag = torch.zeros((), dtype=torch.float64, device=device)
+    for failed, _ in reported:
+        flag = torch.maximum(flag, failed.to(device, torch.float64))
+    return flag
+
+
+def _field_bits(world: int) -> int:
+    """Bits per parameter in the packed count of ranks that gave it a gradient: room for 0..world."""
+    return max(1, world.bit_length())
+
+
+def _pack_seen(bits: torch.Tensor, world: int) -> torch.Tensor:
+    """This rank's bit per trainable parameter (gave it a gradient or not), packed into float64s of 52 bits
+    each, ``_field_bits(world)`` bits per parameter: the all-reduce's sum of them is, field by field, how
+    many ranks gave each parameter a gradient (no field overflows, every sum stays exact)."""
+    b = _field_bits(world)
+    per = 52 // b
+    n = bits.numel()
+    padded = torch.zeros(-(-n // per) * per, dtype=torch.float64, device=bits.device)
+    padded[:n] = bits.to(torch.float64)
+    exponents = torch.arange(0, b * per, b, device=bits.device)  # made on the device: no copy from the host
+    weights = torch.ldexp(torch.ones(per, dtype=torch.float64, device=bits.device), exponents)
+    return (padded.view(-1, per) * weights).sum(1)
+
+
+def _unpack_seen(packed: list, n: int, world: int) -> list[int]:
+    """How many ranks gave each of the ``n`` parameters a gradient, from the packed sums (read on the host)."""
+    b = _field_bits(world)
+    per, mask = 52 // b, (1 << b) - 1
+    return [(int(packed[i // per]) >> (b * (i % per))) & mask for i in range(n)]
+
+
+_REPORTS: contextvars.ContextVar[list | None] = contextvars.ContextVar("zerofn_reports", default=None)
+
+
+def report(failed: torch.Tensor, explain: str) -> None:
+    """Report a check a part of the step made on the device during forward (a rank's batch against its
+    peers'): ``failed``, a 0-dim bool tensor the host does not read. The step's update is then skipped on
+    every rank of its group and the next wait (``zf.block_until_ready``, a checkpoint) raises
+    ``ValueError(explain)``. Outside a step it is read at once and raises there."""
+    reports = _REPORTS.get()
+    if reports is not None:
+        reports.append((failed, explain))
+    elif bool(failed):
+        raise ValueError(explain)
+
+
+def _verdict(stats: dict, digest: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether the update applies, on the device (a 0-dim bool): the loss and the gradient are finite, the
+    ranks' batches agreed and no ``zf.Mean`` counted a negative number; and what went wrong that the user
+    must hear of (0: nothing, else a fault code, see :func:`_explain_fault`)."""
+    vec = stats["vec"]
+    ok = torch.isfinite(stats["loss"]) & torch.isfinite(stats["sumsq"])
+    fault = torch.zeros((), dtype=torch.int64, device=vec.device)
+    if digest is not None:
+        differ = stats["world"] * vec[4] != vec[3] * vec[3]
+        fault = torch.where(differ, _BATCHES_DIFFER, fault)
+    if "count" in stats:
+        fault = torch.where(vec[7] > 0, _NEGATIVE_COUNT, fault)
+    if "reported" in stats:
+        fault = torch.where(stats["reported"] > 0, _REPORTED, fault)
+    return ok & (fault == 0), fault
+
+
+_BATCHES_DIFFER, _NEGATIVE_COUNT, _REPORTED = 1, 2, 3
+
+
+def _check_each_update() -> bool:
+    """``ZEROFN_CHECK_EACH_UPDATE=1``: read every update's decision on the host, raising at the call that fed
+    a bad batch (a debugging aid: each read waits for the device)."""
+    return os.environ.get("ZEROFN_CHECK_EACH_UPDATE", "") not in ("", "0")
+
+
+def _carry_fault(previous: Any, fault: torch.Tensor, where: str, reported: list) -> tuple:
+    """The device's check still to be read: this update's fault, or an earlier one not read yet."""
+    if previous is not None:
+        fault = torch.maximum(previous[0], fault)
+    return fault, functools.partial(_explain_fault, where, tuple(dict.fromkeys(m for _, m in reported)))
+
+
+def _explain_fault(where: str, messages: tuple, code: int) -> None:
+    if code == _REPORTED:
+        raise ValueError(
+            " ".join(messages)
+            if messages
+            else f"{where}: a check of the batch failed on another rank of this step's group on an update (that "
+            "update was skipped on the device and the state kept as it was); that rank raises what was wrong."
+        )
+    if code == _NEGATIVE_COUNT:
+        raise ValueError(f"zf.Mean: count must be >= 0 (how many items total sums), got a negative count. {MEAN_HELP}")
+    raise ValueError(
+        f"{where}(state, batch): ranks fed batches of different shapes or structure (world size "
+        f"{C.world_size()}) on an update after the first; that update was skipped on the device and the state "
+        "kept as it was (metrics['skipped']). Every rank must feed a micro-batch of the same shapes: drop or pad "
+        "the last partial batch (for example DataLoader(..., drop_last=True)). Set ZEROFN_CHECK_EACH_UPDATE=1 to "
+        "raise at the call that fed it, with each rank's shapes."
+    )
+
+
+def _decide(
+    where: str, stats: dict, digest: int | None, batch: Any, layout: Layout, reported: list
+) -> tuple[bool, frozenset]:
+    """The decision read on the host (one read): whether the loss and gradient are finite (else the update
+    is skipped) and which parameters no rank gave a gradient; raises when the ranks' batches differ or a
+    zf.Mean counted a negative number of items, before anything is updated."""
     vec = stats["vec"]
     negative = vec[7] if "count" in stats else torch.zeros_like(vec[0])
-    loss, sumsq, unseen, d1, d2, neg = torch.stack(
-        [stats["loss"].double(), stats["sumsq"].double(), vec[2], vec[3], vec[4], negative]
-    ).tolist()
+    checks = stats.get("reported", torch.zeros_like(vec[0]))
+    head = torch.stack([stats["loss"].double(), stats["sumsq"].double(), vec[3], vec[4], negative, checks])
+    seen, n = stats.get("seen", (None, 0))
+    read = torch.cat([head, seen]) if seen is not None else head
+    loss, sumsq, d1, d2, neg, failed, *packed = read.tolist()
+    bits = _unpack_seen(packed, n, stats["world"]) if seen is not None else []
+    if failed > 0:
+        _explain_fault(where, tuple(dict.fromkeys(m for _, m in reported)), _REPORTED)
     if digest is not None and stats["world"] * d2 != d1 * d1:
         _batches_differ(where, batch)
     if neg > 0:
         raise ValueError(f"zf.Mean: count must be >= 0 (how many items total sums), got a negative count. {MEAN_HELP}")
-    return math.isfinite(loss) and math.isfinite(sumsq), unseen > 0
+    missing = frozenset(name for name, b in zip(layout.trainable_names, bits) if not b)
+    return math.isfinite(loss) and math.isfinite(sumsq), missing
 
 
 def _names_view(treedef: Any, named: dict) -> O.ParamView:
@@ -778,40 +969,33 @@ def param_view(layout: Layout, rank: int, treedef: Any) -> O.ParamView:
     )
 
 
-def _step_info(state: TrainState, layout: Layout, seen: torch.Tensor | None, unseen_anywhere: bool) -> O.StepInfo:
-    """What the optimizer is told about the parameters on this update: which got no gradient on any rank
-    (one more small all-reduce and read, of a bit per parameter, only when some rank lacks one), and how
-    many updates each received (host counters: no read)."""
-    names = layout.trainable_names
-    missing: frozenset = frozenset()
-    if unseen_anywhere:
-        if seen is None:
-            seen = torch.ones(len(names), dtype=torch.uint8)
-        if C.world_size() > 1:
-            seen = C.any_of(seen)
-        missing = frozenset(n for n, s in zip(names, seen.tolist()) if not s)
+def _step_info(state: TrainState, missing: frozenset) -> O.StepInfo:
+    """What the optimizer is told about the parameters on this update: which got no gradient on any rank,
+    and how many updates each received (host counters: no read, unless an update decided on the device
+    since)."""
     count = counters.value(state.count)
     steps = counters.values(state.param_steps)
     lo, hi = (min(steps), max(steps)) if steps else (count, count)
-    per = None if lo == hi else dict(zip(names, steps))
+    per = None if lo == hi else dict(zip(state.spec.layout.trainable_names, steps))
     return O.StepInfo(missing, per, lo if lo == hi else count)
 
 
 def _advance_steps(steps: torch.Tensor, layout: Layout, info: O.StepInfo) -> torch.Tensor:
     """Each updated parameter's count plus one (not those that got no gradient)."""
-    old = counters.values(steps)
+    old, dev = counters.values(steps), steps.device
     if not info.missing:
-        return counters.new_like(v + 1 for v in old)
-    return counters.new_like(v + (n not in info.missing) for v, n in zip(old, layout.trainable_names))
+        return counters.new_like((v + 1 for v in old), device=dev)
+    return counters.new_like((v + (n not in info.missing) for v, n in zip(old, layout.trainable_names)), device=dev)
 
 
-def _metrics(precision: Precision, loss_scale: Any, stats, aux, skipped: bool = False, grad_norm=None) -> dict:
+def _metrics(precision: Precision, loss_scale: Any, stats, aux, skipped=None, grad_norm=None) -> dict:
     """The metrics, device tensors (read one to wait for it: ``float(metrics["loss"])``): none of them
-    waits here. ``skipped`` is known on the host (the update's one read decided it)."""
+    waits here. ``skipped``: a 0-dim bool tensor (None: no update on this call, so False)."""
+    dev = stats["loss"].device
     m: dict[str, Any] = {
         "loss": stats["loss"].float(),
-        "grad_norm": grad_norm if grad_norm is not None else torch.full((), math.nan, device=stats["loss"].device),
-        "skipped": skipped,
+        "grad_norm": grad_norm if grad_norm is not None else torch.full((), math.nan, device=dev),
+        "skipped": skipped if skipped is not None else torch.zeros((), dtype=torch.bool, device=dev),
     }
     if "count" in stats:
         m["count"] = stats["count"]

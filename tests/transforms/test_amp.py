@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import make_transformer, rank_slice, train, transformer_batch
+from helpers import make_transformer, rank_slice, stats_bytes, train, transformer_batch
 from zerofn.transforms import amp, shard_grads, shard_optimizer, shard_params
 from zerofn.transforms.amp import DynamicLossScale
 
@@ -93,8 +93,8 @@ def _rank_all_local(dtype):
 
 
 def test_gradients_travel_in_low_precision(ranks):
-    for fp32, bf16, mixed in ranks(2).run(_traffic_rank):
-        scalars = 80  # the stats (loss, sumsq, ranks lacking a gradient, batch digest and its square: 2 x 40)
+    for fp32, bf16, mixed, trainable in ranks(2).run(_traffic_rank):
+        scalars = stats_bytes(trainable, 2)  # the stats all-reduce
         fp32 -= 32  # a step's first call (fp32's here) also agrees on the batch shapes (2 x 16)
         assert bf16 - scalars == (fp32 - scalars) // 2  # reduce-scatter and all-gather both in bf16
         assert mixed - scalars == 3 * (fp32 - scalars) // 4  # fp32 reduce-scatter, bf16 all-gather
@@ -113,7 +113,8 @@ def _traffic_rank():
     fp32 = _fp32_comm(world, rank)
     bf16 = _train("zero1", "bf16", world, rank)[3]
     mixed = _train("zero1", "bf16", world, rank, reduce_dtype=torch.float32)[3]
-    return fp32, bf16, mixed
+    _, apply, _ = make_transformer(extras=False)
+    return fp32, bf16, mixed, sum(p.requires_grad for p in apply.params.values())
 
 
 # ---------------------------------------------------------------- loss scaling
@@ -158,7 +159,7 @@ def test_fp16_loss_scale_follows_gradscaler_with_hysteresis(overflows):
     for it in range(steps):
         boom = torch.tensor(float("inf") if it in overflows else 1.0)
         state, m = step(state, (transformer_batch(it, 8), boom))
-        seen.append((float(m["loss_scale"]), m["skipped"]))
+        seen.append((float(m["loss_scale"]), bool(m["skipped"])))
     assert seen == _reference_scales(overflows, steps)
     assert int(state.count) == steps - len(overflows)
     if overflows == set(range(8)):  # at the minimum scale it keeps skipping and reports it, never raises
@@ -176,10 +177,10 @@ def _rank_overflow_on_one_rank():
     state, m = step(state, (rank_slice(transformer_batch(1, 8), rank, world), boom))
     before, after = zf.tree.tree_leaves(before), zf.tree.tree_leaves((state.params, state.opt_state, state.count))
     unchanged = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
-    skipped, scale, skips = m["skipped"], float(m["loss_scale"]), m["consecutive_skips"]
+    skipped, scale, skips = bool(m["skipped"]), float(m["loss_scale"]), int(m["consecutive_skips"])
     for i in range(2, 5):
         state, m2 = step(state, (rank_slice(transformer_batch(i, 8), rank, world), torch.tensor(1.0)))
-    return skipped, unchanged, scale, skips, m2["skipped"], int(state.count), float(m2["loss"])
+    return skipped, unchanged, scale, skips, bool(m2["skipped"]), int(state.count), float(m2["loss"])
 
 
 def _one_process_overflow_loss():
@@ -189,7 +190,7 @@ def _one_process_overflow_loss():
     state = step.init(apply.params)
     for i, boom in enumerate((1.0, float("inf"), 1.0, 1.0, 1.0)):
         state, m = step(state, (transformer_batch(i, 8), torch.tensor(boom)))
-        assert m["skipped"] is (i == 1)
+        assert bool(m["skipped"]) is (i == 1)
     return float(m["loss"])
 
 

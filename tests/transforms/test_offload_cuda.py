@@ -59,7 +59,7 @@ def _train(options, *, stage=0, clip=None, nan_at=None, steps=4, device="cuda"):
         if cuda:
             torch.cuda.synchronize()
             growth.append(torch.cuda.max_memory_allocated() - before)
-        skipped.append(m["skipped"])
+        skipped.append(bool(m["skipped"]))
     return step.full_params(state, master=True), skipped, max(growth, default=0)
 
 

@@ -41,7 +41,7 @@ def _run(steps=4, world=1, rank=0, loss_wrap=None, **kw):
     metrics = []
     for i in range(steps):
         state, m = step(state, rank_slice(transformer_batch(i, 8), rank, world))
-        metrics.append((float(m["loss"]), float(m["grad_norm"]), m["skipped"]))
+        metrics.append((float(m["loss"]), float(m["grad_norm"]), bool(m["skipped"])))
     inner = [t.clone() for t in zf.tree.tree_leaves(state.opt_state.inner)]
     return step.full_params(state), inner, metrics
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import make_transformer, max_abs_diff, rank_slice, train, transformer_batch
+from helpers import make_transformer, max_abs_diff, rank_slice, stats_bytes, train, transformer_batch
 from zerofn.transforms import shard_grads, shard_optimizer
 
 import zerofn as zf
@@ -145,17 +145,16 @@ def _rank_traffic(accumulate):
     for m in range(accumulate):
         state, metrics = step(state, rank_slice(local, m, accumulate))
         comms.append(metrics["comm_bytes"])
-    return comms, sum(b.nbytes for b in state.spec.layout.buckets)
+    return comms, sum(b.nbytes for b in state.spec.layout.buckets), len(state.spec.layout.trainable_names)
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_traffic_is_two_gradients_per_step(ranks, accumulate):
-    scalars = 2 * 40  # the stats all-reduce (loss, sumsq, ranks lacking a gradient, batch digest and its square)
-    for comms, padded in ranks(3).run(_rank_traffic, accumulate):
+    for comms, padded, trainable in ranks(3).run(_rank_traffic, accumulate):
         comms[0] -= 2 * 16  # a step's first call also agrees on the batch shapes
-        assert comms[-1] == 2 * padded + scalars  # reduce-scatter + all-gather
-        for c in comms[:-1]:
-            assert c == padded + scalars  # each accumulation micro-step reduce-scatters its gradient
+        assert comms[-1] == 2 * padded + stats_bytes(trainable, 3)  # reduce-scatter + all-gather
+        for c in comms[:-1]:  # each accumulation micro-step reduce-scatters its gradient
+            assert c == padded + stats_bytes(trainable, 3, update=False)
 
 
 class Branchy(torch.nn.Module):

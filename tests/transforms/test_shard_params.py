@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import max_abs_diff, train
+from helpers import max_abs_diff, stats_bytes, train
 from torch import nn
 from zerofn.transforms import shard_grads, shard_optimizer, shard_params
 
@@ -228,6 +228,7 @@ def _rank_memory(prefetch, units=None):
         units=sum(1 for u in layout.units if u.buckets or u.frozen),
         comm=(m1["comm_bytes"], m2["comm_bytes"]),
         activations=8 * 2 * 192 * 4 * 3,
+        trainable=len(layout.trainable_names),
     )
 
 
@@ -246,8 +247,8 @@ def test_peak_memory_is_shards_plus_a_few_blocks(ranks, prefetch):
         assert r["peak"] <= bound, (prefetch, rank, r)
         # traffic: gathers in forward and backward, one reduce-scatter: 3 x (padded) parameter bytes, less
         # the backward gather of the forward's last block (kept gathered for backward, which starts with it),
-        # plus 32 bytes of unit-order agreement per gather and at the forward's end, and 80 of step scalars
-        scalars = (2 * r["units"] - 1) * 32 + 32 + 80
+        # plus 32 bytes of unit-order agreement per gather and at the forward's end, and the step's statistics
+        scalars = (2 * r["units"] - 1) * 32 + 32 + stats_bytes(r["trainable"], world)
         steady = 3 * r["padded"] - r["last_block"] + scalars
         assert r["comm"] == (steady + 2 * 16, steady)  # the first call also agrees on the batch shapes
 

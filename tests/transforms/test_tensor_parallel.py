@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import rank_slice
+from helpers import counting, rank_slice
 from torch import nn
 from zerofn.transforms import amp, offload, remat, shard_grads, shard_params, tensor_parallel
 
@@ -119,9 +119,12 @@ def _train(tp: int, name: str, kv_heads: int = 2) -> tuple[dict, float, str]:
     apply_diff = float((first - want).abs().max())
     data, here = zf.collectives.world_size(step.group), zf.collectives.data_rank(step)
     SEEN.clear()
-    for i in range(STEPS):
-        state, m = step(state, rank_slice(_batch(i), here, data) if tp else _batch(i))
+    state, m = step(state, rank_slice(_batch(0), here, data) if tp else _batch(0))
+    with counting() as reads:  # after the first call (which agrees on the batch shapes): no host read
+        for i in range(1, STEPS):
+            state, m = step(state, rank_slice(_batch(i), here, data) if tp else _batch(i))
     info = {"apply_diff": apply_diff, "seen": list(SEEN), "full_shape": tuple(first.shape), "comm": m["comm_bytes"]}
+    info["reads"] = reads.n
     return step.full_params(state), float(m["loss"]), step.name, info
 
 
@@ -188,6 +191,8 @@ def test_tp2_on_two_ranks_trains_as_one_process(ranks, references):
     cases += [(2, "plain+sp", 0)]  # GPT-2: its tied embedding and head split over the vocabulary, the sequence too
     cases += [(2, "plain", -1), (2, "plain+sp", -1)]  # Qwen3: q_norm and k_norm inside attention
     results = ranks(2).run(_cases, cases)
+    for r in results:  # the batch check and the update's decision on the device: the steps read nothing
+        assert all(r[c]["reads"] == 0 for c in cases), {c: r[c]["reads"] for c in cases}
     for _, name, kv in cases[3:]:  # remat, offload and amp around the split model; GPT-2 sequence parallel
         _check(results, references, 2, name, kv)
     _check(results, references, 2, "plain", 0)  # GPT-2
@@ -241,8 +246,12 @@ def _refusals() -> dict:
         out["save"] = None
     except zf.checkpoint.CheckpointError as e:
         out["save"] = str(e)
-    try:  # every rank feeds its own rows: the ranks of a tensor-parallel group disagree
-        tp(state, rank_slice(_batch(0), torch.distributed.get_rank(), 4))
+    # every rank feeds its own rows: the ranks of a tensor-parallel group disagree, which they find on the
+    # device; the update is skipped on every rank and the next wait raises
+    state, m = tp(state, rank_slice(_batch(0), torch.distributed.get_rank(), 4))
+    out["skipped"] = bool(m["skipped"]) and int(state.count) == 0
+    try:
+        zf.block_until_ready(state)
         out["batch"] = None
     except ValueError as e:
         out["batch"] = str(e)
@@ -254,7 +263,7 @@ def test_bad_sizes_plans_and_batches_are_refused(ranks):
         assert "size 3 does not divide the world size 4" in out["size"], out["size"]
         assert "holds 3 key/value heads, which 4 ranks can neither split whole nor share" in out["kv"], out["kv"]
         assert "cannot plan Sequential" in out["plan"], out["plan"]
-        assert "fed different batches" in out["batch"], out["batch"]
+        assert "fed different batches" in out["batch"] and out["skipped"], out
         assert "each group saves its part, so pass the step's group" in out["save"], out["save"]
 
 

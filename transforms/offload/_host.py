@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from zerofn.transforms.offload._pending import Landing, PerBucket, Speculation, landing_dtype, launch, mark
+from zerofn.transforms.offload._pending import Landing, PerBucket, Speculation, host_extra, landing_dtype, launch, mark
 
 from zerofn import optim as O
 from zerofn import tree as T
@@ -111,7 +111,12 @@ class HostEngine:
         rebind = lambda view: host_optimizer(O.bind(self.inner, view), options=self.options)  # noqa: E731
         if self.options.delay:  # the gradient buffers are read by the update of the step before until its update phase
             return O.GradientTransformation(
-                self.init, pure.update, self.update_in_place, bind=rebind, communicates=self.inner.communicates
+                self.init,
+                pure.update,
+                self.update_in_place,
+                bind=rebind,
+                communicates=self.inner.communicates,
+                masks=self.inner.masks,
             )
         return O.GradientTransformation(
             self.init,
@@ -120,6 +125,7 @@ class HostEngine:
             self.start_update,
             bind=rebind,
             communicates=self.inner.communicates,
+            masks=self.inner.masks,  # the host update takes the device's decision to the host (host_extra)
         )
 
     # ---- the state
@@ -167,7 +173,7 @@ class HostEngine:
     def update_host(self, state: HostState, params: dict, extra: dict, run_later: bool) -> HostState:
         """The update, the gradients on the host: here and now, or launched on the worker (the state
         marked as arriving)."""
-        target = self.target(state, params)
+        target, extra = self.target(state, params), host_extra(extra)
         if not run_later:
             new = self.on_host(state, target, extra)
             if not self.params_on_host:

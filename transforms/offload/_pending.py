@@ -209,7 +209,11 @@ class Speculation(Landing):
             # A parameter that got no gradient, or parameters updated unequally often: the update needs to
             # know which (the speculative one did not), so it runs again.
             info = extra.get("info") if extra else None
-            uneven = info is not None and (info.missing or info.uniform is None)
+            uneven = info is not None and (info.missing or (info.steps is not None and info.uniform is None))
+            # the device's decision, read here on the worker: a skipped update is a cancelled one
+            skipped = extra is not None and extra.get("found_inf") is not None and bool(extra["found_inf"])
+            if skipped:
+                kind = "cancel"
             if kind == "cancel" or self.failed or uneven or not norm.holds(float(extra["grad_norm"])):
                 for key in run.updated:
                     run.restore(key)
@@ -221,6 +225,8 @@ class Speculation(Landing):
             return
         if kind == "commit":
             run.commit_phase(extra)
+        elif skipped:  # committed, but the device decided to skip: the state as it was, and nothing to wait for
+            run.skip()
 
     def decide(self, decision: tuple) -> None:
         with self.cv:
@@ -230,7 +236,7 @@ class Speculation(Landing):
     @torch.no_grad()
     def commit(self, **extra):
         self.all_copied()  # the buckets the speculation has not reached are updated without waiting
-        self.decide(("commit", extra))
+        self.decide(("commit", host_extra(extra)))
         state, run = self.state, self.run
         if not self.run_later:
             run.done.wait()
@@ -363,10 +369,25 @@ class BucketRun:
         except BaseException as e:
             self.fail(e)
 
+    def skip(self) -> None:
+        """No update after all (every bucket restored): the waiters go on with the values as they were."""
+        for d in (*self.done.buckets.values(), self.done.all):
+            if not d.future.done():
+                d.future.set_result(None)
+
     def fail(self, e: BaseException) -> None:  # every waiter hears of it
         for d in (*self.done.buckets.values(), self.done.all):
             if not d.future.done():
                 d.future.set_exception(e)
+
+
+def host_extra(extra: dict) -> dict:
+    """``extra`` for an update on the host: the device's decision (``found_inf``) copied to host memory, where
+    the host update reads it (it waits for the device anyway: its gradients come from there)."""
+    found = extra.get("found_inf")
+    if found is None or found.device.type == "cpu":
+        return extra
+    return {**extra, "found_inf": found.to("cpu")}
 
 
 def launch(split: PerBucket, state: HostState, target: dict, device: dict | None, extra: dict, pin: bool):

@@ -152,6 +152,7 @@ def save(
         )
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"checkpoint.save: keep must be an int >= 1 or None, got {keep!r}")
+    state.inflight.check()  # a check the device made and no one read yet (a bad batch): raised before writing
     index, count = state.spec.partition
     if count > 1 and not _IN_PART.get():
         return _save_partition(state, path, index, count, keep=keep, group=group, frozen=frozen)
