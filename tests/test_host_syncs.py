@@ -26,6 +26,7 @@ COMPOSITIONS = {
     "remat(shard_params)": lambda s: remat(shard_params(s)),
     "offload cpu": lambda s: offload(shard_optimizer(s), "cpu"),
     "accumulate 2": lambda s: s.replace(accumulate_steps=2),
+    "donate=False": lambda s: s.replace(donate=False),
 }
 STEPS = 5
 

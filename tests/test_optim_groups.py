@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_transformer, max_abs_diff, rank_slice, train, transformer_batch
+from helpers import counting, make_transformer, max_abs_diff, rank_slice, train, transformer_batch
 from torch import nn
 
 import zerofn as zf
@@ -313,9 +313,19 @@ def _zf_unused_run(kind: str, stage: str, accumulate: int) -> tuple[dict, dict]:
         return ((apply(params, b["x"], b["use"]) - b["y"]) ** 2).mean()
 
     step = _stage(stage, BRANCHY_UNITS)(zf.train_step(loss_fn, _unused_optimizer(kind), accumulate))
-    state, _ = train(step, step.init(apply.params), _branchy_batch, UNUSED_STEPS, UNUSED_BATCH, world, rank)
+    state = step.init(apply.params)
+    state, _ = step(state, rank_slice(rank_slice(_branchy_batch(0, UNUSED_BATCH), rank, world), 0, accumulate))
+    first = (lambda i, n: _branchy_batch(0, n)) if accumulate > 1 else None  # the rest of the first update
+    with counting() as reads:  # parameters without a gradient are told to the optimizer on the device
+        if first is not None:
+            local = rank_slice(_branchy_batch(0, UNUSED_BATCH), rank, world)
+            for m in range(1, accumulate):
+                state, _ = step(state, rank_slice(local, m, accumulate))
+        state, _ = train(
+            step, state, lambda i, n: _branchy_batch(i + 1, n), UNUSED_STEPS - 1, UNUSED_BATCH, world, rank
+        )
     counts = dict(zip(state.spec.layout.trainable_names, state.param_steps.tolist()))
-    return step.full_params(state), counts
+    return step.full_params(state), counts, reads.n
 
 
 def _traffic(stage: str) -> dict:
@@ -575,7 +585,11 @@ def test_unused_parameters_follow_torchs_rule(results):
     for case in UNUSED_CASES:
         _, kind, stage, k = case
         ref, _ = _torch_unused_run(kind)
-        got, counts = per_rank[0][case]
+        got, counts, _ = per_rank[0][case]
+        # the model's own reads (which branches to run: one per branch and forward) and no other: which
+        # parameters got no gradient is told to the optimizer on the device
+        forwards = (UNUSED_STEPS * k - 1) * len(BRANCHES)
+        assert all(r[case][2] == forwards for r in per_rank), (case, [r[case][2] for r in per_rank])
         diff = max_abs_diff(got, ref)
         assert diff <= 1e-6, f"{case}: max |zerofn - torch| {diff:.3g}"
         assert all(torch.equal(got[f"never.{w}"], init[f"never.{w}"]) for w in ("weight", "bias")), case

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["add_", "advance_", "bounds", "known", "new", "new_like", "uniform", "value", "values"]
+__all__ = ["add_", "advance_", "bounds", "clone", "known", "new", "new_like", "uniform", "value", "values"]
 
 _ATTR = "_zerofn_host"
 
@@ -118,17 +118,36 @@ def uniform(t: torch.Tensor) -> bool:
     return len(set(values(t))) <= 1
 
 
-def advance_(t: torch.Tensor, by: torch.Tensor) -> torch.Tensor:
-    """``t += by`` in place, ``by`` a 0-dim 0-or-1 tensor on ``t``'s device that the host does not read (an
-    update the device decided on): the counter then carries bounds (see :func:`bounds`)."""
+def clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` that carries what ``t`` carries on the host (its value or bounds, and the tables of
+    schedule values kept beside a count): a copied state reads no more than the original would."""
+    c = t.clone()
     held = _held(t)
+    if held is not None:
+        _carry(c, held)
+    for name in _KEPT:
+        if hasattr(t, name):
+            setattr(c, name, getattr(t, name))
+    return c
+
+
+TABLES = "_zerofn_tables"  # on a count: a schedule's values on the device, by count (zerofn.optim)
+_KEPT = (TABLES,)  # the host-side attributes a counter keeps besides its value
+
+
+def advance_(t: torch.Tensor, by: torch.Tensor) -> torch.Tensor:
+    """``t += by`` in place, ``by`` a 0-or-1 tensor on ``t``'s device that the host does not read (an
+    update the device decided on; one number for all elements, or one per element of a 1-dim counter): the
+    counter then carries bounds (see :func:`bounds`)."""
+    held = _held(t)
+    alike = by.dim() == 0  # every element advances by the same number: equal ones stay equal
     if isinstance(held, _Bounds):
-        after = held._replace(advances=held.advances + 1)
+        after = held._replace(advances=held.advances + 1, uniform=held.uniform and alike)
     elif t.dim() == 0:
         after = _Bounds(value(t), 1, True)
     else:
         v = values(t)
-        after = _Bounds(min(v, default=0), 1, len(set(v)) <= 1)
+        after = _Bounds(min(v, default=0), 1, len(set(v)) <= 1 and alike)
     t.add_(by.to(t.dtype))
     return _carry(t, after)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from zerofn import collectives as C
-from zerofn import keys
+from zerofn import counters, keys
 from zerofn.state import Bucket, Layout
 
 __all__ = ["GradSink", "Reduction"]
@@ -260,10 +260,9 @@ class GradSink:
         names = self.layout.trainable_names
         if before is None and len(self.got) == len(names):
             return None
-        now = torch.tensor([n in self.got for n in names], dtype=torch.uint8)
-        if before is not None:
-            now |= before
-        return None if bool(now.all()) else now
+        prev = counters.values(before) if before is not None else (0,) * len(names)  # carried: no read
+        now = tuple(int(bool(p) or n in self.got) for p, n in zip(prev, names))
+        return None if all(now) else counters.new_like(now, dtype=torch.uint8)
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Reduce what is left (a bucket with an unused parameter keeps zeros there); return every result."""

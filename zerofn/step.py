@@ -382,7 +382,9 @@ class Step:
         also = tuple(g for e in self.extensions if e.groups is not None for g in e.groups())
         with C.counting(also=also) as counter:
             if not self.donate:  # the copy reads state.params, which waits for a publish in flight
-                state = T.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
+                kept = state.inflight.fault  # a check not read yet goes on with the copy
+                state = T.tree_map(lambda t: counters.clone(t) if isinstance(t, torch.Tensor) else t, state)
+                state.inflight.fault = kept
             new_state, metrics = self._run(state, batch)
         metrics["comm_bytes"] = counter.bytes
         if self.donate:
@@ -501,13 +503,17 @@ class Step:
             ok, fault = _verdict(done, digest)
             on_device = (
                 optimizer.masks
-                and seen is None
-                and counters.uniform(state.param_steps)
                 and not _check_each_update()
                 and all(t.device == ok.device for t in T.tree_leaves((state.count, ls)) if isinstance(t, torch.Tensor))
             )
-            if on_device:
-                info = O.StepInfo(frozenset(), None, None)  # none missing; the counts on the device
+            if on_device:  # what the optimizer needs to know of the parameters, on the device too
+                names = layout.trainable_names
+                maybe = (
+                    frozenset(n for n, b in zip(names, counters.values(seen)) if not b) if seen is not None else None
+                )
+                absent = _absent(*done["seen"], done["world"]) if maybe else None
+                counts = None if counters.uniform(state.param_steps) else state.param_steps
+                info = O.StepInfo(frozenset(), None, None, maybe or frozenset(), absent, counts, names)
                 decided: Any = ok
             else:
                 finite, missing = _decide(self.name, done, digest, batch, layout, reported)
@@ -549,7 +555,8 @@ class Step:
             del reduced
             self.storage.publish(flats, layout, rank, inflight)
         if on_device:  # in place: the input state is donated (or a copy)
-            count, steps = counters.advance_(state.count, ok), counters.advance_(state.param_steps, ok)
+            count = counters.advance_(state.count, ok)
+            steps = counters.advance_(state.param_steps, ok if info.absent is None else ok & ~info.absent)
         else:
             steps = _advance_steps(state.param_steps, layout, info)
             count = counters.new(counters.value(state.count) + 1, device=state.count.device)
@@ -836,6 +843,17 @@ def _pack_seen(bits: torch.Tensor, world: int) -> torch.Tensor:
     exponents = torch.arange(0, b * per, b, device=bits.device)  # made on the device: no copy from the host
     weights = torch.ldexp(torch.ones(per, dtype=torch.float64, device=bits.device), exponents)
     return (padded.view(-1, per) * weights).sum(1)
+
+
+def _absent(packed: torch.Tensor, n: int, world: int) -> torch.Tensor:
+    """Which of the ``n`` parameters no rank gave a gradient, on the device (a bool each), from the packed
+    sums (see :func:`_pack_seen`): each field shifted down by a power of two and cut, exact in float64."""
+    b = _field_bits(world)
+    per = 52 // b
+    exponents = -torch.arange(0, b * per, b, device=packed.device)
+    scales = torch.ldexp(torch.ones(per, dtype=torch.float64, device=packed.device), exponents)  # 2^-(b j)
+    shifted = (packed.reshape(-1, 1) * scales.reshape(1, -1)).floor()
+    return (torch.remainder(shifted, float(1 << b)).reshape(-1)[:n]) == 0
 
 
 def _unpack_seen(packed: list, n: int, world: int) -> list[int]:

@@ -12,6 +12,7 @@ on, a forward for each bucket as it first reads it.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable
@@ -209,7 +210,12 @@ class Speculation(Landing):
             # A parameter that got no gradient, or parameters updated unequally often: the update needs to
             # know which (the speculative one did not), so it runs again.
             info = extra.get("info") if extra else None
-            uneven = info is not None and (info.missing or (info.steps is not None and info.uniform is None))
+            uneven = info is not None and (
+                info.missing
+                or info.maybe
+                or info.counts is not None
+                or (info.steps is not None and info.uniform is None)
+            )
             # the device's decision, read here on the worker: a skipped update is a cancelled one
             skipped = extra is not None and extra.get("found_inf") is not None and bool(extra["found_inf"])
             if skipped:
@@ -384,10 +390,14 @@ class BucketRun:
 def host_extra(extra: dict) -> dict:
     """``extra`` for an update on the host: the device's decision (``found_inf``) copied to host memory, where
     the host update reads it (it waits for the device anyway: its gradients come from there)."""
-    found = extra.get("found_inf")
+    found, info = extra.get("found_inf"), extra.get("info")
     if found is None or found.device.type == "cpu":
         return extra
-    return {**extra, "found_inf": found.to("cpu")}
+    out = {**extra, "found_inf": found.to("cpu")}
+    if info is not None and info.on_device:  # what the step said of the parameters on the device, too
+        cpu = {k: getattr(info, k).to("cpu") for k in ("absent", "counts") if getattr(info, k) is not None}
+        out["info"] = dataclasses.replace(info, **cpu)
+    return out
 
 
 def launch(split: PerBucket, state: HostState, target: dict, device: dict | None, extra: dict, pin: bool):

@@ -143,7 +143,7 @@ def count_device(params: Any) -> torch.device | None:
     return None
 
 
-_TABLES = "_zerofn_tables"  # on a count tensor: schedule -> its values on the device, by count
+_TABLES = counters.TABLES  # on a count tensor: schedule -> its values on the device, by count
 
 
 def schedule_at(

@@ -326,6 +326,9 @@ def update_params(optimizer: GradientTransformation, grads: Updates, state: OptS
         del extra["found_inf"]
         if bool(found):  # an optimizer that cannot skip on the device: the host reads the decision
             return state
+        info = extra.get("info")
+        if info is not None and getattr(info, "on_device", False):  # and what the step said on the device
+            extra["info"] = info.on_host()
     if optimizer.update_in_place is not None:
         return optimizer.update_in_place(grads, state, params, **extra)
     updates, state = optimizer.update(grads, state, params, **extra)

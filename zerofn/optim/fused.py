@@ -13,7 +13,7 @@ import torch
 from zerofn import counters
 from zerofn.optim._checks import check_count, flat, schedule_at, schedule_value
 from zerofn.optim.base import apply_updates, foreach_groups
-from zerofn.optim.view import LeafView, ParamView, Piece, by_step, info_of, keys_of
+from zerofn.optim.view import LeafView, ParamView, Piece, by_step, info_of, keys_of, pieces_of
 
 _FUSED_DEVICES = ("cpu", "cuda")
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -57,6 +57,8 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool,
             if bool(found):  # an update the kernel cannot skip on the device: the host reads the decision
                 return state
             found = None
+            if info is not None and info.on_device:  # and which parameters got no gradient, and their counts
+                info = extra["info"] = info.on_host()
         if not fusable:
             updates, state = base.update(grads, state, params, **extra)
             apply_updates(params, updates)
@@ -69,13 +71,25 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool,
         else:  # the device decides: the kernel skips where found_inf is 1, and the counts advance where it is 0
             count = 0  # one group below: every parameter counts adam.count's updates
             lr_value = schedule_at("adam.update_in_place", lr, adam.count, check_lr) if callable(lr) else lr
+            if isinstance(lr_value, torch.Tensor) and lr_value.device.type != "cpu":
+                lr_value = lr_value.float()  # CUDA's kernel reads a tensor lr as float32 (the CPU's, as a double)
             _advance_counts(state, found == 0)
             number = adam.count.float()  # this update's number where it applies
         keys = keys_of(spec)
         wd = [weight_decay if decayed is None or k in decayed else 0.0 for k in keys]
+        # parameters some of which may have gone without a gradient, or received unequal numbers of updates
+        each = found is not None and info is not None and (bool(info.maybe) or info.counts is not None)
         for decay in sorted(set(wd)):
             pick = [i for i, w in enumerate(wd) if w == decay]
             cols = ([k for i, k in enumerate(keys) if i in pick],) + tuple([c[i] for i in pick] for c in (p, g, mu, nu))
+            if each:
+
+                def call(columns: list, skip: torch.Tensor, decay: float = decay) -> None:
+                    kernel(*columns[:4], [], columns[4], lr=lr_value, beta1=b1, beta2=b2, weight_decay=decay,
+                           eps=eps, amsgrad=False, maximize=False, found_inf=skip)  # fmt: skip
+
+                _each_parameter(call, view, info, found, number, *cols)
+                continue
             at = view
             if view is not None and all(t.device.type == "cpu" for t in cols[1]):
                 at, cols = _cut(runs_of, view, *cols)
@@ -170,11 +184,40 @@ def _advance_counts(node, ok: torch.Tensor | None = None) -> None:
 
 def _masks_here(found: torch.Tensor, count: torch.Tensor, params: list, info) -> bool:
     """Whether the kernel can take the device's decision as it is: the decision, the counts and the
-    parameters on one device, and every parameter updated as often as the others (one step number)."""
+    parameters on one device, and what the step says of the parameters there too (or nothing to say)."""
     dev = params[0].device if params else found.device
     if found.device != dev or count.device != dev:
         return False
-    return info is None or (not info.missing and info.steps is None)
+    if info is None:
+        return True
+    if info.missing or info.steps is not None:
+        return False
+    return all(t is None or t.device == dev for t in (info.absent, info.counts))
+
+
+def _each_parameter(call, view, info, found: torch.Tensor, number: torch.Tensor, keys: list, *columns) -> None:
+    """The kernel on each parameter's piece of the leaves (``columns``: params, grads, moments), for a step
+    that decided on the device while some parameters may have gone without a gradient (``info.maybe``) or
+    received unequal numbers of updates (``info.counts``): each piece's step number is its own count plus one,
+    on the device; a piece of a parameter no rank may have given a gradient goes in a call of its own, skipped
+    where the device says none did (torch skips a parameter whose grad is None). ``call(columns, found_inf)``
+    runs the kernel; ``number``: the update's number where every parameter counts alike."""
+    index = {n: i for i, n in enumerate(info.names)}
+    numbers = (info.counts + 1).float() if info.counts is not None else None
+    common: list[list] = [[] for _ in range(5)]
+    for i, k in enumerate(keys):
+        for piece in pieces_of(view, k, columns[0][i].numel()):
+            views = [c[i].view(-1)[piece.offset : piece.offset + piece.numel] for c in columns]
+            at = index.get(piece.name)
+            step = numbers[at] if numbers is not None and at is not None else number
+            if piece.name in info.maybe:
+                skip = torch.maximum(found, info.absent[at].to(found.dtype))
+                call([[v] for v in views] + [[step]], skip)
+            else:
+                for column, v in zip(common, [*views, step]):
+                    column.append(v)
+    for group in foreach_groups(*common) if common[0] else ():
+        call(list(group), found)
 
 
 def _fusable(*tensors: torch.Tensor) -> bool:

@@ -39,7 +39,7 @@ from zerofn.optim.base import (
     Tree,
     foreach_groups,
 )
-from zerofn.optim.view import ParamView, by_step, info_of, keys_of, live_columns
+from zerofn.optim.view import ParamView, by_step, info_of, keys_of, live_columns, maybe_pieces
 from zerofn.tree import describe_leaf, tree_map
 
 
@@ -346,6 +346,10 @@ def _trace(decay: float, nesterov: bool, view: ParamView | None) -> GradientTran
         check_same(where, "updates", spec, "state.trace", buf_spec, buf, g, dtypes=True)
         g, buf = live_columns(view, keys_of(spec), info_of(extra), g, buf)  # no gradient: the trace stays
         found = extra.get("found_inf")
+        # a parameter no rank may have given a gradient (decided on the device): its trace kept where none did
+        kept = [
+            (flag, gp, bp, bp.clone()) for flag, (gp, bp) in maybe_pieces(view, keys_of(spec), info_of(extra), g, buf)
+        ]
         if found is not None:  # the device decides: a skipped update leaves the trace (x 1, + 0) as it was
             skip = found != 0
             for t in g:
@@ -362,6 +366,9 @@ def _trace(decay: float, nesterov: bool, view: ParamView | None) -> GradientTran
                 torch._foreach_add_(g_, buf_, alpha=decay)
             else:
                 torch._foreach_copy_(g_, buf_)
+        for flag, gp, bp, before in kept:
+            bp.copy_(torch.where(flag, before, bp))
+            gp.masked_fill_(flag, 0.0)  # no update either
         return updates, state
 
     return GradientTransformation(init, update, bind=lambda v: _trace(decay, nesterov, v), masks=True)
@@ -409,6 +416,8 @@ def _add_decayed_weights(weight_decay: float, view: ParamView | None) -> Gradien
         g, p = live_columns(view, keys_of(spec), info_of(extra), g, p)  # no gradient: no decay either
         for g_, p_ in foreach_groups(g, p):
             torch._foreach_add_(g_, p_, alpha=weight_decay)
+        for flag, (gp,) in maybe_pieces(view, keys_of(spec), info_of(extra), g):  # decided on the device
+            gp.masked_fill_(flag, 0.0)
         return updates, state
 
     return GradientTransformation(init, update, bind=lambda v: _add_decayed_weights(weight_decay, v), masks=True)
@@ -485,6 +494,8 @@ def _decay_weights(rate: ScalarOrSchedule, view: ParamView | None) -> GradientTr
             factor = _round_like_torch_scalar(1.0 - value, p_[0].dtype) - 1.0
             if factor != 0.0:
                 torch._foreach_add_(g_, p_, alpha=factor)
+        for flag, (gp,) in maybe_pieces(view, keys_of(spec), info_of(extra), g):  # decided on the device
+            gp.masked_fill_(flag, 0.0)
         return updates, state
 
     # a constant rate keeps no state and runs either way; a scheduled one decides on the host (its factor

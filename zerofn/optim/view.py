@@ -35,7 +35,18 @@ import torch
 
 from zerofn import tree as T
 
-__all__ = ["LeafView", "ParamView", "Piece", "StepInfo", "by_step", "info_of", "keys_of", "live_columns", "pieces_of"]
+__all__ = [
+    "LeafView",
+    "ParamView",
+    "Piece",
+    "StepInfo",
+    "by_step",
+    "info_of",
+    "keys_of",
+    "live_columns",
+    "maybe_pieces",
+    "pieces_of",
+]
 
 
 class Piece(NamedTuple):
@@ -182,12 +193,43 @@ class StepInfo:
             ``state["step"]``); absent names count as ``count``.
         count: the number of updates before this one (the step's ``state.count``); None when the step
             decided on the device whether its updates applied (the host does not hold the number): every
-            parameter then received as many updates as the optimizer's own count says.
+            parameter then received as many updates as the optimizer's own count says, unless ``counts``.
+        maybe: (a step that decided on the device) the parameters this rank gave no gradient: no rank may
+            have, which ``absent`` says on the device.
+        absent: a bool tensor on the device, one per name in ``names``: no rank gave it a gradient (read
+            only for ``maybe``); None: none is missing.
+        counts: an int64 tensor on the device, one per name in ``names``: the updates each received before
+            this one, where they may differ (None: as ``count`` says).
+        names: the order of ``absent`` and ``counts``.
     """
 
     missing: frozenset = frozenset()
     steps: Mapping[str, int] | None = None
     count: int | None = 0
+    maybe: frozenset = frozenset()
+    absent: Any = None
+    counts: Any = None
+    names: tuple = ()
+
+    @property
+    def on_device(self) -> bool:
+        """Whether part of what it says is on the device (``absent``, ``counts``): read it with :meth:`on_host`."""
+        return self.absent is not None or self.counts is not None
+
+    def on_host(self) -> StepInfo:
+        """The same, read on the host (one read): which parameters are missing and each one's count."""
+        if not self.on_device:
+            return self
+        parts = [t.to(torch.int64).reshape(-1) for t in (self.absent, self.counts) if t is not None]
+        read = torch.cat(parts).tolist()
+        absent = read[: len(self.names)] if self.absent is not None else [0] * len(self.names)
+        counts = read[-len(self.names) :] if self.counts is not None else None
+        missing = self.missing | {n for n, a in zip(self.names, absent) if a and n in self.maybe}
+        if counts is None:
+            return StepInfo(frozenset(missing), None, self.count)
+        lo, hi = min(counts, default=0), max(counts, default=0)
+        per = None if lo == hi else dict(zip(self.names, counts))
+        return StepInfo(frozenset(missing), per, lo)
 
     def step_of(self, name: str) -> int:
         """The number of updates parameter ``name`` received before this one."""
@@ -239,6 +281,23 @@ def live_columns(view: ParamView | None, keys: list[str], info: StepInfo | None,
     return tuple(out)
 
 
+def maybe_pieces(view: ParamView | None, keys: list[str], info: StepInfo | None, *columns: list) -> list[tuple]:
+    """For a step that decided on the device: each piece of a parameter this rank gave no gradient
+    (``info.maybe``), with the device's flag that no rank did (``info.absent``):
+    ``[(flag, [the piece of each column]), ...]``; empty in the usual case."""
+    if info is None or not info.maybe:
+        return []
+    index = {n: i for i, n in enumerate(info.names)}
+    out = []
+    for i, k in enumerate(keys):
+        for p in pieces_of(view, k, columns[0][i].numel()):
+            if p.name in info.maybe:
+                out.append(
+                    (info.absent[index[p.name]], [c[i].view(-1)[p.offset : p.offset + p.numel] for c in columns])
+                )
+    return out
+
+
 def keys_of(spec: Any) -> list[str]:
     """The key (key path) of every leaf of a flattened tree's ``spec``."""
     return [T.keystr(p) for p in spec.paths()]
@@ -255,16 +314,20 @@ def by_step(view: ParamView | None, keys: list[str], info: StepInfo | None, coun
     """``columns`` in groups of pieces that share their parameters' update number ``t`` (1 for a parameter's
     first update): ``[(t, columns), ...]``; pieces of parameters that got no gradient are left out. One
     group of whole leaves in the usual case (every parameter updated as often as the others)."""
-    if info is None or (info.count is None and not info.missing and info.steps is None):
-        return [(count + 1, columns)]  # the optimizer's own count (a step that decided on the device)
-    if not info.missing and info.uniform is not None:
-        return [(info.uniform + 1, columns)]
+    if info is None:
+        return [(count + 1, columns)]
+    base = count if info.count is None else info.count  # None: the optimizer's own count (decided on the device)
+    if not info.missing:
+        same = base if info.steps is None else info.uniform
+        if same is not None:
+            return [(same + 1, columns)]
     groups: dict[int, list[list]] = {}
     for i, k in enumerate(keys):
         for p in pieces_of(view, k, columns[0][i].numel()):
             if p.name in info.missing:
                 continue
-            cols = groups.setdefault(info.step_of(p.name) + 1, [[] for _ in columns])
+            t = base if info.steps is None else info.steps.get(p.name, base)
+            cols = groups.setdefault(t + 1, [[] for _ in columns])
             for o, c in zip(cols, columns):
                 o.append(c[i].view(-1)[p.offset : p.offset + p.numel])
     return [(t, tuple(cols)) for t, cols in sorted(groups.items())]
