@@ -244,3 +244,12 @@ def test_bench_generate_py_gathers_once_and_moves_activations_under_tensor_paral
         ), (once["comm_calls"], per_call["comm_calls"])  # one gather of each bucket against one per token
         assert tp["comm_bytes_per_token"] < once["comm_bytes_per_token"] < per_call["comm_bytes_per_token"]
     assert "shard_params, once" in out and "vs tensor_parallel(2)" in out, out
+
+
+def test_bench_host_reads_times_both_paths_of_each_step():
+    out = _run("examples/bench_host_reads.py", "--dim", "32", "--layers", "1", "--seq-len", "16", "--steps", "2")
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| adamw")]
+    assert [r[0].strip() for r in rows] == ["adamw fp32", "adamw amp fp16"], out
+    for r in rows:
+        device, host, ratio = (float(x) for x in r[1:4])
+        assert device > 0 and host > 0 and math.isclose(ratio, device / host, rel_tol=0.01, abs_tol=0.002), out
