@@ -497,9 +497,8 @@ class Step:
                     g.mul_(_mean_factor(d, n, scale))
                 done["sumsq"] = done["sumsq"] / n.square()
             # Whether the update applies (a finite loss and gradient, batches the ranks agree on) is decided on
-            # the device, read by no one, when the optimizer can skip there and every parameter got a gradient
-            # here (so none is missing anywhere); otherwise the host reads it, with which parameters no rank
-            # gave a gradient (the step's one read).
+            # the device, read by no one, when the optimizer can skip there (GradientTransformation.masks), and
+            # so are which parameters no rank gave a gradient; otherwise the host reads both (one read).
             ok, fault = _verdict(done, digest)
             on_device = (
                 optimizer.masks
@@ -512,7 +511,8 @@ class Step:
                     frozenset(n for n, b in zip(names, counters.values(seen)) if not b) if seen is not None else None
                 )
                 absent = _absent(*done["seen"], done["world"]) if maybe else None
-                counts = None if counters.uniform(state.param_steps) else state.param_steps
+                # a copy: an update on the host's worker may read it after the counts below advance
+                counts = None if counters.uniform(state.param_steps) else state.param_steps.clone()
                 info = O.StepInfo(frozenset(), None, None, maybe or frozenset(), absent, counts, names)
                 decided: Any = ok
             else:
