@@ -68,7 +68,7 @@ def main() -> None:
     print("| step | decided on the device, ms | read on the host, ms | device / host | loss |")
     print("|---|---|---|---|---|")
     for name, d, h, r, loss in rows:
-        print(f"| {name} | {d:.1f} | {h:.1f} | {r:.3f} | {loss:.4f} |")
+        print(f"| {name} | {d:.3f} | {h:.3f} | {r:.3f} | {loss:.4f} |")
 
 
 if __name__ == "__main__":
