@@ -516,7 +516,7 @@ class Step:
                 info = O.StepInfo(frozenset(), None, None, maybe or frozenset(), absent, counts, names)
                 decided: Any = ok
             else:
-                finite, missing = _decide(self.name, done, digest, batch, layout, reported)
+                finite, missing = _decide(self.name, ok, fault, done, batch, layout, reported)
                 info = _step_info(state, missing)
                 decided = finite
         except BaseException:
@@ -779,8 +779,6 @@ def _stats(
     each parameter a gradient. Returns device tensors; :func:`_verdict` decides on the device, or
     :func:`_decide` reads what the host must know, once per update."""
     scalars = {k: v for k, v in sorted(aux.items()) if _is_scalar(v)}
-    if reported is not None:  # parts' checks on the device (see report): after the aux values
-        scalars["\0reported"] = reported
     dev = loss.device
 
     def const(v: float) -> torch.Tensor:  # made on the device: no copy from the host
@@ -797,6 +795,8 @@ def _stats(
     parts += [
         v.detach().double().reshape(()).to(dev) if isinstance(v, torch.Tensor) else const(v) for v in scalars.values()
     ]
+    if reported is not None:  # parts' checks on the device (see report): after the aux values
+        parts.append(reported)
     bits = None
     if seen is not None and world > 1:
         mine, n = seen
@@ -808,11 +808,12 @@ def _stats(
     if items is not None:
         total, n = vec[5], vec[6]
         out.update(loss=total / n, count=n)  # nan when no rank counted any: the step is then skipped
-    out["aux"] = {k: vec[base + j] / world for j, k in enumerate(scalars) if k != "\0reported"}
+    out["aux"] = {k: vec[base + j] / world for j, k in enumerate(scalars)}
+    end = base + len(scalars)
     if reported is not None:
-        out["reported"] = vec[base + len(scalars) - 1]
+        out["reported"], end = vec[end], end + 1
     if bits is not None:
-        out["seen"] = (vec[base + len(scalars) :], seen[1])
+        out["seen"] = (vec[end:], seen[1])
     elif seen is not None and seen[0] is not None:  # one rank: its own bits, one per field
         out["seen"] = (_pack_seen(seen[0].to(dev), 1), seen[1])
     return out
@@ -854,13 +855,6 @@ def _absent(packed: torch.Tensor, n: int, world: int) -> torch.Tensor:
     scales = torch.ldexp(torch.ones(per, dtype=torch.float64, device=packed.device), exponents)  # 2^-(b j)
     shifted = (packed.reshape(-1, 1) * scales.reshape(1, -1)).floor()
     return (torch.remainder(shifted, float(1 << b)).reshape(-1)[:n]) == 0
-
-
-def _unpack_seen(packed: list, n: int, world: int) -> list[int]:
-    """How many ranks gave each of the ``n`` parameters a gradient, from the packed sums (read on the host)."""
-    b = _field_bits(world)
-    per, mask = 52 // b, (1 << b) - 1
-    return [(int(packed[i // per]) >> (b * (i % per))) & mask for i in range(n)]
 
 
 _REPORTS: contextvars.ContextVar[list | None] = contextvars.ContextVar("zerofn_reports", default=None)
@@ -908,7 +902,12 @@ def _carry_fault(previous: Any, fault: torch.Tensor, where: str, reported: list)
     """The device's check still to be read: this update's fault, or an earlier one not read yet."""
     if previous is not None:
         fault = torch.maximum(previous[0], fault)
-    return fault, functools.partial(_explain_fault, where, tuple(dict.fromkeys(m for _, m in reported)))
+    return fault, functools.partial(_explain_fault, where, _messages(reported))
+
+
+def _messages(reported: list) -> tuple:
+    """What the parts' reported checks say when they fail, each once."""
+    return tuple(dict.fromkeys(m for _, m in reported))
 
 
 def _explain_fault(where: str, messages: tuple, code: int) -> None:
@@ -931,27 +930,20 @@ def _explain_fault(where: str, messages: tuple, code: int) -> None:
 
 
 def _decide(
-    where: str, stats: dict, digest: int | None, batch: Any, layout: Layout, reported: list
+    where: str, ok: torch.Tensor, fault: torch.Tensor, stats: dict, batch: Any, layout: Layout, reported: list
 ) -> tuple[bool, frozenset]:
-    """The decision read on the host (one read): whether the loss and gradient are finite (else the update
-    is skipped) and which parameters no rank gave a gradient; raises when the ranks' batches differ or a
-    zf.Mean counted a negative number of items, before anything is updated."""
-    vec = stats["vec"]
-    negative = vec[7] if "count" in stats else torch.zeros_like(vec[0])
-    checks = stats.get("reported", torch.zeros_like(vec[0]))
-    head = torch.stack([stats["loss"].double(), stats["sumsq"].double(), vec[3], vec[4], negative, checks])
-    seen, n = stats.get("seen", (None, 0))
-    read = torch.cat([head, seen]) if seen is not None else head
-    loss, sumsq, d1, d2, neg, failed, *packed = read.tolist()
-    bits = _unpack_seen(packed, n, stats["world"]) if seen is not None else []
-    if failed > 0:
-        _explain_fault(where, tuple(dict.fromkeys(m for _, m in reported)), _REPORTED)
-    if digest is not None and stats["world"] * d2 != d1 * d1:
+    """The device's decision (:func:`_verdict`) read on the host, with which parameters no rank gave a gradient
+    (one read): whether the update applies, and those parameters; raises what the fault says (the ranks'
+    batches differ, with every rank's shapes; a negative zf.Mean count; a part's check), before anything is
+    updated."""
+    absent = _absent(*stats["seen"], stats["world"]) if "seen" in stats else None
+    head = torch.stack([ok.double(), fault.double()])
+    applies, code, *gone = (head if absent is None else torch.cat([head, absent.double()])).tolist()
+    if code == _BATCHES_DIFFER:
         _batches_differ(where, batch)
-    if neg > 0:
-        raise ValueError(f"zf.Mean: count must be >= 0 (how many items total sums), got a negative count. {MEAN_HELP}")
-    missing = frozenset(name for name, b in zip(layout.trainable_names, bits) if not b)
-    return math.isfinite(loss) and math.isfinite(sumsq), missing
+    elif code:
+        _explain_fault(where, _messages(reported), int(code))
+    return bool(applies), frozenset(n for n, a in zip(layout.trainable_names, gone) if a)
 
 
 def _names_view(treedef: Any, named: dict) -> O.ParamView:

@@ -321,14 +321,9 @@ def update_params(optimizer: GradientTransformation, grads: Updates, state: OptS
         >>> [round(x, 4) for x in p["w"].tolist()], int(state[0].count)
         ([0.9, 0.9], 1)
     """
-    found = extra.get("found_inf")
-    if found is not None and not optimizer.masks:
-        del extra["found_inf"]
-        if bool(found):  # an optimizer that cannot skip on the device: the host reads the decision
-            return state
-        info = extra.get("info")
-        if info is not None and getattr(info, "on_device", False):  # and what the step said on the device
-            extra["info"] = info.on_host()
+    found = extra.pop("found_inf", None) if not optimizer.masks else None
+    if found is not None and skip_on_host(extra, found):  # an optimizer that cannot skip on the device
+        return state
     if optimizer.update_in_place is not None:
         return optimizer.update_in_place(grads, state, params, **extra)
     updates, state = optimizer.update(grads, state, params, **extra)
@@ -339,6 +334,18 @@ def update_params(optimizer: GradientTransformation, grads: Updates, state: OptS
             u.masked_fill_(skip.to(u.device), 0.0)
     apply_updates(params, updates)
     return state
+
+
+def skip_on_host(extra: dict, found: torch.Tensor) -> bool:
+    """For an update that cannot take the device's decision as it is: read it (``found``, the step's
+    ``found_inf``) on the host, and what the step said of the parameters on the device too (``extra``'s
+    ``info`` becomes its :meth:`~zerofn.optim.StepInfo.on_host`). True: skip this update."""
+    if bool(found):
+        return True
+    info = extra.get("info")
+    if info is not None and getattr(info, "on_device", False):
+        extra["info"] = info.on_host()
+    return False
 
 
 def in_place(init: Callable, update_in_place: Callable, where: str) -> GradientTransformation:

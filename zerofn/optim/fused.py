@@ -12,7 +12,7 @@ import torch
 
 from zerofn import counters
 from zerofn.optim._checks import check_count, flat, schedule_at, schedule_value
-from zerofn.optim.base import apply_updates, foreach_groups
+from zerofn.optim.base import apply_updates, foreach_groups, skip_on_host
 from zerofn.optim.view import LeafView, ParamView, Piece, by_step, info_of, keys_of, pieces_of
 
 _FUSED_DEVICES = ("cpu", "cuda")
@@ -54,11 +54,9 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool,
         info = info_of(extra)
         fusable = spec == p_spec and all(_fusable(*ts) for ts in zip(p, g, mu, nu))
         if found is not None and not (fusable and _masks_here(found, adam.count, p, info)):
-            if bool(found):  # an update the kernel cannot skip on the device: the host reads the decision
+            if skip_on_host(extra, found):  # an update the kernel cannot skip on the device
                 return state
-            found = None
-            if info is not None and info.on_device:  # and which parameters got no gradient, and their counts
-                info = extra["info"] = info.on_host()
+            found, info = None, info_of(extra)
         if not fusable:
             updates, state = base.update(grads, state, params, **extra)
             apply_updates(params, updates)
@@ -202,13 +200,12 @@ def _each_parameter(call, view, info, found: torch.Tensor, number: torch.Tensor,
     on the device; a piece of a parameter no rank may have given a gradient goes in a call of its own, skipped
     where the device says none did (torch skips a parameter whose grad is None). ``call(columns, found_inf)``
     runs the kernel; ``number``: the update's number where every parameter counts alike."""
-    index = {n: i for i, n in enumerate(info.names)}
     numbers = (info.counts + 1).float() if info.counts is not None else None
     common: list[list] = [[] for _ in range(5)]
     for i, k in enumerate(keys):
         for piece in pieces_of(view, k, columns[0][i].numel()):
-            views = [c[i].view(-1)[piece.offset : piece.offset + piece.numel] for c in columns]
-            at = index.get(piece.name)
+            views = [piece.of(c[i]) for c in columns]
+            at = info.index.get(piece.name)
             step = numbers[at] if numbers is not None and at is not None else number
             if piece.name in info.maybe:
                 skip = torch.maximum(found, info.absent[at].to(found.dtype))

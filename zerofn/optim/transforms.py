@@ -38,6 +38,7 @@ from zerofn.optim.base import (
     TraceState,
     Tree,
     foreach_groups,
+    skip_on_host,
 )
 from zerofn.optim.view import ParamView, by_step, info_of, keys_of, live_columns, maybe_pieces
 from zerofn.tree import describe_leaf, tree_map
@@ -125,7 +126,7 @@ def _scale_by_schedule(fn: Schedule, *, sign: float, where: str, nonneg: bool = 
         check_state(where, state, ScaleByScheduleState)
         found = extra.get("found_inf")
         if found is None or found.device != state.count.device:
-            if found is not None and bool(found):  # counts elsewhere than the decision: read it
+            if found is not None and skip_on_host(extra, found):  # counts elsewhere than the decision
                 return updates, state
             count = check_count(where, state.count)
             value = schedule_value(where, fn, count)
@@ -350,17 +351,16 @@ def _trace(decay: float, nesterov: bool, view: ParamView | None) -> GradientTran
         kept = [
             (flag, gp, bp, bp.clone()) for flag, (gp, bp) in maybe_pieces(view, keys_of(spec), info_of(extra), g, buf)
         ]
+        factor: float | torch.Tensor = decay
         if found is not None:  # the device decides: a skipped update leaves the trace (x 1, + 0) as it was
             skip = found != 0
             for t in g:
                 t.masked_fill_(skip, 0.0)  # whatever it held (inf, nan): a skipped update's gradient adds nothing
+            one = torch.ones((), dtype=torch.float32, device=found.device)
+            factor = torch.where(skip, one, torch.full_like(one, decay))
         # A zero-initialised trace makes the first step trace = g exactly, as torch's clone.
         for g_, buf_ in foreach_groups(g, buf):
-            if found is None:
-                torch._foreach_mul_(buf_, decay)
-            else:
-                one = torch.ones((), dtype=torch.float32, device=found.device)
-                torch._foreach_mul_(buf_, torch.where(skip, one, torch.full_like(one, decay)).to(buf_[0].device))
+            torch._foreach_mul_(buf_, factor if isinstance(factor, float) else factor.to(buf_[0].device))
             torch._foreach_add_(buf_, g_)
             if nesterov:
                 torch._foreach_add_(g_, buf_, alpha=decay)

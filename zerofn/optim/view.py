@@ -71,6 +71,10 @@ class Piece(NamedTuple):
         """The leaf holds all of the parameter."""
         return self.start == 0 and self.numel == _numel(self.shape)
 
+    def of(self, leaf: torch.Tensor) -> torch.Tensor:
+        """This piece's elements of ``leaf`` (a tensor laid out as the leaf: its parameters, moments...)."""
+        return leaf.view(-1)[self.offset : self.offset + self.numel]
+
 
 class LeafView(NamedTuple):
     """What one leaf the optimizer updates holds.
@@ -211,6 +215,11 @@ class StepInfo:
     counts: Any = None
     names: tuple = ()
 
+    @functools.cached_property
+    def index(self) -> dict[str, int]:
+        """name -> its place in ``names`` (in ``absent`` and ``counts``)."""
+        return {n: i for i, n in enumerate(self.names)}
+
     @property
     def on_device(self) -> bool:
         """Whether part of what it says is on the device (``absent``, ``counts``): read it with :meth:`on_host`."""
@@ -277,7 +286,7 @@ def live_columns(view: ParamView | None, keys: list[str], info: StepInfo | None,
         for p in pieces:
             if p.name not in missing:
                 for o, c in zip(out, columns):
-                    o.append(c[i].view(-1)[p.offset : p.offset + p.numel])
+                    o.append(p.of(c[i]))
     return tuple(out)
 
 
@@ -287,14 +296,11 @@ def maybe_pieces(view: ParamView | None, keys: list[str], info: StepInfo | None,
     ``[(flag, [the piece of each column]), ...]``; empty in the usual case."""
     if info is None or not info.maybe:
         return []
-    index = {n: i for i, n in enumerate(info.names)}
     out = []
     for i, k in enumerate(keys):
         for p in pieces_of(view, k, columns[0][i].numel()):
             if p.name in info.maybe:
-                out.append(
-                    (info.absent[index[p.name]], [c[i].view(-1)[p.offset : p.offset + p.numel] for c in columns])
-                )
+                out.append((info.absent[info.index[p.name]], [p.of(c[i]) for c in columns]))
     return out
 
 
@@ -329,5 +335,5 @@ def by_step(view: ParamView | None, keys: list[str], info: StepInfo | None, coun
             t = base if info.steps is None else info.steps.get(p.name, base)
             cols = groups.setdefault(t + 1, [[] for _ in columns])
             for o, c in zip(cols, columns):
-                o.append(c[i].view(-1)[p.offset : p.offset + p.numel])
+                o.append(p.of(c[i]))
     return [(t, tuple(cols)) for t, cols in sorted(groups.items())]
