@@ -111,6 +111,35 @@ MODELS = {
 }
 
 
+# The shape of the small Hugging Face decoders the tests build (grouped-query attention: 2 key/value heads).
+TINY_DECODER = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def tiny_llama_config(**changes):
+    """A small Llama's config: ``TINY_DECODER`` with ``changes`` (transformers' warnings quieted)."""
+    import transformers
+    from transformers import LlamaConfig
+
+    transformers.logging.set_verbosity_error()
+    return LlamaConfig(**{**TINY_DECODER, **changes})
+
+
+def tiny_llama(seed: int = 0, **changes) -> nn.Module:
+    """A small fp32 Llama from :func:`tiny_llama_config`, its weights drawn after ``torch.manual_seed(seed)``."""
+    from transformers import LlamaForCausalLM
+
+    cfg = tiny_llama_config(**changes)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).float()
+
+
 def stats_bytes(trainable: int, world: int, update: bool = True) -> int:
     """What a step's statistics all-reduce adds to comm_bytes on ``world`` ranks (counted twice, as every
     all-reduce): the loss, the gradient's sum of squares, how many ranks lacked a gradient, the batch digest

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import tiny_llama
 from torch import nn
 
 import zerofn as zf
@@ -20,21 +21,7 @@ STEPS, MICRO, SEQ = 3, 2, 12
 
 
 def _llama() -> nn.Module:
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    return LlamaForCausalLM(cfg).float()
+    return tiny_llama(max_position_embeddings=32)
 
 
 def _loss_fn(apply):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_llama
 from torch import nn
 from zerofn.transforms import quantize, shard_params
 from zerofn.transforms.quantize import dequantized
@@ -22,22 +23,9 @@ MASK = (PROMPTS != 0).long()
 
 
 def _llama(lora: bool):
-    import transformers
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    transformers.logging.set_verbosity_error()
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float()
+    model = tiny_llama(max_position_embeddings=64)
     if lora:
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))

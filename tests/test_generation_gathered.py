@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_llama
 from torch import nn
 from zerofn.transforms import offload, quantize, shard_params
 from zerofn.transforms.shard_params import gathered
@@ -22,22 +23,9 @@ MASK = (PROMPTS != 0).long()
 
 
 def _llama(lora: bool = False, seed: int = 0):
-    import transformers
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    transformers.logging.set_verbosity_error()
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).float()
+    model = tiny_llama(seed, num_hidden_layers=3, max_position_embeddings=64)
     if lora:
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
         for name, p in model.named_parameters():

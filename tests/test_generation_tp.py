@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_llama
 from zerofn.transforms import tensor_parallel
 from zerofn.transforms.tensor_parallel import mesh
 
@@ -22,21 +23,13 @@ MASK = (PROMPTS != 0).long()
 
 
 def _llama():
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    cfg = LlamaConfig(
-        vocab_size=64,
+    return tiny_llama(
         hidden_size=HIDDEN,
-        intermediate_size=128,
         num_hidden_layers=LAYERS,
         num_attention_heads=8,  # 8 heads sharing 4 key/value heads: whole heads at size 2 and 4
         num_key_value_heads=4,
         max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).float().eval()
+    ).eval()
 
 
 class _Counted:

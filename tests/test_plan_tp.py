@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import rank_slice
+from helpers import TINY_DECODER, rank_slice
 from torch import nn
 
 import zerofn as zf
@@ -25,17 +25,7 @@ from zerofn.plan import estimate, fmt_bytes, model_shape
 
 pytest.importorskip("transformers")
 
-CONFIG = dict(
-    model_type="llama",
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-)
+CONFIG = dict(model_type="llama", **TINY_DECODER, max_position_embeddings=256, tie_word_embeddings=False)
 SEQ, MICRO = 128, 4  # sequences per data-parallel rank
 # (stage, mixed precision): each measured on 2 ranks (tp 2) and 4 (tp 2 x dp 2)
 COMBOS = [(s, mp) for s in (0, 1, 2, 3) for mp in (False, True)]

@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 import torch
-from helpers import rank_slice
+from helpers import rank_slice, tiny_llama_config
 from torch import nn
 from zerofn.transforms import amp, offload, quantize, remat, shard_grads, shard_params
 from zerofn.transforms.quantize import quantized_layers
@@ -22,17 +22,7 @@ STEPS, GLOBAL_BATCH, SEQ = 4, 4, 12
 
 
 def _config(layers: int = 2):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
+    return tiny_llama_config(num_hidden_layers=layers, max_position_embeddings=32)
 
 
 def _lora_llama(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import counting, rank_slice
+from helpers import TINY_DECODER, counting, rank_slice, tiny_llama
 from torch import nn
 from zerofn.transforms import amp, offload, remat, shard_grads, shard_params, tensor_parallel
 
@@ -20,21 +20,9 @@ ROWS = ("o_proj", "down_proj")
 
 
 def _llama(kv_heads: int = 2, heads: int = 4) -> nn.Module:
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16 * heads,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=256,
+    return tiny_llama(
+        hidden_size=16 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256
     )
-    return LlamaForCausalLM(cfg).float()
 
 
 SEEN: list = []  # what the loss saw as logits in training: their type and the local shape
@@ -58,17 +46,7 @@ def _qwen3() -> nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
-    return Qwen3ForCausalLM(cfg).float()
+    return Qwen3ForCausalLM(Qwen3Config(**TINY_DECODER, head_dim=16, max_position_embeddings=256)).float()
 
 
 def _model(kv: int) -> nn.Module:
