@@ -714,6 +714,8 @@ class _VocabHead(_ColumnLinear):
         local = super().forward(x)
         from torch.distributed.tensor import DTensor, Shard
 
+        if self._zf_mesh.tensor == 1:  # the whole vocabulary here: plain logits (and no group to mesh over)
+            return local
         if not torch.is_grad_enabled():  # the logits whole, through zerofn's collectives (counted, timed)
             n = dist.get_world_size(self._zf_group)
             rows = local.movedim(-1, 0).contiguous()
