@@ -1,4 +1,6 @@
-"""Command line: ``python -m zerofn.bench --all [--quick] [--out docs/bench] ...``; see ``zerofn.bench``."""
+"""Command line: ``python -m zerofn.bench --all [--quick] [--out docs/bench] ...``; see ``zerofn.bench``.
+
+``python -m zerofn.bench gpu --out DIR [--quick]`` is the GPU check (:mod:`zerofn.bench.gpu`)."""
 
 from __future__ import annotations
 
@@ -120,6 +122,11 @@ def summary(results: Results) -> str:
 
 def main(argv: list[str] | None = None) -> list[Results] | None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["gpu"]:  # the GPU check: correctness, host syncs, speed against the peers
+        from zerofn.bench import gpu
+
+        gpu.main(argv[1:])
+        return None
     args = parse_args(argv)
     if args.list:
         print("\n".join(SYSTEMS))

@@ -1,21 +1,24 @@
 """GPU throughput, fraction of bf16 peak and peak memory: torch AMP, FSDP2, DeepSpeed and zerofn.
 
-Builds the GPT of examples/gpt.py at the size given on the command line and
-trains it with each system in a fresh process of its own (one process per
-rank: plain python for one rank, ``python -m torch.distributed.run
---standalone`` for more), so that no system inherits another's allocator
-state, compiled kernels or memory. Each child prints one JSON line; this
-script collects them and prints a table side by side.
+The speed half of ``python -m zerofn.bench gpu`` (which picks the pairs it
+compares), and a command of its own for any subset of systems
+(``examples/bench_gpu.py`` runs it too). It builds the GPT of
+:mod:`zerofn.bench.gpt` at the size given on the command line and trains it
+with each system in a fresh process of its own (one process per rank: plain
+python for one rank, ``python -m torch.distributed.run --standalone`` for
+more), so that no system inherits another's allocator state, compiled
+kernels or memory. Each child prints one JSON line; the parent collects them
+and prints a table side by side.
 
 On a GPU box (one H100/H200/A100/L4 is recognised; otherwise pass --peak-tflops):
 
-    python examples/bench_gpu.py --dim 2048 --layers 24 --seq-len 1024 --batch 16
-    python examples/bench_gpu.py --dim 2048 --layers 24 --seq-len 1024 --batch 8 --nproc 8 --out bench.md
-    python examples/bench_gpu.py --systems torch-amp fsdp2 zf-z3-amp --steps 50 --warmup 10
+    python -m zerofn.bench.gpu_speed --dim 2048 --layers 24 --seq-len 1024 --batch 16
+    python -m zerofn.bench.gpu_speed --dim 2048 --layers 24 --seq-len 1024 --batch 8 --nproc 8 --out bench.md
+    python -m zerofn.bench.gpu_speed --systems torch-amp fsdp2 zf-z3-amp --steps 50 --warmup 10
 
 A smoke run on the CPU (fraction of peak reported as n/a; DeepSpeed skipped):
 
-    python examples/bench_gpu.py --device cpu --dim 64 --layers 2 --seq-len 32 --batch 2 --steps 2 --warmup 1 \\
+    python -m zerofn.bench.gpu_speed --device cpu --dim 64 --layers 2 --seq-len 32 --batch 2 --steps 2 --warmup 1 \\
         --systems torch-amp zf-amp zf-z3-amp fsdp2
 
 Systems (the same model from the same seed, the same data, AdamW with the
@@ -38,15 +41,17 @@ same hyper-parameters, no gradient clipping):
   ``zf-z2-amp-offload-delay`` (delay=1, which changes the numbers),
   ``zf-z3-amp-remat`` (+ remat).
 
-Reported per system: the median step time over --steps after --warmup
-(each step's time is the slowest rank's; on CUDA the device is synchronised
-before and after each step), tokens/s over all ranks, model FLOPs per token
+Reported per system: the step time of a loop of --steps consecutive steps
+after --warmup (the device synchronised before and after the loop only, as a
+training loop waits; the fastest of --rounds loops, each loop's time the
+slowest rank's), tokens/s over all ranks, model FLOPs per token
 = 6 x parameters + 12 x layers x seq_len x dim (the attention scores; the
 recomputation under remat is not counted, as is usual for MFU), the fraction
 of peak = achieved FLOP/s / (peak x ranks), peak memory per rank (CUDA:
 torch.cuda.max_memory_allocated over set-up and steps, the largest rank;
 CPU: zf.memory.track() over set-up and warm-up, which counts every live
-tensor), the memory held between steps, the final loss, and speed and peak
+tensor), the memory held between steps, zerofn's own count of its state
+(``zf.memory.state_bytes``, on the device), the final loss, and speed and peak
 memory against torch-amp. Memory an offloaded system keeps in host RAM is
 not in the CUDA figures.
 """
@@ -61,15 +66,11 @@ import os
 import re
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import time
 
 import torch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 TORCH_SYSTEMS = ("torch-amp", "fsdp2")
@@ -87,6 +88,7 @@ ZF_SYSTEMS = (
 )
 SYSTEMS = TORCH_SYSTEMS + DEEPSPEED_SYSTEMS + ZF_SYSTEMS
 RESULT_TAG = "BENCH_GPU_RESULT "
+MODULE = "zerofn.bench.gpu_speed"  # what a child runs (``python -m``)
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) by a pattern in torch.cuda.get_device_name().
 PEAKS = ((r"H100 PCIe", 756.0), (r"H100|H200", 989.0), (r"A100", 312.0), (r"\bL4\b", 121.0))
 
@@ -159,10 +161,8 @@ def _join_group(system: str, device: torch.device, world: int) -> None:
 
 def _build_torch(system, cfg, device, world):
     import torch.nn.functional as F
-    from gpt import GPT
 
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
+    model = _model(cfg, device)
     if system == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -197,10 +197,8 @@ def _build_torch(system, cfg, device, world):
 def _build_deepspeed(system, cfg, device, batch_per_rank):
     import deepspeed
     import torch.nn.functional as F
-    from gpt import GPT
 
-    torch.manual_seed(0)
-    model = GPT(cfg)
+    model = _model(cfg, device)
     config = {
         "train_micro_batch_size_per_gpu": batch_per_rank,
         "gradient_accumulation_steps": 1,
@@ -225,12 +223,10 @@ def _build_deepspeed(system, cfg, device, batch_per_rank):
 
 
 def _build_zf(system, cfg, device):
-    from gpt import GPT, loss_fn_for
-
     import zerofn as zf
+    from zerofn.bench.gpt import loss_fn_for
 
-    torch.manual_seed(0)
-    apply = zf.functional(GPT(cfg).to(device))
+    apply = zf.functional(_model(cfg, device))
     step = zf.train_step(loss_fn_for(apply), zf.optim.adamw(LR, betas=BETAS, eps=EPS, weight_decay=WD))
     step = zf_composition(system)(step)
     box = [step.init(apply.params)]
@@ -239,13 +235,25 @@ def _build_zf(system, cfg, device):
         box[0], metrics = step(box[0], batch)
         return metrics["loss"]
 
+    run.state_bytes = lambda: zf.memory.state_bytes(box[0])["by_placement"]
     return run
+
+
+def _model(cfg, device: torch.device):
+    """The GPT from seed 0, its weights drawn on ``device`` (a 1.4 B model's CPU initialisation would take
+    longer than its benchmark); every system of one run draws the same ones."""
+    from zerofn.bench.gpt import GPT
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return GPT(cfg)
 
 
 def run_one(args) -> dict | None:
     """This rank's part of one system's benchmark; rank 0 returns the result, the others None."""
     import torch.distributed as dist
-    from gpt import GPT, GPTConfig
+
+    from zerofn.bench.gpt import GPT, GPTConfig
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -292,18 +300,20 @@ def run_one(args) -> dict | None:
     held = torch.cuda.memory_allocated(device) if cuda else tracker.current  # between steps
 
     times, loss = [], None
-    for _ in range(args.steps):
+    for _ in range(args.rounds):  # loops of consecutive steps: what a training loop waits for
         if world > 1:
             dist.barrier()
         sync()
         t0 = time.perf_counter()
-        loss = step(batch)
+        for _ in range(args.steps):
+            loss = step(batch)
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / args.steps)
     loss = float(loss) if loss is not None else float("nan")
     peak = torch.cuda.max_memory_allocated(device) if cuda else tracker.peak
+    state = step.state_bytes() if hasattr(step, "state_bytes") else None
 
-    mine = {"times": times, "peak": peak, "held": held}
+    mine = {"times": times, "peak": peak, "held": held, "state": state}
     if world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
@@ -314,8 +324,8 @@ def run_one(args) -> dict | None:
         dist.destroy_process_group()
     if rank != 0:
         return None
-    step_times = [max(r["times"][i] for r in everyone) for i in range(args.steps)]  # the slowest rank's
-    median = statistics.median(step_times)
+    step_times = [max(r["times"][i] for r in everyone) for i in range(args.rounds)]  # the slowest rank's
+    median = min(step_times)
     tokens = args.batch * args.seq_len * world
     fpt = flops_per_token(n_params, args.layers, args.seq_len, args.dim)
     return {
@@ -330,6 +340,8 @@ def run_one(args) -> dict | None:
         "peak_bytes": max(r["peak"] for r in everyone),
         "held_bytes": max(r["held"] for r in everyone),
         "peak_source": "torch.cuda.max_memory_allocated" if cuda else "zf.memory.track",
+        "state_bytes": everyone[0]["state"],
+        "round_step_s": step_times,
         "loss": loss,
     }
 
@@ -338,7 +350,6 @@ def run_one(args) -> dict | None:
 
 
 def _child_argv(args, system: str) -> list[str]:
-    script = os.path.abspath(__file__)
     flags = [
         "--one",
         system,
@@ -360,11 +371,13 @@ def _child_argv(args, system: str) -> list[str]:
         str(args.steps),
         "--warmup",
         str(args.warmup),
+        "--rounds",
+        str(args.rounds),
     ]
     if args.nproc == 1:
-        return [sys.executable, script, *flags]
+        return [sys.executable, "-m", MODULE, *flags]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
-    return [*launcher, script, *flags]
+    return [*launcher, "-m", MODULE, *flags]
 
 
 def _last_error(text: str) -> str:
@@ -382,10 +395,8 @@ def run_system(args, system: str) -> dict:
             return {"system": system, "skipped": "not installed"}
         if args.device != "cuda":
             return {"system": system, "skipped": "CUDA only"}
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH", "")) if p)
     try:
-        proc = subprocess.run(_child_argv(args, system), capture_output=True, text=True, env=env, timeout=args.timeout)
+        proc = subprocess.run(_child_argv(args, system), capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"system": system, "skipped": f"timed out after {args.timeout:g} s"}
     for line in proc.stdout.splitlines():
@@ -477,7 +488,9 @@ def _gpu_name(device: str) -> str:
     code = "import torch; print(torch.cuda.get_device_name(0))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
-        raise SystemExit(f"bench_gpu: no CUDA device ({_last_error(proc.stderr)}); use --device cpu for a smoke run")
+        raise SystemExit(
+            f"gpu benchmark: no CUDA device ({_last_error(proc.stderr)}); use --device cpu for a smoke run"
+        )
     return proc.stdout.strip()
 
 
@@ -489,7 +502,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8, help="sequences per step per rank")
-    p.add_argument("--steps", type=int, default=20, help="timed steps (the median is reported)")
+    p.add_argument("--steps", type=int, default=20, help="consecutive steps timed as one loop")
+    p.add_argument("--rounds", type=int, default=2, help="timed loops (the fastest is reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     p.add_argument(
         "--systems",
@@ -516,7 +530,10 @@ def parse_args(argv=None):
         args.heads = max(1, args.dim // 128)
     if args.dim % args.heads:
         p.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
-    if min(args.dim, args.layers, args.vocab, args.seq_len, args.batch, args.steps, args.nproc) < 1 or args.warmup < 0:
+    if (
+        min(args.dim, args.layers, args.vocab, args.seq_len, args.batch, args.steps, args.rounds, args.nproc) < 1
+        or args.warmup < 0
+    ):
         p.error("sizes, --steps and --nproc must be at least 1, --warmup at least 0")
     if args.out is not None:  # checked before the run, which takes minutes
         where = os.path.dirname(os.path.abspath(args.out))
@@ -542,10 +559,10 @@ def main(argv=None) -> list[dict] | None:
     if args.device == "cuda" and peak is None:
         peak = peak_tflops_for(gpu)
         if peak is None:
-            raise SystemExit(f"bench_gpu: unknown bf16 peak for {gpu!r}; pass --peak-tflops")
+            raise SystemExit(f"gpu benchmark: unknown bf16 peak for {gpu!r}; pass --peak-tflops")
     if args.device == "cpu":
         peak = None  # no meaningful peak
-    from gpt import GPT, GPTConfig
+    from zerofn.bench.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers)
     with torch.device("meta"):
@@ -568,12 +585,12 @@ def main(argv=None) -> list[dict] | None:
     print(format_table(header, body))
     if args.out:
         given = sys.argv[1:] if argv is None else list(argv)
-        command = shlex.join(["python", os.path.relpath(os.path.abspath(__file__)), *given])
+        command = shlex.join(["python", "-m", MODULE, *given])
         notes = [
             f"model: GPT {n_params:,} parameters, dim {args.dim}, {args.layers} layers, {args.heads} heads, "
             f"vocab {args.vocab}, seq_len {args.seq_len}; {args.batch} sequences per rank per step, "
             f"{args.nproc} rank(s)",
-            f"median of {args.steps} steps after {args.warmup} warm-up steps; model FLOPs per token "
+            f"fastest of {args.rounds} loops of {args.steps} consecutive steps after {args.warmup} warm-up steps; model FLOPs per token "
             f"6 N + 12 L T d = {fpt:,}" + (f"; bf16 peak {peak:g} TFLOP/s per rank" if peak else "; peak: n/a on cpu"),
             "peak memory: "
             + (
