@@ -79,9 +79,19 @@ _NF4_BOOK = (
 )
 
 
+_BOOKS: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the code book there, made once
+
+
 def nf4_code_book(dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
-    """The 16 NF4 values in ``dtype`` (torchao's table, rounded from the same floats)."""
-    return torch.tensor(_NF4_BOOK, dtype=dtype, device=device)
+    """The 16 NF4 values in ``dtype`` (torchao's table, rounded from the same floats); read-only.
+
+    Made once per dtype and device: a tensor made from Python numbers on a GPU is a copy the host waits
+    for, which every dequantization (every quantized layer, forward and backward) would otherwise pay.
+    """
+    key = (dtype, torch.device(device) if device is not None else torch.device("cpu"))
+    if key not in _BOOKS:
+        _BOOKS[key] = torch.tensor(_NF4_BOOK, dtype=dtype, device=key[1])
+    return _BOOKS[key]
 
 
 def _check_weight(w: torch.Tensor, name: str) -> None:
