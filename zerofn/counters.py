@@ -60,13 +60,19 @@ def new(value: int | float, dtype: torch.dtype = torch.int64, device: Any = None
     holds it: a float32 counter carries ``value`` rounded to float32)."""
     if dtype == torch.float32:
         value = struct.unpack("f", struct.pack("f", value))[0]
-    return _carry(torch.tensor(value, dtype=dtype, device=device), value)
+    # a fill on the device, not a copy of a host number: on a GPU that copy is one the host waits for
+    return _carry(torch.full((), value, dtype=dtype, device=device), value)
 
 
 def new_like(values: tuple | list, dtype: torch.dtype = torch.int64, device: Any = None) -> torch.Tensor:
     """A 1-dim counter tensor (one count per parameter) carrying ``values`` on the host."""
     values = tuple(values)
-    return _carry(torch.tensor(values, dtype=dtype, device=device), values)
+    host = torch.tensor(values, dtype=dtype)
+    if device is not None and torch.device(device).type == "cuda":  # from pinned memory: the host need not wait
+        host = host.pin_memory().to(device, non_blocking=True)
+    elif device is not None:
+        host = host.to(device)
+    return _carry(host, values)
 
 
 def value(t: torch.Tensor) -> Any:
