@@ -158,12 +158,13 @@ def rank_slice(batch, rank, world):
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
-    """The largest |a - b| over every key; nan when any difference is nan (a nan parameter on either side),
-    so that every comparison with it fails (Python's max() would drop a nan that is not first)."""
+    """The largest |a - b| over every key, each pair compared on the host (offload's masters live there, the
+    step's parameters on the GPU); nan when any difference is nan (a nan parameter on either side), so that
+    every comparison with it fails (Python's max() would drop a nan that is not first)."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     for k in a:
         assert a[k].shape == b[k].shape, (k, tuple(a[k].shape), tuple(b[k].shape))  # no broadcasting
-    diffs = [(a[k].double() - b[k].double()).abs().max().item() for k in a]
+    diffs = [(a[k].double().cpu() - b[k].double().cpu()).abs().max().item() for k in a]  # wherever each lives
     return math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
 
 

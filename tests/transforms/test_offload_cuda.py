@@ -69,7 +69,11 @@ def test_offloaded_steps_on_cuda_agree(stage):
     first = runs["first"][0]
     for name in ("overlap", "early", "pageable"):
         assert max_abs_diff(runs[name][0], first) == 0, name  # where the update runs changes no number
-    assert max_abs_diff(runs["no offload"][0], first) <= 1e-5  # torch's fused AdamW on the GPU and on the host
+    # torch's fused AdamW on the GPU and on the host round differently. Compared after one step, where that
+    # is all that differs: later, a master that rounds to another bf16 weight changes the next gradients
+    # (3.9e-4 apart after 3 steps on an H200, Adam turning the difference into steps of about lr)
+    on_gpu, on_host = _train(None, stage=stage, steps=1)[0], _train(dict(overlap=False), stage=stage, steps=1)[0]
+    assert max_abs_diff(on_gpu, on_host) <= 1e-5
 
 
 def test_the_gpu_holds_no_gradient_partition_at_the_update():
@@ -108,4 +112,6 @@ def test_parameter_shards_in_ram_and_in_files_on_cuda(tmp_path):
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     in_ram, in_files = _zero3("cpu", tmp_path / "a"), _zero3("nvme", tmp_path / "b")
     assert max_abs_diff(in_ram, in_files) == 0
-    assert max_abs_diff(_zero3(None, None), in_files) <= 1e-5  # the update on the GPU against on the host
+    # the update on the GPU against on the host, after one step (see test_offloaded_steps_on_cuda_agree)
+    (tmp_path / "c").mkdir()
+    assert max_abs_diff(_zero3(None, None, steps=1), _zero3("nvme", tmp_path / "c", steps=1)) <= 1e-5
