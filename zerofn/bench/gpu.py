@@ -169,7 +169,7 @@ def run_speed(args, shape: dict, log: Log, deadline: float, peak: float | None) 
     deepspeed = args.device == "cuda" and importlib.util.find_spec("deepspeed") is not None
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
     results = []
-    for system in speed_systems(deepspeed):
+    for system in args.systems or speed_systems(deepspeed):
         left = deadline - time.monotonic()
         if left < 30:
             results.append({"system": system, "skipped": "out of the time budget"})
@@ -177,10 +177,12 @@ def run_speed(args, shape: dict, log: Log, deadline: float, peak: float | None) 
         sargs = gpu_speed.parse_args([*flags, "--device", args.device, "--timeout", str(min(left, 200))])
         t0 = time.monotonic()
         r = gpu_speed.run_system(sargs, system)
+        if "output_tail" in r:  # a failed child's own words, for the log (the report keeps one line)
+            log.f.write(f"---- {system} failed; the end of its output:\n{r.pop('output_tail')}\n----\n")
         results.append(r)
         what = r.get("skipped") or f"{1e3 * r['step_s']:.1f} ms/step, {r['peak_bytes'] / 2**30:.2f} GiB peak"
         log(f"speed {system}: {what} ({time.monotonic() - t0:.0f} s)")
-    if not deepspeed:
+    if not deepspeed and not args.systems:
         for name in ("deepspeed-z2", "deepspeed-z3", "deepspeed-z2-offload"):
             why = "CUDA only" if args.device != "cuda" else "not installed"
             results.append({"system": name, "skipped": why})
@@ -302,6 +304,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: tiny sizes on gloo, a smoke run")
     p.add_argument("--parts", nargs="+", choices=["checks", "tests", "speed"], default=["checks", "tests", "speed"])
     p.add_argument("--cases", nargs="+", choices=gpu_checks.CASES, default=list(gpu_checks.CASES))
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        choices=gpu_speed.SYSTEMS,
+        default=None,
+        help="the speed part's systems (default: each zerofn system beside its peer)",
+    )
     p.add_argument("--budget", type=float, default=None, help="seconds in all (default 570, --quick 230)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if not recognised")
     args = p.parse_args(argv)

@@ -381,11 +381,17 @@ def _child_argv(args, system: str) -> list[str]:
 
 
 def _last_error(text: str) -> str:
+    """The line that says why a child failed: its last exception line (``SomethingError: ...``), else the last
+    line that mentions an error and is no log prefix or warning, else its last line."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b.*", ln):
+            return ln[:200]
     for ln in reversed(lines):  # the exception line, not torchrun's summary
         if ("Error" in ln or "error" in ln) and not ln.startswith(("[", "torch.distributed", "Traceback", "=")):
             return ln[:200]
-    return lines[-1][:200] if lines else "no output"
+    quiet = [ln for ln in lines if "Warning" not in ln and "WARNING" not in ln]
+    return (quiet or lines)[-1][:200] if lines else "no output"
 
 
 def run_system(args, system: str) -> dict:
@@ -404,7 +410,9 @@ def run_system(args, system: str) -> dict:
             return json.loads(line[len(RESULT_TAG) :])
     if args.verbose:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-    return {"system": system, "skipped": f"failed (exit {proc.returncode}): {_last_error(proc.stderr + proc.stdout)}"}
+    text = proc.stdout + proc.stderr
+    why = f"failed (exit {proc.returncode}): {_last_error(text)}"
+    return {"system": system, "skipped": why, "output_tail": text[-6000:]}
 
 
 def _mib(b: float) -> str:
