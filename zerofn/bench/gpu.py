@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
         if os.path.exists(os.path.join(args.out, name)):
             os.remove(os.path.join(args.out, name))
     log = Log(os.path.join(args.out, "log.txt"))
-    gpu = gpu_speed._gpu_name(args.device)  # exits with a message when CUDA is asked for and absent
+    gpu = gpu_speed.gpu_name(args.device)  # exits with a message when CUDA is asked for and absent
     peak = None
     if args.device == "cuda":
         peak = args.peak_tflops or gpu_speed.peak_tflops_for(gpu)

@@ -107,7 +107,7 @@ def _llama(ctx: Ctx, *, lora: bool = False, nf4_of: torch.dtype | None = None) -
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.02)
     if nf4_of is not None:
-        from zerofn.transforms.quantize._codecs import codec
+        from zerofn.transforms.quantize import codec
 
         fmt = codec("nf4", 64)
         with torch.no_grad():

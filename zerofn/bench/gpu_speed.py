@@ -489,7 +489,8 @@ def format_markdown(header, body, *, gpu: str, command: str, notes: list[str]) -
     return "\n".join(meta + table) + "\n"
 
 
-def _gpu_name(device: str) -> str:
+def gpu_name(device: str) -> str:
+    """The CUDA device's name ("cpu" for the CPU form); exits saying so when CUDA is asked for and absent."""
     if device != "cuda":
         return "cpu"
     # asked in a child so that this process holds no CUDA context while the systems run
@@ -562,7 +563,7 @@ def main(argv=None) -> list[dict] | None:
         if result is not None:
             print(RESULT_TAG + json.dumps(result), flush=True)
         return None
-    gpu = _gpu_name(args.device)
+    gpu = gpu_name(args.device)
     peak = args.peak_tflops
     if args.device == "cuda" and peak is None:
         peak = peak_tflops_for(gpu)
