@@ -379,3 +379,145 @@ def test_the_trainer_schedule_errors():
         from_deepspeed(config, loss_fn, training_args={**quiet, "max_steps": 9, "lr_scheduler_kwargs": {"power": 2}})
     with pytest.raises(TypeError, match=r"training_args must be a transformers.TrainingArguments or a dict"):
         from_deepspeed(config, loss_fn, training_args=[1])
+
+
+# ---------------------------------------------------------------- no "optimizer": the Trainer's AdamW and schedule
+
+TRAINER_FIELDS = {
+    "per_device_train_batch_size": 2,
+    "learning_rate": 3e-3,
+    "adam_beta1": 0.8,
+    "adam_beta2": 0.95,
+    "adam_epsilon": 1e-6,
+    "weight_decay": 0.1,
+    "max_grad_norm": 0.0,
+    "warmup_steps": 2,
+    "max_steps": 6,
+}
+TRAINER_STEPS, TRAINER_WORLD = 6, 2
+# each lr_scheduler_type under another ZeRO stage (shard_optimizer, shard_grads, shard_params)
+TRAINER_CASES = [("linear", 1), ("cosine", 2), ("constant_with_warmup", 3), ("constant", 3)]
+# no "optimizer" and no "scheduler": the Trainer supplies both (transformers' docs, main_classes/deepspeed)
+TRAINER_CONFIG = {
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+}
+
+
+def _trainer_model():
+    """A small Llama with biases (which, with its norm weights, the Trainer does not decay)."""
+    from helpers import tiny_llama
+
+    return tiny_llama(seed=3, attention_bias=True, mlp_bias=True)
+
+
+def _trainer_batch(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randint(0, 64, (TRAINER_WORLD * TRAINER_FIELDS["per_device_train_batch_size"], 8), generator=g)
+
+
+def _trainer_loss(apply):
+    return lambda params, batch: apply(params, input_ids=batch, labels=batch, use_cache=False).loss
+
+
+def _rank_trainer_runs(cases):
+    """Each case trained on this rank's half of each batch by the step from_deepspeed builds with no "optimizer":
+    its full parameters and the warning it gave."""
+    from helpers import rank_slice
+
+    world, rank = zf.collectives.world_size(), zf.collectives.rank()
+    out = {}
+    for kind, stage in cases:
+        module = _trainer_model()
+        apply = zf.functional(module)
+        loss_fn = _trainer_loss(apply)
+        config = {**TRAINER_CONFIG, "zero_optimization": {"stage": stage}}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step, batch = from_deepspeed(config, loss_fn, training_args={**TRAINER_FIELDS, "lr_scheduler_type": kind})
+        assert batch.micro_batch_size == 2 and step.name.startswith(
+            {1: "shard_optimizer", 2: "shard_grads"}.get(stage, "shard_params")
+        )
+        state = step.init(apply.params)
+        for i in range(TRAINER_STEPS):
+            state, _ = step(state, rank_slice(_trainer_batch(i), rank, world))
+        out[(kind, stage)] = (step.full_params(state), [str(w.message) for w in caught])
+    return out
+
+
+def _trainer_reference(kind: str, tmp_path) -> dict:
+    """The Hugging Face Trainer's own optimizer and scheduler (create_optimizer_and_scheduler) driving the same
+    model by hand, each update's gradient the mean of the two ranks' halves (DDP's)."""
+    import transformers
+
+    module = _trainer_model()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", lr_scheduler_type=kind, **TRAINER_FIELDS
+    )
+    trainer = transformers.Trainer(model=module, args=args)
+    trainer.create_optimizer_and_scheduler(num_training_steps=TRAINER_FIELDS["max_steps"])
+    opt, sched = trainer.optimizer, trainer.lr_scheduler
+    decay = [g for g in opt.param_groups if g["weight_decay"] > 0]
+    assert len(decay) == 1 and 0 < len(decay[0]["params"]) < sum(len(g["params"]) for g in opt.param_groups)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    n = TRAINER_FIELDS["per_device_train_batch_size"]
+    for i in range(TRAINER_STEPS):
+        batch = _trainer_batch(i)
+        grads = [
+            torch.autograd.grad(module(input_ids=b, labels=b, use_cache=False).loss, params)
+            for b in (batch[:n], batch[n:])
+        ]
+        for p, a, b in zip(params, *grads):
+            p.grad = (a + b) / 2
+        opt.step()
+        sched.step()
+    return {k: p.detach().clone() for k, p in module.named_parameters()}
+
+
+@needs_hf
+def test_with_no_optimizer_the_trainers_adamw_and_schedule_are_built(ranks, tmp_path):
+    """A Trainer config with no "optimizer" (nor "scheduler"): from_deepspeed(training_args=) builds the Trainer's
+    AdamW (no decay on biases and norm weights) and its lr_scheduler_type with warmup, on 2 ranks under ZeRO 1, 2
+    and 3: the Trainer's own optimizer and scheduler stepped with the same gradients, within 1e-6 (as
+    test_optim_groups' 2 ranks; measured: bit for bit); the warning says so in one line."""
+    per_rank = ranks(TRAINER_WORLD).run(_rank_trainer_runs, TRAINER_CASES)
+    start = {k: p.detach() for k, p in _trainer_model().named_parameters()}
+    for case in TRAINER_CASES:
+        kind, _ = case
+        ref = _trainer_reference(kind, tmp_path)
+        got, caught = per_rank[0][case]
+        diff = max(float((got[k] - ref[k]).abs().max()) for k in ref)
+        assert diff <= 1e-6, f"{case}: max |zerofn - Trainer| {diff:.3g}"
+        assert max(float((start[k] - ref[k]).abs().max()) for k in ref) > 1e-3  # it trained
+        assert all(torch.equal(per_rank[1][case][0][k], got[k]) for k in got)
+        notes = [line for m in caught for line in m.splitlines() if 'has no "optimizer"' in line]
+        assert len(notes) == 1, caught
+        assert (
+            "Trainer's AdamW from training_args (lr 0.003, betas (0.8, 0.95), eps 1e-06, weight_decay 0.1" in notes[0]
+        )
+        assert f"lr_scheduler_type {kind}" in notes[0]
+
+
+def test_with_no_optimizer_what_zerofn_cannot_build_is_refused():
+    """With no "optimizer": an optim or a schedule zerofn cannot build, and a weight decay with no model to read the
+    Trainer's groups from, are refused; so is a config with no "optimizer" and no training_args, as before."""
+    _, _, loss_fn = make_mlp()
+    fields = {**TRAINER_FIELDS, "lr_scheduler_type": "constant"}
+    with pytest.raises(ValueError, match=r'the config has no "optimizer": add one.*or training_args='):
+        from_deepspeed({"train_batch_size": 2}, loss_fn)
+    with pytest.raises(ValueError, match=r"training_args optim 'adafactor'.*only the Trainer's AdamW"):
+        from_deepspeed(TRAINER_CONFIG, loss_fn, training_args={**fields, "optim": "adafactor"})
+    with pytest.raises(ValueError, match=r"lr_scheduler_type 'polynomial'.*zerofn maps only linear, cosine"):
+        from_deepspeed(TRAINER_CONFIG, loss_fn, training_args={**fields, "lr_scheduler_type": "polynomial"})
+    no_model = lambda params, batch: sum(p.sum() for p in params.values())  # noqa: E731
+    with pytest.raises(ValueError, match=r"weight_decay 0.1 to all but biases.*loss_fn calls no zf.functional"):
+        from_deepspeed(TRAINER_CONFIG, no_model, training_args=fields)
+    with warnings.catch_warnings():  # no decay: no model needed
+        warnings.simplefilter("ignore")
+        from_deepspeed(TRAINER_CONFIG, no_model, training_args={**fields, "weight_decay": 0.0})
+    # a DeepSpeed "scheduler" with no "optimizer" sets the Trainer's AdamW's lr, as DeepSpeed's does
+    scheduler = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto"}}
+    with pytest.warns(UserWarning, match=r'has no "optimizer".*none on biases and norm weights\), the config\'s "sch'):
+        from_deepspeed({**TRAINER_CONFIG, "scheduler": scheduler}, loss_fn, training_args=fields)

@@ -128,6 +128,17 @@ def _optimizer(grouping: str, module: nn.Module, wd: float = WD):
             },
             _nanogpt_labels,
         )
+    if grouping == "nanogpt_trainable":  # the mask as nanoGPT's groups are built: over the trainable parameters
+        mask = {n: p.ndim >= 2 for n, p in module.named_parameters() if p.requires_grad}
+        return optim.adamw(LR, eps=EPS, weight_decay=wd, mask=mask)
+    if grouping == "nanogpt_multi_trainable":
+        return optim.multi_transform(
+            {
+                "decay": optim.adamw(LR, eps=EPS, weight_decay=wd),
+                "no_decay": optim.adamw(LR, eps=EPS, weight_decay=0.0),
+            },
+            {n: "decay" if p.ndim >= 2 else "no_decay" for n, p in module.named_parameters() if p.requires_grad},
+        )
     assert grouping == "huggingface", grouping
     return optim.adamw(LR, eps=EPS, weight_decay=wd, mask=optim.decay_mask("huggingface", module))
 
@@ -436,6 +447,13 @@ UNUSED_CASES = [
 ]
 
 
+TRAINABLE_CASES = [  # a mask or labels over the trainable parameters alone (the GPT has a frozen one)
+    ("groups", "gpt", grouping, stage, STEPS, WD)
+    for grouping in ("nanogpt_trainable", "nanogpt_multi_trainable")
+    for stage in ("shard_optimizer", "shard_grads", "shard_params")
+]
+
+
 def _cases(world: int, root: str) -> list:
     groups = [
         ("groups", name, grouping, stage, STEPS, WD)
@@ -455,7 +473,7 @@ def _cases(world: int, root: str) -> list:
         return groups + amp_cases + schedules + moments
     if world == 2:
         traffic = [("traffic", stage) for stage in ("plain", "shard_optimizer", "shard_grads", "shard_params")]
-        return groups + amp_cases + schedules + moments + UNUSED_CASES + traffic
+        return groups + amp_cases + schedules + moments + UNUSED_CASES + traffic + TRAINABLE_CASES
     # 4 ranks: the GPT (importing transformers costs each rank 6-7 s of CPU; the Llama runs on 1 and 2 ranks)
     return [c for c in groups if c[1] == "gpt"]
 
@@ -497,7 +515,7 @@ def test_groups_equal_torch_adamw_with_param_groups(results, world):
     and within 1e-6 on 2 ranks and (the GPT) 4, where torch's gradient is DDP's (the mean of the ranks' slices').
     Measured: bit for bit on 2 ranks too, 1.2e-7 (an ulp) on 4."""
     per_rank = results(world)
-    cases = [c for c in _cases_of(per_rank, "groups") if not c[3].startswith("amp")]
+    cases = [c for c in _cases_of(per_rank, "groups") if not c[3].startswith("amp") and c not in TRAINABLE_CASES]
     assert len(cases) == (2 if world < 4 else 1) * 3 * len(STAGES)
     for case in cases:
         _, name, grouping, stage, steps, wd = case
@@ -517,6 +535,53 @@ def test_groups_equal_torch_adamw_with_param_groups(results, world):
             assert max_abs_diff(_torch_run(name, grouping, everywhere=True), ref) > 1e-5
             assert max_abs_diff(_torch_run(name, grouping, wd=0.0), ref) > 1e-5
             assert max_abs_diff(ref, {n: p.detach() for n, p in _model(name).named_parameters()}) > 1e-3
+
+
+def test_mask_and_labels_over_the_trainable_parameters_equal_torch_param_groups(results):
+    """A mask and labels built as nanoGPT builds its groups, from ``named_parameters()`` where ``requires_grad``
+    (no entry for the frozen parameter), on 2 ranks under each shard transform: torch.optim.AdamW with the same
+    two param groups, within 1e-6 (as the tree-wide mask is)."""
+    per_rank = results(2)
+    for case in TRAINABLE_CASES:
+        _, name, grouping, stage, steps, wd = case
+        ref = _torch_run(name, "nanogpt", steps, world=2, wd=wd)
+        diff = max_abs_diff(per_rank[0][case], ref)
+        assert diff <= 1e-6, f"{case} on 2 ranks: max |zerofn - torch| {diff:.3g}"
+        _same_on_every_rank(per_rank, case)
+
+
+def _frozen_gpt_step(opt):
+    _, apply, loss_fn = _zf_model("gpt")
+    step = zf.train_step(loss_fn, opt)
+    return step, apply.params
+
+
+@pytest.mark.parametrize("what", ["mask", "labels"])
+def test_mask_or_labels_lacking_a_trainable_parameter_or_naming_none_are_refused(what):
+    """Over the trainable parameters is enough; one that lacks a trainable parameter, or has an entry that no
+    parameter has, is refused at init with the names."""
+    module = _model("gpt")
+    trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    assert "frozen_proj" not in trainable and "frozen_proj" in dict(module.named_parameters())
+
+    def build(entries):
+        if what == "mask":
+            return optim.adamw(LR, weight_decay=WD, mask={n: p.ndim >= 2 for n, p in entries.items()})
+        labels = {n: "a" if p.ndim >= 2 else "b" for n, p in entries.items()}
+        return optim.multi_transform({"a": optim.adamw(LR, weight_decay=WD), "b": optim.adamw(LR)}, labels)
+
+    step, params = _frozen_gpt_step(build(trainable))
+    step.init(params)  # accepted
+    step, params = _frozen_gpt_step(build(dict(module.named_parameters())))  # the frozen one's entry too
+    step.init(params)
+    lacking = {n: p for n, p in trainable.items() if n != "pos"}
+    step, params = _frozen_gpt_step(build(lacking))
+    with pytest.raises(ValueError, match=r"every trainable parameter.*it lacks \['pos'\]"):
+        step.init(params)
+    typo = {**lacking, "poss": trainable["pos"]}
+    step, params = _frozen_gpt_step(build(typo))
+    with pytest.raises(ValueError, match=r"it lacks \['pos'\]; it has entries no parameter has: \['poss'\]"):
+        step.init(params)
 
 
 def _amp_excess(a: dict, b: dict) -> float:

@@ -495,6 +495,72 @@ def test_model_shape_counts_hugging_face_models_exactly():
         assert model_shape(cfg.to_dict()).params == real, type(cfg).__name__
 
 
+def test_shape_from_dims_counts_as_the_models_do():
+    """The dimensions alone (the command line's --layers, --hidden, ...) counted as the models built from them:
+    a Llama (gated, grouped-query, tied or not) and a GPT-2 (whose learned positions the dimensions do not give)."""
+    transformers = pytest.importorskip("transformers")
+    from zerofn.plan import shape_from_dims
+
+    dims = dict(layers=2, hidden=64, heads=4, ffn=176, vocab=101)
+    for kv, tied in ((2, False), (4, True)):
+        cfg = transformers.LlamaConfig(
+            vocab_size=101,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=kv,
+            tie_word_embeddings=tied,
+        )
+        real = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(cfg).parameters())
+        assert shape_from_dims(**dims, kv_heads=kv, gated=True, tied=tied).params == real
+    cfg = transformers.GPT2Config(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_inner=176, n_positions=40)
+    real = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(cfg).parameters())
+    assert shape_from_dims(**dims).params == real - 40 * 64
+
+
+# Llama-2-70B's shapes as the command line gives them, and a QLoRA run of it over 2 x 24 GB GPUs
+LLAMA_70B_DIMS = ["--layers", "80", "--hidden", "8192", "--heads", "64", "--ffn", "28672", "--vocab", "32000"]
+QLORA_ARGS = ["--lora-rank", "16", "--quantize", "nf4", "--gpus", "2", "--gpu-memory", "24GB", "--cpu-memory", "128GB"]
+QLORA_ARGS += ["--seq", "2048", "--micro-batch", "2"]
+
+
+def test_cli_counts_the_parameters_from_the_shapes_when_params_disagrees(capsys):
+    """--params 70B with shapes that hold 59.3B (GPT-style blocks: the command line was not told of Llama's gated MLP
+    and grouped-query attention) plans for the shapes' count and says so in one line, where it counted the 10.7B
+    the shapes lack as bf16 embeddings and head, gathered whole by ZeRO-3, and found that nothing fits."""
+    from zerofn.plan import shape_from_dims
+
+    shape = shape_from_dims(layers=80, hidden=8192, heads=64, ffn=28672, vocab=32000)
+    assert plan.main(["--params", "70B", *LLAMA_70B_DIMS, *QLORA_ARGS]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if "--params 70B" in line]
+    assert notes == [
+        "note: --params 70B is 18% off the 59.3B the shapes hold (80 blocks of 738M, 262M in embeddings, head and "
+        "norms): planning for the shapes' count; for a Llama-style model pass --gated and --kv-heads"
+    ]
+    assert out.splitlines()[1].startswith(f"{plan.format_count(shape.params)} parameters on 2 GPU(s)")
+    kw = dict(gpus=2, seq=2048, micro_batch=2, lora_rank=16, quantize="nf4", heads=64, ffn=28672, vocab=32000)
+    rows = compositions(shape, layers=80, hidden=8192, **kw)
+    best = next(e for e in rows if e.fits(24e9, 128e9))
+    assert best.stage == 3 and best.lora.root_frozen == shape.root_params
+    assert f"recommendation: {best.label} ({fmt_bytes(best.total)} per GPU" in out
+    # the shapes alone are the same plan, without the line; --params within 5% of them is planned as given
+    assert plan.main([*LLAMA_70B_DIMS, *QLORA_ARGS]) == 0
+    alone = capsys.readouterr().out
+    assert alone.splitlines() == out.splitlines()[1:]
+    llama = ["--gated", "--kv-heads", "8"]
+    assert plan.main(["--params", "70B", *LLAMA_70B_DIMS, *llama, "--gpus", "8", "--gpu-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("70B parameters on 8 GPU(s)")
+    assert plan.main([*LLAMA_70B_DIMS, *llama, "--gpus", "8", "--gpu-memory", "80GB"]) == 0
+    assert capsys.readouterr().out.startswith("68.7B parameters on 8 GPU(s)")  # Llama-2-70B's 69.0B, its head tied
+    # the shapes alone need the vocabulary (the embeddings and head)
+    with pytest.raises(SystemExit) as e:
+        plan.main(LLAMA_70B_DIMS[:-2] + ["--gpu-memory", "80GB"])
+    assert e.value.code == 2 and "which needs --vocab" in capsys.readouterr().err
+
+
 def test_model_shape_of_the_gpt_example(tmp_path):
     """The example's GPT in GPT-2 names (it has no q, k, v biases: 3 x dim per block fewer)."""
     c = dict(vocab_size=CFG.vocab, n_embd=CFG.dim, n_layer=CFG.layers, n_head=CFG.heads, n_positions=CFG.seq_len)

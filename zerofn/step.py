@@ -219,7 +219,8 @@ class Step:
         for e in sorted(self.extensions, key=lambda e: not e.prepare_first):
             if e.prepare is not None:
                 split = e.prepare(split, functional, f"{self.name}.init")
-        groups = O.labels(self.optimizer, _names_view(split.treedef, split.named))  # its masks and groups, if any
+        names = _names_view(split.treedef, split.named, split.trainable)
+        groups = O.labels(self.optimizer, names)  # its masks and groups, if any
         split = split._replace(labels={k: groups[k] for k in split.trainable} if groups else {})
         world, rank = C.world_size(), C.rank()
         if world > 1 and not structure_only:
@@ -946,10 +947,12 @@ def _decide(
     return bool(applies), frozenset(n for n, a in zip(layout.trainable_names, gone) if a)
 
 
-def _names_view(treedef: Any, named: dict) -> O.ParamView:
-    """The parameters as the optimizer's labels see them: names, full shapes and dtypes (no leaves yet)."""
+def _names_view(treedef: Any, named: dict, trainable: Any) -> O.ParamView:
+    """The parameters as the optimizer's labels see them: names, full shapes and dtypes (no leaves yet), and
+    which of them it updates."""
     shapes = tuple(tuple(t.shape) for t in named.values())
-    return O.ParamView({}, treedef, tuple(named), shapes, tuple(t.dtype for t in named.values()))
+    dtypes = tuple(t.dtype for t in named.values())
+    return O.ParamView({}, treedef, tuple(named), shapes, dtypes, frozenset(trainable))
 
 
 def param_view(layout: Layout, rank: int, treedef: Any) -> O.ParamView:
@@ -976,6 +979,7 @@ def param_view(layout: Layout, rank: int, treedef: Any) -> O.ParamView:
         names,
         tuple(shapes.get(n, ()) for n in names),
         tuple(dtypes.get(n, torch.float32) for n in names),
+        frozenset(layout.trainable_names),
     )
 
 

@@ -39,8 +39,10 @@ The rules (the key-by-key table is in docs/migrating/deepspeed.md):
   (``learning_rate``, ``per_device_train_batch_size``, ``max_steps``, ...),
   and the bucket sizes from the hidden size of the model ``loss_fn`` calls
   (or ``hidden_size=``); a number written in the config that disagrees with
-  its field raises, as in the Trainer, and with no ``"scheduler"`` the
-  Trainer's ``lr_scheduler_type`` scales the learning rate. Without
+  its field raises, as in the Trainer, with no ``"scheduler"`` the
+  Trainer's ``lr_scheduler_type`` scales the learning rate, and with no
+  ``"optimizer"`` (nor ``optimizer=``) the Trainer's own AdamW is built
+  (no decay on biases and norm weights; the warning says so). Without
   ``training_args``, an ``"auto"`` raises, naming the key, what to write
   and the field that fills it, except where zerofn can resolve it: one
   batch key when the other two are numbers, and the sizes that only tune

@@ -16,8 +16,11 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import torch
 
 from zerofn import counters
 from zerofn import optim as O
@@ -29,9 +32,12 @@ __all__ = [
     "TrainerArgs",
     "model_hidden_size",
     "resolve_auto",
+    "trainer_optimizer",
     "trainer_schedule",
     "with_trainer_schedule",
 ]
+
+_TORCH = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
 
 # The TrainingArguments fields zerofn reads, with TrainingArguments' defaults.
 TRAINING_ARGS_DEFAULTS: dict[str, Any] = {
@@ -48,6 +54,7 @@ TRAINING_ARGS_DEFAULTS: dict[str, Any] = {
     "max_steps": -1,
     "lr_scheduler_type": "linear",
     "lr_scheduler_kwargs": None,
+    "optim": "adamw_torch_fused" if _TORCH >= (2, 8) else "adamw_torch",  # as TrainingArguments: the same AdamW
     "fp16": False,
     "bf16": False,
     "fp16_full_eval": False,
@@ -81,6 +88,9 @@ HIDDEN_SIZE_KEYS = {
 
 # The lr_scheduler_types zerofn maps (the factor of the learning rate at each update: _hf_lambda, as LambdaLR).
 SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
+
+# The TrainingArguments optims zerofn builds when the config has no "optimizer": torch.optim.AdamW (fused or not).
+TRAINER_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
 
 def _warmup(count: int, w: int) -> float:
@@ -141,6 +151,8 @@ class TrainerArgs:
         if not isinstance(self.lr_scheduler_type, str):
             raise ValueError(f"from_deepspeed: training_args lr_scheduler_type must be a string, got {kind!r}")
         self.lr_scheduler_kwargs = get("lr_scheduler_kwargs") or {}
+        optim = get("optim")
+        self.optim = getattr(optim, "value", optim)  # transformers' OptimizerNames is a str enum
         self.fp16 = _arg("fp16", get, "bool", None) or _arg("fp16_full_eval", get, "bool", None)
         self.bf16 = _arg("bf16", get, "bool", None) or _arg("bf16_full_eval", get, "bool", None)
 
@@ -360,6 +372,57 @@ def trainer_schedule(config: dict, training_args: Any) -> Callable[[int], float]
             'lr_scheduler_type="constant" for no schedule'
         )
     return _hf_factor(kind, args.warmup(total), total if total is not None else 0)
+
+
+def trainer_optimizer(config: dict, training_args: Any, model: Callable[[], Any]) -> tuple[dict, str]:
+    """The optimizer the Hugging Face Trainer builds when the config has no ``"optimizer"``: ``create_optimizer``'s
+    torch.optim.AdamW over two groups, ``weight_decay`` on every trainable parameter but biases and norm weights
+    (``get_decay_parameter_names``: ``zf.optim.decay_mask("huggingface", model)``), none on those.
+
+    Returns ``zf.optim.adamw``'s keyword arguments (lr a number: the schedule is the Trainer's, applied by
+    :func:`with_trainer_schedule`, or the config's ``"scheduler"``) and the line ``from_deepspeed``'s warning
+    says it with. ``model()`` is the model ``loss_fn`` calls (read only for a weight decay)."""
+    args = TrainerArgs(training_args)
+    if args.optim not in TRAINER_OPTIMS:
+        raise ValueError(
+            f'from_deepspeed: the config has no "optimizer", so the Hugging Face Trainer would build training_args '
+            f"optim {args.optim!r}, and zerofn builds only the Trainer's AdamW ({', '.join(TRAINER_OPTIMS)}): use "
+            'one of those, add an "optimizer" to the config, or build it with zf.optim and pass optimizer='
+        )
+    kwargs: dict[str, Any] = {
+        "lr": args.lr,
+        "betas": (args.beta1, args.beta2),
+        "eps": args.eps,
+        "weight_decay": args.weight_decay,
+    }
+    if args.weight_decay:
+        module = model()
+        if module is None:
+            raise ValueError(
+                f'from_deepspeed: the config has no "optimizer", so the Hugging Face Trainer\'s AdamW applies '
+                f"training_args weight_decay {args.weight_decay:g} to all but biases and norm weights, which zerofn "
+                "reads from the model, and loss_fn calls no zf.functional apply: write loss_fn to call apply = "
+                'zf.functional(model), or add an "optimizer" to the config, or pass optimizer='
+            )
+        kwargs["mask"] = O.decay_mask("huggingface", module)
+    note = (
+        f'the config has no "optimizer": the Hugging Face Trainer\'s AdamW from training_args (lr {args.lr:g}, '
+        f"betas ({args.beta1:g}, {args.beta2:g}), eps {args.eps:g}, weight_decay {args.weight_decay:g}, none on "
+        f"biases and norm weights), {_schedule_note(config, args)}"
+    )
+    return kwargs, note
+
+
+def _schedule_note(config: dict, args: TrainerArgs) -> str:
+    if "scheduler" in config:
+        return 'the config\'s "scheduler" on its lr'
+    kind = args.lr_scheduler_type
+    if kind == "constant" or kind not in SCHEDULES:  # (an unmapped one is refused by trainer_schedule)
+        return f"lr_scheduler_type {kind}"
+    total = args.total_steps
+    warmup = args.warmup(total) if total is not None or not args.warmup_needs_total() else 0
+    of = f" of {total}" if total is not None else ""
+    return f"lr_scheduler_type {kind}, {warmup} warmup updates{of}"
 
 
 def with_trainer_schedule(spec: Any, factor: Callable[[int], float] | None) -> Any:

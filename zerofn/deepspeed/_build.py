@@ -13,7 +13,13 @@ from zerofn import collectives as C
 from zerofn import optim as O
 from zerofn import tree as T
 from zerofn.closure import find_functional
-from zerofn.deepspeed._auto import model_hidden_size, resolve_auto, trainer_schedule, with_trainer_schedule
+from zerofn.deepspeed._auto import (
+    model_hidden_size,
+    resolve_auto,
+    trainer_optimizer,
+    trainer_schedule,
+    with_trainer_schedule,
+)
 from zerofn.deepspeed._batch import DeepSpeedConfig, resolve_batch_sizes
 from zerofn.deepspeed._compression import read_compression
 from zerofn.deepspeed._keys import TOP_ERRORS, TOP_IGNORED, TOP_QUIET
@@ -71,8 +77,11 @@ def from_deepspeed(
             (``per_device_train_batch_size``, ``learning_rate``, ``max_steps``, ...; its defaults
             for the absent ones): each ``"auto"`` takes the value the Hugging Face Trainer would put
             there, a written value that disagrees with its argument raises (as in the Trainer),
-            and with no ``"scheduler"`` in the config the Trainer's ``lr_scheduler_type`` scales
-            the learning rate (docs/migrating/deepspeed.md, ``"auto"``, has the mapping key by key).
+            with no ``"scheduler"`` in the config the Trainer's ``lr_scheduler_type`` scales
+            the learning rate, and with no ``"optimizer"`` (nor ``optimizer=``) the optimizer is
+            the Trainer's AdamW (its ``optim`` default; no decay on biases and norm weights), said
+            in one line of the warning (docs/migrating/deepspeed.md, ``"auto"``, has the mapping key
+            by key).
         hidden_size: the model's hidden size, for the ``"auto"`` of ``reduce_bucket_size``,
             ``stage3_prefetch_bucket_size`` and ``stage3_param_persistence_threshold`` (the Trainer's
             ``h*h``, ``int(0.9*h*h)``, ``10*h``); default with ``training_args``: the Hugging Face
@@ -123,7 +132,11 @@ def from_deepspeed(
     r = Block("", raw)
     r.raw("tensor_parallel")  # read above
     sizes = resolve_batch_sizes(r, world)
-    spec = with_trainer_schedule(read_optimizer(r, optimizer, ignored), trainer_schedule(raw, training_args))
+    trainer = None
+    if training_args is not None:  # no "optimizer" (and no optimizer=): the Hugging Face Trainer's AdamW
+        trainer = lambda: trainer_optimizer(raw, training_args, lambda: _model_of(loss_fn))  # noqa: E731
+    spec = read_optimizer(r, optimizer, ignored, trainer)
+    spec = with_trainer_schedule(spec, trainer_schedule(raw, training_args))
     precision = read_precision(r, ignored)
     zero = read_zero(r, ignored)
     remat_on = read_remat(r, ignored)
@@ -166,24 +179,33 @@ def from_deepspeed(
         step = tensor_parallel(step, tp)
     if ignored:
         lines = "\n".join(f"  {k}: {why}" for k, why in ignored.items())
+        chosen = f"from_deepspeed: {spec.note}\n" if spec.note else ""
         warnings.warn(
-            f"from_deepspeed: zerofn has no equivalent for these keys and ignores them (none changes the numbers):\n"
-            f"{lines}",
+            f"{chosen}from_deepspeed: zerofn has no equivalent for these keys and ignores them (none changes the "
+            f"numbers):\n{lines}",
             UserWarning,
             stacklevel=2,
         )
+    elif spec.note:
+        warnings.warn(f"from_deepspeed: {spec.note}", UserWarning, stacklevel=2)
     batch = DeepSpeedConfig(
         sizes.train_batch_size, sizes.micro_batch_size, sizes.gradient_accumulation_steps, world, tuple(ignored)
     )
     return DeepSpeedRun(step, batch)
 
 
-def _model_hidden_size(loss_fn: Callable) -> int | None:
-    """The hidden size of the Hugging Face model ``loss_fn`` calls (through its ``zf.functional`` apply)."""
+def _model_of(loss_fn: Callable) -> torch.nn.Module | None:
+    """The model ``loss_fn`` calls (through its ``zf.functional`` apply); None when it calls none."""
     try:
-        return model_hidden_size(find_functional(loss_fn).module)
+        return find_functional(loss_fn).module
     except ValueError:  # loss_fn calls no zf.functional apply
         return None
+
+
+def _model_hidden_size(loss_fn: Callable) -> int | None:
+    """The hidden size of the Hugging Face model ``loss_fn`` calls (through its ``zf.functional`` apply)."""
+    model = _model_of(loss_fn)
+    return None if model is None else model_hidden_size(model)
 
 
 def _refuse_features(raw: dict) -> None:

@@ -33,12 +33,15 @@ class OptimizerSpec(NamedTuple):
             schedule.
         clip: ``gradient_clipping``, the largest global gradient norm (0: no clipping).
         given: the optimizer passed as ``optimizer=``, for kind ``"given"``.
+        note: how it was chosen, when the config does not say (the Hugging Face Trainer's, from
+            ``training_args``): a line of ``from_deepspeed``'s warning.
     """
 
     kind: str
     args: dict
     clip: float
     given: O.GradientTransformation | None = None
+    note: str | None = None
 
     def build(self) -> O.GradientTransformation:
         """The optimizer, behind ``clip_by_global_norm(clip)`` when clipping is on."""
@@ -46,29 +49,41 @@ class OptimizerSpec(NamedTuple):
         return O.chain(O.clip_by_global_norm(self.clip), opt) if self.clip > 0 else opt
 
 
-def read_optimizer(r: Block, given: O.GradientTransformation | None, ignored: dict) -> OptimizerSpec:
+def read_optimizer(
+    r: Block,
+    given: O.GradientTransformation | None,
+    ignored: dict,
+    trainer: Callable[[], tuple[dict, str]] | None = None,
+) -> OptimizerSpec:
     """The ``optimizer`` and ``scheduler`` blocks and ``gradient_clipping`` of the config's top level ``r``.
 
     ``given`` is ``from_deepspeed``'s ``optimizer=``; keys with no equivalent are added to ``ignored``.
+    ``trainer`` (with ``training_args=``): the Hugging Face Trainer's AdamW, for a config with no
+    ``"optimizer"`` and no ``optimizer=`` (``zf.optim.adamw``'s keyword arguments and the warning's line).
     """
-    kind, args = _optimizer(r, given, ignored)
+    kind, args, note = _optimizer(r, given, ignored, trainer)
     schedule = _schedule(r, args.get("lr") if kind != "given" else None)
     if schedule is not None:
         args["lr"] = schedule
     clip = r.get("gradient_clipping", 0.0, "float", low=0.0)
-    return OptimizerSpec(kind, args, clip, given)
+    return OptimizerSpec(kind, args, clip, given, note)
 
 
-def _optimizer(r: Block, given: Any, ignored: dict) -> tuple[str, dict]:
-    """The optimizer block: its kind (``"given"`` for ``optimizer=``) and keyword arguments, lr a number."""
+def _optimizer(r: Block, given: Any, ignored: dict, trainer: Callable | None) -> tuple[str, dict, str | None]:
+    """The optimizer block: its kind (``"given"`` for ``optimizer=``) and keyword arguments, lr a number, and
+    the warning's line when the Trainer's was chosen."""
     blk = r.block("optimizer")
     if blk is None:
-        if given is None:
+        if given is not None:
+            return "given", {}, None
+        if trainer is None:
             raise ValueError(
                 'from_deepspeed: the config has no "optimizer": add one, e.g. "optimizer": {"type": "AdamW", '
-                '"params": {"lr": 3e-4, "weight_decay": 0.01}}, or pass optimizer=zf.optim.adamw(...)'
+                '"params": {"lr": 3e-4, "weight_decay": 0.01}}, or pass optimizer=zf.optim.adamw(...), or '
+                "training_args= (the Hugging Face Trainer's AdamW)"
             )
-        return "given", {}
+        args, note = trainer()
+        return "adamw", {**args, **_moments(r)}, note
     if given is not None:
         raise ValueError(
             'from_deepspeed: the config has an "optimizer" and optimizer= was passed too (DeepSpeed refuses both): '
@@ -96,16 +111,9 @@ def _optimizer(r: Block, given: Any, ignored: dict) -> tuple[str, dict]:
     p = blk.block("params") or Block("optimizer.params", {})
     for k in blk.leftover():
         ignored[blk.key(k)] = "DeepSpeed reads only type and params here (an optimizer argument goes under params)"
-    masters, bf16_states = bf16_masters(r)
-    # DeepSpeed's bf16 masters keep the optimizer state in fp32 unless bf16_optimizer_states: the moments of
-    # the bf16 parameters the optimizer updates are fp32, or bf16 (named, so that fp32 gradients, as the
-    # host update under offload gets them, are taken too: updated in fp32, stored in bf16).
-    moments = {}
-    if masters:
-        dtype = torch.bfloat16 if bf16_states else torch.float32
-        moments = {"mu_dtype": dtype, "nu_dtype": dtype}
+    moments = _moments(r)
     if name == "lamb":
-        return "lamb", _lamb(p, moments)
+        return "lamb", _lamb(p, moments), None
     if "max_grad_norm" in p:
         raise ValueError(
             "from_deepspeed: optimizer.params.max_grad_norm is not an optimizer parameter (DeepSpeed refuses it too): "
@@ -159,7 +167,19 @@ def _optimizer(r: Block, given: Any, ignored: dict) -> tuple[str, dict]:
             f"from_deepspeed: {p.key(unknown[0])}: not a parameter of DeepSpeed's {_kind_name(name)} that zerofn "
             f"maps (ignoring it could change the update): remove it. Mapped: {', '.join(known)}"
         )
-    return kind, args
+    return kind, args, None
+
+
+def _moments(r: Block) -> dict:
+    """The dtypes of the moments, under bf16 masters: DeepSpeed's keep the optimizer state in fp32 unless
+    bf16_optimizer_states, so the moments of the bf16 parameters the optimizer updates are fp32, or bf16
+    (named, so that fp32 gradients, as the host update under offload gets them, are taken too: updated in
+    fp32, stored in bf16)."""
+    masters, bf16_states = bf16_masters(r)
+    if not masters:
+        return {}
+    dtype = torch.bfloat16 if bf16_states else torch.float32
+    return {"mu_dtype": dtype, "nu_dtype": dtype}
 
 
 def _lamb(p: Block, moments: dict) -> dict:

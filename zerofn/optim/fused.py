@@ -151,7 +151,7 @@ def _runs(view: ParamView, keys: list[str], itemsizes: list[int]) -> tuple[list[
             leaves[key] = LeafView(pieces, hi - lo, leaf.sharded)
             run_keys.append(key)
             where.append((i, lo, hi))
-    return run_keys, ParamView(leaves, view.treedef, view.names, view.shapes, view.dtypes), where
+    return run_keys, ParamView(leaves, view.treedef, view.names, view.shapes, view.dtypes, view.trainable), where
 
 
 def _cut(cache: dict, view: ParamView, keys: list[str], *columns: list) -> tuple:

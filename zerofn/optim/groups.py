@@ -101,7 +101,7 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
 
 
 def _mask_of(mask: Any, view: ParamView, where: str) -> dict[str, bool]:
-    values = view.resolve(mask, "the mask", where)
+    values = view.resolve(mask, "the mask", where, fill=False)  # a frozen parameter's entry is never read
     bad = {n: v for n, v in values.items() if not isinstance(v, (bool, torch.Tensor)) and v not in (0, 1)}
     if bad:
         name, v = next(iter(bad.items()))
@@ -215,12 +215,12 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param
 
 
 def _labels_of(transforms: dict, param_labels: Any, view: ParamView, where: str) -> dict[str, Hashable]:
-    values = view.resolve(param_labels, "the labels", where)
-    unknown = sorted({repr(v) for v in values.values() if v not in transforms})
+    values = view.resolve(param_labels, "the labels", where)  # a frozen parameter's label is never read
+    unknown = sorted({repr(values[n]) for n in view.trainable_names if values[n] not in transforms})
     if unknown:
         raise ValueError(
             f"{where}: labels {unknown} name no transform; the transforms are for {sorted(map(repr, transforms))}. "
-            "Give every parameter one of those labels (frozen ones too: their label is not used)."
+            "Give every trainable parameter one of those labels (a frozen one's may be left out: it is not used)."
         )
     return values
 
@@ -268,7 +268,7 @@ def _multi(transforms: dict, param_labels: Any, view: ParamView | None) -> Gradi
     def partition(v: ParamView) -> dict:
         of = _labels_of(transforms, param_labels, v, where)
         inner = {label: labels(t, v) or {} for label, t in transforms.items()}
-        return {n: (of[n], inner[of[n]].get(n)) for n in v.names}
+        return {n: (of[n], inner[of[n]].get(n) if of[n] in inner else None) for n in v.names}
 
     members = [t for t, _ in once.values()] if once is not None else list(transforms.values())
     return GradientTransformation(

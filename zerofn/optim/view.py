@@ -101,6 +101,8 @@ class ParamView:
         names: every parameter's name, in the tree's leaf order.
         shapes: every parameter's full shape, in that order.
         dtypes: every parameter's dtype, in that order.
+        trainable: the names of the parameters the optimizer updates (None: all of them). A mask or the
+            labels need entries for these alone: a frozen parameter's is never read.
     """
 
     leaves: Mapping[str, LeafView]
@@ -108,9 +110,10 @@ class ParamView:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
+    trainable: frozenset[str] | None = None
 
     def __hash__(self) -> int:
-        return hash((tuple(self.leaves.items()), self.names, self.shapes))
+        return hash((tuple(self.leaves.items()), self.names, self.shapes, self.trainable))
 
     @staticmethod
     def of_tree(tree: Any) -> ParamView:
@@ -119,7 +122,7 @@ class ParamView:
         names = tuple(T.keystr(p) for p in paths)
         shapes = tuple(tuple(t.shape) for t in leaves)
         views = {n: LeafView((Piece(n, s, 0, 0, _numel(s)),), _numel(s)) for n, s in zip(names, shapes)}
-        return ParamView(views, treedef, names, shapes, tuple(t.dtype for t in leaves))
+        return ParamView(views, treedef, names, shapes, tuple(t.dtype for t in leaves))  # every leaf trainable
 
     def params(self) -> Any:
         """The params tree with meta tensors of each parameter's full shape and dtype (for a mask or
@@ -143,29 +146,39 @@ class ParamView:
         return ParamView({as_key or key: LeafView(tuple(pieces), hi - lo, sharded)}, *self._rest())
 
     def _rest(self) -> tuple:
-        return self.treedef, self.names, self.shapes, self.dtypes
+        return self.treedef, self.names, self.shapes, self.dtypes, self.trainable
 
-    def resolve(self, spec: Any, what: str, where: str) -> dict[str, Any]:
+    @property
+    def trainable_names(self) -> tuple[str, ...]:
+        """The names of the parameters the optimizer updates, in the params tree's leaf order."""
+        return self.names if self.trainable is None else tuple(n for n in self.names if n in self.trainable)
+
+    def resolve(self, spec: Any, what: str, where: str, fill: Any = None) -> dict[str, Any]:
         """``spec`` (a tree over the parameters, or a function of :meth:`params` returning one) as
-        name -> value, for every parameter; ``what`` and ``where`` name it in errors."""
+        name -> value, for every parameter; ``what`` and ``where`` name it in errors.
+
+        ``spec`` needs an entry for every trainable parameter; a frozen one's may be absent (as in a tree
+        built from ``model.named_parameters()`` where ``p.requires_grad``): it is ``fill`` then."""
         tree = spec(self.params()) if callable(spec) else spec
+        needed = self.trainable_names
         if isinstance(tree, Mapping):
             flat = dict(tree)
-            if set(flat) >= set(self.names) and all(not isinstance(v, (Mapping, list, tuple)) for v in flat.values()):
-                return {n: flat[n] for n in self.names}
+            if set(flat) >= set(needed) and all(not isinstance(v, (Mapping, list, tuple)) for v in flat.values()):
+                return {n: flat.get(n, fill) for n in self.names}
         try:
             paths, values, _ = T.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
         except Exception as e:  # pragma: no cover - optree's own message is clear enough
             raise TypeError(f"{where}: {what} must be a tree over the parameters: {e}") from e
-        names = tuple(T.keystr(p) for p in paths)
-        if names == self.names:
-            return dict(zip(names, values))
-        missing = [n for n in self.names if n not in set(names)]
-        extra = [n for n in names if n not in set(self.names)]
+        given = dict(zip((T.keystr(p) for p in paths), values))
+        missing = [n for n in needed if n not in given]
+        extra = [n for n in given if n not in set(self.names)]
+        if not missing and not extra:
+            return {n: given.get(n, fill) for n in self.names}
         raise ValueError(
-            f"{where}: {what} must have an entry for every parameter, keyed as in the params tree "
-            f"(apply.params); it lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}"
-            + (f" and has entries no parameter has: {extra[:4]}" if extra else "")
+            f"{where}: {what} must have an entry for every trainable parameter, keyed as in the params tree "
+            "(apply.params) (a frozen one's may be left out)"
+            + (f"; it lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}" if missing else "")
+            + (f"; it has entries no parameter has: {extra[:4]}{' ...' if len(extra) > 4 else ''}" if extra else "")
             + ". Pass a tree shaped like the params, or a function of the params tree returning one, e.g. "
             "lambda params: {name: p.ndim >= 2 for name, p in params.items()}."
         )

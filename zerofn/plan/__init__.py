@@ -2,8 +2,9 @@
 
 :func:`estimate` (also ``zf.memory.estimate``) is the ZeRO paper's memory
 table as zerofn holds it, plus activations and the transients of a step;
-:func:`model_shape` reads a Hugging Face ``config.json``; :func:`main` is
-``python -m zerofn plan``. Nothing here computes with torch: it is arithmetic
+:func:`model_shape` reads a Hugging Face ``config.json`` (:func:`shape_from_dims`
+counts the same from the dimensions); :func:`main` is ``python -m zerofn plan``.
+Nothing here computes with torch: it is arithmetic
 on shapes, checked against real runs in ``tests/test_plan.py`` (an optimizer
 passed as ``estimate(..., optimizer=)`` is initialised once on a two-element
 tensor, to count what its state holds: :func:`optimizer_bytes`).
@@ -130,7 +131,7 @@ from zerofn.plan.estimates import (
 )
 from zerofn.plan.lora import LoraPlan, dequant_bytes, lora_plan
 from zerofn.plan.plotting import plot
-from zerofn.plan.shapes import ModelShape, model_shape
+from zerofn.plan.shapes import ModelShape, model_shape, shape_from_dims
 from zerofn.plan.tensor import TensorParallelPlan, tensor_parallel_plan
 from zerofn.plan.text import fmt_bytes, format_count, plan_text
 
@@ -159,5 +160,6 @@ __all__ = [
     "parse_size",
     "plan_text",
     "plot",
+    "shape_from_dims",
     "tensor_parallel_plan",
 ]

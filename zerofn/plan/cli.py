@@ -12,7 +12,7 @@ import torch
 from zerofn import optim as O
 from zerofn.plan.estimates import compositions
 from zerofn.plan.plotting import plot
-from zerofn.plan.shapes import ModelShape, model_shape
+from zerofn.plan.shapes import ModelShape, model_shape, shape_from_dims
 from zerofn.plan.text import fmt_bytes, format_count, plan_text
 
 __all__ = ["main", "parse_count", "parse_size"]
@@ -73,7 +73,11 @@ def _parser() -> argparse.ArgumentParser:
         "(and ZeRO-3's parameters) on the GPU, in CPU RAM or on NVMe, with and without remat; what fits, and "
         "the composition to use.",
     )
-    p.add_argument("--params", type=parse_count, help="trainable parameters (70e9, 70B, 124M)")
+    p.add_argument(
+        "--params",
+        type=parse_count,
+        help="trainable parameters (70e9, 70B, 124M); absent, counted from the shapes (--layers, --hidden, --vocab)",
+    )
     p.add_argument("--model", metavar="CONFIG", help="a Hugging Face config.json or its directory: size and shapes")
     p.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
@@ -83,8 +87,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, help="transformer blocks")
     p.add_argument("--hidden", type=int, help="hidden size")
     p.add_argument("--heads", type=int, help="attention heads (default hidden / 64)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention; default --heads)")
     p.add_argument("--ffn", type=int, help="MLP width (default 4 x hidden)")
-    p.add_argument("--vocab", type=int, help="vocabulary (the logits' activations)")
+    p.add_argument(
+        "--gated",
+        action="store_true",
+        help="a gated MLP (SwiGLU: gate, up and down projections, Llama-style, RMSNorm and no biases); default "
+        "GPT's two matrices",
+    )
+    p.add_argument("--vocab", type=int, help="vocabulary (the embeddings and head; the logits' activations)")
     p.add_argument("--seq", type=int, help="sequence length")
     p.add_argument("--micro-batch", type=int, help="sequences per GPU per micro-step")
     p.add_argument("--inference", action="store_true", help="weights only, 2 bytes per parameter (fp16/bf16)")
@@ -134,8 +145,19 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m zerofn plan ...``: print the table and the recommendation; returns the exit status."""
     p = _parser()
     args = p.parse_args(sys.argv[1:] if argv is None else list(argv))
-    if (args.params is None) == (args.model is None):
-        p.error("give either --params or --model")
+    shaped = bool(args.layers and args.hidden)
+    if args.params is not None and args.model is not None:
+        p.error("give either --params or --model, not both")
+    if args.params is None and args.model is None:
+        if not shaped:
+            p.error(
+                "give either --params or --model, or the shapes to count the parameters from (--layers, --hidden, --vocab)"
+            )
+        if args.vocab is None:
+            p.error(
+                "--layers and --hidden without --params: the parameters are counted from the shapes, which needs "
+                "--vocab (the embeddings and head); pass --vocab, or --params"
+            )
     if args.gpus < 1 or args.nodes < 1:
         p.error("--gpus and --nodes must be at least 1")
     if args.fp32 and args.inference:
@@ -198,8 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    shape_kw = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq", "micro_batch")}
+    note = None
+    if args.model is None and shaped and args.vocab is not None:
+        source, note = _count_from_shapes(args)
+    dims = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "micro_batch")
+    shape_kw = {k: getattr(args, k) for k in dims}
     shape_kw = {k: v for k, v in shape_kw.items() if v is not None}
+    if args.gated:
+        shape_kw["gated"] = True
     kw = dict(gpus=args.gpus, nodes=args.nodes, **shape_kw)
     if not args.inference:
         kw["mixed_precision"] = not args.fp32
@@ -236,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{format_count(psi)} parameters{name} on {n} GPU(s) ({args.nodes} node(s) x {args.gpus}), "
         f"{fmt_bytes(args.gpu_memory)} each; {what}"
     )
+    if note is not None:
+        print(note)
     print(plan_text(rows, gpu=args.gpu_memory, cpu=args.cpu_memory, nvme=args.nvme, psi=psi, title=title))
     if args.plot:
         try:
@@ -245,3 +275,36 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"plot written to {args.plot}")
     return 0
+
+
+# How far --params may be from the shapes' count before the shapes' count is used (norms, biases, a tied or untied
+# head and positions move it by a percent or two).
+PARAMS_TOLERANCE = 0.05
+
+
+def _count_from_shapes(args: argparse.Namespace) -> tuple[float | ModelShape, str | None]:
+    """The parameter count to plan for, given the shapes (``--layers``, ``--hidden``, ``--vocab``, ...): the shapes'
+    own count (a :class:`ModelShape`) when ``--params`` is absent or off it by more than ``PARAMS_TOLERANCE`` (with
+    the line that says so), else ``--params`` as given. The blocks and the rest (embeddings, head, norms) are then
+    what the shapes make them, where a larger ``--params`` would put its excess in the rest."""
+    shape = shape_from_dims(
+        layers=args.layers,
+        hidden=args.hidden,
+        vocab=args.vocab,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        ffn=args.ffn,
+        gated=args.gated,
+    )
+    if args.params is None:
+        return shape, None
+    if abs(args.params - shape.params) <= PARAMS_TOLERANCE * shape.params:
+        return args.params, None
+    missing = [f for f, given in (("--gated", args.gated), ("--kv-heads", args.kv_heads)) if not given]
+    hint = f"; for a Llama-style model pass {' and '.join(missing)}" if missing else ""
+    note = (
+        f"note: --params {format_count(args.params)} is {abs(args.params / shape.params - 1):.0%} off the "
+        f"{format_count(shape.params)} the shapes hold ({args.layers} blocks of {format_count(shape.layer_params)}, "
+        f"{format_count(shape.root_params)} in embeddings, head and norms): planning for the shapes' count{hint}"
+    )
+    return shape, note

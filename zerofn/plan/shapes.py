@@ -1,13 +1,15 @@
-"""Hugging Face ``config.json`` to a model's size and shapes: :class:`ModelShape`, :func:`model_shape`."""
+"""Hugging Face ``config.json`` to a model's size and shapes: :class:`ModelShape`, :func:`model_shape`; the same
+from the shapes alone: :func:`shape_from_dims`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelShape", "model_shape"]
+__all__ = ["ModelShape", "model_shape", "shape_from_dims"]
 
 
 @dataclass(frozen=True)
@@ -166,3 +168,44 @@ def model_shape(config: dict | str | os.PathLike) -> ModelShape:
         out_bias=out_bias,
         mlp_bias=mlp_bias,
     )
+
+
+def shape_from_dims(
+    *,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    ffn: int | None = None,
+    gated: bool = False,
+    tied: bool = True,
+) -> ModelShape:
+    """A model's parameter count and shapes from its dimensions, counted as :func:`model_shape` counts a config.
+
+    GPT-style blocks by default (LayerNorm, biases everywhere, an MLP of two matrices); ``gated``: Llama-style
+    (RMSNorm, no biases, SwiGLU's three matrices). ``heads`` defaults to ``hidden / 64``, ``kv_heads`` to
+    ``heads``, ``ffn`` to ``4 x hidden``; the embedding and head are one tensor unless ``tied`` is False.
+    Positions are rotary (no parameters).
+
+    Example:
+        >>> from zerofn.plan import shape_from_dims
+        >>> llama2_70b = shape_from_dims(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000,
+        ...                              gated=True, tied=False)
+        >>> llama2_70b.params                                          # as model_shape counts its config
+        68976648192
+        >>> shape_from_dims(layers=80, hidden=8192, heads=64, ffn=28672, vocab=32000).params  # GPT-style blocks
+        59326152704
+    """
+    heads = heads or max(1, hidden // 64)
+    config = {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads or heads,
+        "intermediate_size": ffn or 4 * hidden,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu" if gated else "gelu",
+    }
+    return dataclasses.replace(model_shape(config), name="")
