@@ -73,7 +73,12 @@ collective, and on the forward's end, so ranks that diverge raise together
 at the first differing point instead of hanging; while the forward follows
 the order the last step recorded, every rank issues the gathers that order
 predicts at each unit, so the agreement on the unit stays in flight and is
-checked at the next point instead of costing a round trip per unit).
+checked at the next point instead of costing a round trip per unit), and a
+``loss_fn`` that differentiates inside itself (a gradient penalty's
+``torch.autograd.grad(..., create_graph=True)``: each unit that inner grad
+gathers stays gathered until the step ends, since the graph it builds reads
+the unit's parameters in the step's backward; a placeholder among its inputs
+is the parameter's leaf; see ``_Runner._inner``).
 
 Collectives per step: all-gather of every unit in forward and again in
 backward (but the root and the last block, kept from the forward), and a

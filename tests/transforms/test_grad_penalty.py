@@ -29,6 +29,8 @@ COMPOSITIONS = {
     "shard_grads": shard_grads,
     "shard_params": shard_params,
     "shard_params(prefetch=0)": lambda s: shard_params(s, prefetch=0),
+    "shard_params, accumulate_steps=2": shard_params,
+    "offload(shard_optimizer)": lambda s: offload(shard_optimizer(s), "cpu"),
     "remat(shard_params)": lambda s: remat(shard_params(s)),
     "offload(shard_params, params=cpu)": lambda s: offload(shard_params(s), "cpu", params=True),
     "amp(shard_params)": lambda s: amp(shard_params(s)),
@@ -86,7 +88,8 @@ def _batches(model):
 
 def _train(model, kind, composition, world, rank):
     apply, loss_fn = _zerofn_loss(model, kind)
-    step = COMPOSITIONS[composition](zf.train_step(loss_fn, zf.optim.adamw(LR)))
+    accumulate = 2 if "accumulate_steps=2" in composition else 1
+    step = COMPOSITIONS[composition](zf.train_step(loss_fn, zf.optim.adamw(LR), accumulate))
     state, metrics = train(step, step.init(apply.params), _batches(model), STEPS, GLOBAL_BATCH, world, rank)
     assert bool(torch.isfinite(metrics["loss"])) and not bool(metrics["skipped"])
     return {k: v.float() for k, v in step.full_params(state).items()}
@@ -140,7 +143,15 @@ def test_untransformed_step_trains_a_gradient_penalty_as_torch(ranks, world):
 
 @WORLDS
 def test_shard_optimizer_trains_a_gradient_penalty_as_torch(ranks, world):
-    _check(ranks, world, [("mlp", "input", "shard_optimizer"), ("mlp", "param", "shard_optimizer")])
+    _check(
+        ranks,
+        world,
+        [
+            ("mlp", "input", "shard_optimizer"),
+            ("mlp", "param", "shard_optimizer"),
+            ("mlp", "param", "offload(shard_optimizer)"),
+        ],
+    )
 
 
 @WORLDS
@@ -159,6 +170,7 @@ def test_shard_params_trains_a_gradient_penalty_as_torch(ranks, world):
             ("mlp", "input", "shard_params"),
             ("mlp", "param", "shard_params"),
             ("mlp", "input", "shard_params(prefetch=0)"),
+            ("mlp", "input", "shard_params, accumulate_steps=2"),  # an input penalty is per item: the split is free
             ("llama", "input", "shard_params"),
         ],
     )
@@ -190,3 +202,22 @@ def test_amp_shard_params_trains_a_gradient_penalty_as_amp_alone(ranks):
         for kind, sharded, alone in (("input", in_sp, in_amp), ("param", par_sp, par_amp)):
             assert max_abs_diff(sharded, alone) <= 1e-6, (kind, rank)
             assert max_abs_diff(sharded, torch_reference("mlp", kind, world)) <= 5e-2, (kind, rank)
+
+
+def _rank_traffic():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for kind in ("none", "input", "param"):
+        apply, loss_fn = _zerofn_loss("mlp", kind)
+        if kind == "none":
+            loss_fn = make_mlp()[2]
+        step = shard_params(zf.train_step(loss_fn, zf.optim.adamw(LR)))
+        _, metrics = train(step, step.init(apply.params), mlp_batch, 2, GLOBAL_BATCH, world, rank)
+        out.append(int(metrics["comm_bytes"]))
+    return out
+
+
+def test_shard_params_gradient_penalty_adds_no_traffic(ranks):
+    """The inner grad's gather of a unit takes the place of the backward's (the unit stays gathered for it)."""
+    for plain, on_input, on_param in ranks(2).run(_rank_traffic):
+        assert on_input == plain and on_param == plain, (plain, on_input, on_param)
