@@ -76,9 +76,10 @@ predicts at each unit, so the agreement on the unit stays in flight and is
 checked at the next point instead of costing a round trip per unit), and a
 ``loss_fn`` that differentiates inside itself (a gradient penalty's
 ``torch.autograd.grad(..., create_graph=True)``: each unit that inner grad
-gathers stays gathered until the step ends, since the graph it builds reads
-the unit's parameters in the step's backward; a placeholder among its inputs
-is the parameter's leaf; see ``_Runner._inner``).
+gathers stays gathered until its backward is over, or the step's end if it
+holds frozen parameters, since the graph it builds reads the unit's
+parameters in the step's backward; a placeholder among its inputs is the
+parameter's leaf; see ``_Runner._inner``).
 
 Collectives per step: all-gather of every unit in forward and again in
 backward (but the root and the last block, kept from the forward), and a
@@ -493,9 +494,10 @@ class _LiveUnit:
         self.inputs = 0  # its calls whose inputs' gradients backward has not computed yet
         self.backward = False  # an output of its forward needs a gradient: backward runs through it
         self.depth = 0  # module calls of this unit now running
-        # Gathered by an inner torch.autograd.grad (a gradient penalty in loss_fn): kept until the step ends,
-        # since the graph that grad built with create_graph=True reads the parameters in an order that no
-        # hook of the unit's own sees coming (see _Runner._inner).
+        # Gathered by an inner torch.autograd.grad (a gradient penalty in loss_fn): kept until its backward
+        # is over (with frozen parameters: until the step ends), since the graph that grad built with
+        # create_graph=True reads the parameters in an order that no hook of the unit's own sees coming
+        # (see _Runner._inner).
         self.pinned = False
 
     @property
@@ -858,9 +860,10 @@ class _Runner:
             _BACKWARD: f"gathered unit {name} for backward",
         }[kind]
 
-    def _release(self, unit: _LiveUnit, final: bool = False) -> None:
-        """Free the unit's full buffers (not a pinned unit's, but at the step's end: ``final``)."""
-        if unit.pinned and not final:
+    def _release(self, unit: _LiveUnit, final: bool = False, over: bool = False) -> None:
+        """Free the unit's full buffers. A pinned unit's only at the step's end (``final``) or, if it has no
+        frozen parameters, when its backward is over (``over``: its last gradient is in; see :meth:`_inner`)."""
+        if unit.pinned and not (final or (over and not unit.spec.frozen)):
             self._show(unit, False)
             return
         for h in unit.handles:
@@ -893,9 +896,12 @@ class _Runner:
         Such a grad runs through the units like a backward (their hooks gather them) but accumulates no
         gradient, so no unit's last gradient arrives to release it; with ``create_graph=True`` it builds
         a graph that the step's backward then runs, whose nodes read the parameters of every unit the grad ran
-        through, in an order that the units' own hooks do not see coming. So each unit it gathers is pinned:
-        gathered until the step ends. The step's backward then runs on them as on whole parameters (and
-        releases as usual every unit the grad did not reach)."""
+        through, in an order that the units' own hooks do not see coming (a node of it may run before any
+        hook of the unit has run in the step's backward). So each unit it gathers is pinned: no forward (a
+        second model call in ``loss_fn``) releases it. Its backward's end still does: every node of that
+        graph that reads a trainable parameter also computes a gradient for it (the parameter is one of its
+        inputs), so autograd runs it before the parameter's gradient is in. Not so for a frozen parameter,
+        which has no gradient to wait for: a unit that holds one stays gathered until the step ends."""
         return self.sink is not None and not self.sink.backward_started and torch._C._current_graph_task_id() != -1
 
     # ---------------------------------------------------------- hooks
@@ -954,7 +960,7 @@ class _Runner:
             if left[0] == 0:
                 unit.inputs -= 1
                 if unit.inputs == 0 and unit.remaining == 0:
-                    self._release(unit)
+                    self._release(unit, over=True)
 
         self.input_hooks += [t.register_hook(C.with_current_group(arrived)) for t in inputs]
 
@@ -1028,6 +1034,6 @@ class _Runner:
         def on_grad(leaf: torch.Tensor) -> None:
             unit.remaining -= 1
             if unit.remaining == 0 and unit.inputs == 0:  # its backward is over: the full parameters can go
-                self._release(unit)
+                self._release(unit, over=True)
 
         return on_grad

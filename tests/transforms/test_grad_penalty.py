@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import make_mlp, max_abs_diff, mlp_batch, rank_slice, tiny_llama, train
+from test_shard_params import VOCAB, batch_for, make_model
 from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params
 
 import zerofn as zf
@@ -22,6 +23,9 @@ STEPS = 3
 LR = 1e-2
 PENALTY = 0.5
 PENALISED = ("layers.0.weight", "layers.2.bias")  # the parameters whose gradient the "param" penalty takes
+# In test_shard_params' model (LoRA over frozen weights, a block used twice, tied embeddings): the first block's
+# and the shared block's adapters, so the inner grad runs back through every block and its frozen weights.
+ZOO_PENALISED = ("blocks.0.fc.weight", "blocks.1.proj.a")
 
 COMPOSITIONS = {
     "train_step": lambda s: s,
@@ -64,6 +68,14 @@ def llama_penalised(model_call, embedding, ids):
     return ce + PENALTY * g.square().sum(-1).mean()
 
 
+def zoo_penalised(forward, weights, batch):
+    """Next-token cross-entropy plus the squared gradient of it with respect to ``weights``."""
+    logits = forward(batch[:, :-1])
+    ce = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+    grads = torch.autograd.grad(ce, weights, create_graph=True)
+    return ce + PENALTY * sum(g.square().sum() for g in grads)
+
+
 def llama():
     return tiny_llama(attn_implementation="eager")  # torch's CPU sdpa kernel has no double backward
 
@@ -76,6 +88,9 @@ def _zerofn_loss(model, kind):
     if model == "mlp":
         _, apply, _ = make_mlp()
         return apply, lambda p, b: mlp_penalised(lambda x: apply(p, x), [p[n] for n in PENALISED], b, kind)
+    if model == "zoo":
+        _, apply, _ = make_model()
+        return apply, lambda p, b: zoo_penalised(lambda x: apply(p, x), [p[n] for n in ZOO_PENALISED], b)
     apply = zf.functional(llama())
     return apply, lambda p, ids: llama_penalised(
         lambda e: apply(p, inputs_embeds=e, use_cache=False).logits, p["model.embed_tokens.weight"], ids
@@ -83,7 +98,7 @@ def _zerofn_loss(model, kind):
 
 
 def _batches(model):
-    return mlp_batch if model == "mlp" else (lambda i, n: llama_batch(i, n))
+    return {"mlp": mlp_batch, "zoo": batch_for, "llama": llama_batch}[model]
 
 
 def _train(model, kind, composition, world, rank):
@@ -106,12 +121,16 @@ def torch_reference(model, kind, world):
         module, _, _ = make_mlp()
         named = dict(module.named_parameters())
         loss = lambda b: mlp_penalised(module, [named[n] for n in PENALISED], b, kind)  # noqa: E731
+    elif model == "zoo":
+        module, _, _ = make_model()
+        named = dict(module.named_parameters())
+        loss = lambda b: zoo_penalised(module, [named[n] for n in ZOO_PENALISED], b)  # noqa: E731
     else:
         module = llama()
         loss = lambda ids: llama_penalised(  # noqa: E731
             lambda e: module(inputs_embeds=e, use_cache=False).logits, module.model.embed_tokens.weight, ids
         )
-    opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01)
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
     for i in range(STEPS):
         batch = _batches(model)(i, GLOBAL_BATCH)
         total = sum(loss(rank_slice(batch, r, world)) for r in range(world)) / world
@@ -172,6 +191,7 @@ def test_shard_params_trains_a_gradient_penalty_as_torch(ranks, world):
             ("mlp", "input", "shard_params(prefetch=0)"),
             ("mlp", "input", "shard_params, accumulate_steps=2"),  # an input penalty is per item: the split is free
             ("llama", "input", "shard_params"),
+            ("zoo", "param", "shard_params"),
         ],
     )
 
