@@ -73,7 +73,13 @@ collective, and on the forward's end, so ranks that diverge raise together
 at the first differing point instead of hanging; while the forward follows
 the order the last step recorded, every rank issues the gathers that order
 predicts at each unit, so the agreement on the unit stays in flight and is
-checked at the next point instead of costing a round trip per unit).
+checked at the next point instead of costing a round trip per unit), and a
+``loss_fn`` that differentiates inside itself (a gradient penalty's
+``torch.autograd.grad(..., create_graph=True)``: each unit that inner grad
+gathers stays gathered until its backward is over, or the step's end if it
+holds frozen parameters, since the graph it builds reads the unit's
+parameters in the step's backward; a placeholder among its inputs is the
+parameter's leaf; see ``_Runner._inner``).
 
 Collectives per step: all-gather of every unit in forward and again in
 backward (but the root and the last block, kept from the forward), and a
@@ -431,6 +437,12 @@ _METADATA = {  # what a placeholder answers itself, with no gather
 }
 
 
+# Differentiating with respect to a placeholder (torch.autograd.grad(loss, params["w"]) in loss_fn, a penalty on a
+# parameter's gradient) differentiates with respect to the parameter's leaf: every use of the parameter, in its
+# unit or through a gathered copy read outside it, leads back to that leaf in the graph.
+_DIFFERENTIATE = {torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward}
+
+
 class _Placeholder(torch.Tensor):
     """A parameter that lives sharded (a meta tensor of its shape and dtype): computing with it gathers
     the parameter (:meth:`_Runner.outside`) and computes with that copy. ``loss_fn`` receives these, and
@@ -455,6 +467,11 @@ class _Placeholder(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func in _DIFFERENTIATE:  # a gradient with respect to a parameter: its leaf, which the graph holds
+            args, kwargs = torch.utils._pytree.tree_map(
+                lambda a: a._runner.leaves[a._name] if isinstance(a, _Placeholder) else a, (args, kwargs)
+            )
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if (name.endswith("_") and not name.endswith("__")) or "out" in kwargs or name in ("__setitem__", "set_"):
             held = next(a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, _Placeholder))
@@ -477,6 +494,11 @@ class _LiveUnit:
         self.inputs = 0  # its calls whose inputs' gradients backward has not computed yet
         self.backward = False  # an output of its forward needs a gradient: backward runs through it
         self.depth = 0  # module calls of this unit now running
+        # Gathered by an inner torch.autograd.grad (a gradient penalty in loss_fn): kept until its backward
+        # is over (with frozen parameters: until the step ends), since the graph that grad built with
+        # create_graph=True reads the parameters in an order that no hook of the unit's own sees coming
+        # (see _Runner._inner).
+        self.pinned = False
 
     @property
     def needed_in_backward(self) -> bool:
@@ -493,6 +515,11 @@ class _LiveUnit:
     def files(self) -> list[FileTensor]:
         """Its shards that rest in files (``offload(..., params="nvme")``), in the order of ``fulls``."""
         return [shard for _, shard in self.fulls if isinstance(shard, FileTensor)]
+
+
+def _grad_node(t: torch.Tensor) -> Any:
+    """The autograd node that receives ``t``'s gradient: its ``grad_fn``, or a leaf's gradient accumulator."""
+    return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
 
 
 def _last_block(order: list) -> Any:
@@ -524,6 +551,7 @@ class _Runner:
         self.last_order = state.extra.get(ORDER)
         self.expected: list[_LiveUnit] | None = None
         self.backward_queue: list[_LiveUnit] | None = None
+        self.queue_inner = False  # the queue is an inner torch.autograd.grad's (see _inner)
         self.probe: tuple | None = None  # the agreement in flight: (handle, its values on the host, code)
         self.next_open = 0  # where the forward is in the recorded order (among units with parameters)
         self.recorded: list[_LiveUnit] | None = None  # that order, units with parameters only
@@ -711,7 +739,7 @@ class _Runner:
             h.remove()
         self.input_hooks = []
         for unit in self.units:
-            self._release(unit)
+            self._release(unit, final=True)
         if self.probe is not None:  # a forward that raised left its last agreement in flight: end it alike
             with contextlib.suppress(RuntimeError):
                 self._settled()
@@ -832,7 +860,12 @@ class _Runner:
             _BACKWARD: f"gathered unit {name} for backward",
         }[kind]
 
-    def _release(self, unit: _LiveUnit) -> None:
+    def _release(self, unit: _LiveUnit, final: bool = False, over: bool = False) -> None:
+        """Free the unit's full buffers. A pinned unit's only at the step's end (``final``) or, if it has no
+        frozen parameters, when its backward is over (``over``: its last gradient is in; see :meth:`_inner`)."""
+        if unit.pinned and not (final or (over and not unit.spec.frozen)):
+            self._show(unit, False)
+            return
         for h in unit.handles:
             h.wait()
         unit.handles = []
@@ -853,6 +886,23 @@ class _Runner:
         if unit.idle and unit.fulls:
             self._agree(_BACKWARD, unit)
         self._ensure(unit)
+        if self._inner():
+            unit.pinned = True
+
+    def _inner(self) -> bool:
+        """Whether autograd is running a backward other than the step's: a ``torch.autograd.grad`` inside
+        ``loss_fn`` (a gradient penalty, a Jacobian regulariser), before the step's own backward.
+
+        Such a grad runs through the units like a backward (their hooks gather them) but accumulates no
+        gradient, so no unit's last gradient arrives to release it; with ``create_graph=True`` it builds
+        a graph that the step's backward then runs, whose nodes read the parameters of every unit the grad ran
+        through, in an order that the units' own hooks do not see coming (a node of it may run before any
+        hook of the unit has run in the step's backward). So each unit it gathers is pinned: no forward (a
+        second model call in ``loss_fn``) releases it. Its backward's end still does: every node of that
+        graph that reads a trainable parameter also computes a gradient for it (the parameter is one of its
+        inputs), so autograd runs it before the parameter's gradient is in. Not so for a frozen parameter,
+        which has no gradient to wait for: a unit that holds one stays gathered until the step ends."""
+        return self.sink is not None and not self.sink.backward_started and torch._C._current_graph_task_id() != -1
 
     # ---------------------------------------------------------- hooks
 
@@ -895,13 +945,24 @@ class _Runner:
         if not inputs:
             return
         unit.inputs += 1
+        # torch.autograd.graph.register_multi_grad_hook(inputs, done, mode="all") but for the step's own backward
+        # only: an inner torch.autograd.grad (see _inner) runs these hooks too, where that one raises on an input
+        # that is a leaf (torch cannot tell which leaves a grad reaches), and would count the call done early.
+        nodes = [_grad_node(t) for t in inputs]
+        left: list[int] = []  # the step's backward: how many of the inputs it computes a gradient for, still to come
 
-        def done(_grads: Any) -> None:
-            unit.inputs -= 1
-            if unit.inputs == 0 and unit.remaining == 0 and not self.closed:
-                self._release(unit)
+        def arrived(_grad: torch.Tensor) -> None:
+            if self._inner() or self.closed:
+                return
+            if not left:
+                left.append(sum(map(torch._C._will_engine_execute_node, nodes)))
+            left[0] -= 1
+            if left[0] == 0:
+                unit.inputs -= 1
+                if unit.inputs == 0 and unit.remaining == 0:
+                    self._release(unit, over=True)
 
-        self.input_hooks.append(torch.autograd.graph.register_multi_grad_hook(inputs, done, mode="all"))
+        self.input_hooks += [t.register_hook(C.with_current_group(arrived)) for t in inputs]
 
     def _opened(self, unit: _LiveUnit) -> None:
         self.forward_order.append(unit)
@@ -959,8 +1020,10 @@ class _Runner:
                 self.open_block = None
 
     def _before_backward(self, unit: _LiveUnit, grad: torch.Tensor) -> None:
-        if self.backward_queue is None:
+        inner = self._inner()
+        if self.backward_queue is None or self.queue_inner != inner:  # the step's backward after an inner grad
             self.backward_queue = list(dict.fromkeys(reversed(self.forward_order)))
+            self.queue_inner = inner
         if unit in self.backward_queue:
             self.backward_queue.remove(unit)
         if unit.remaining or unit.spec.frozen:
@@ -971,6 +1034,6 @@ class _Runner:
         def on_grad(leaf: torch.Tensor) -> None:
             unit.remaining -= 1
             if unit.remaining == 0 and unit.inputs == 0:  # its backward is over: the full parameters can go
-                self._release(unit)
+                self._release(unit, over=True)
 
         return on_grad

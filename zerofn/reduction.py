@@ -154,6 +154,9 @@ class GradSink:
         self.got: set[str] = set()  # the parameters they were for
         self.release = not reduction.replicated
         self.on_result = on_result
+        # Set by the step just before its own backward: gradients computed before it (a gradient penalty's
+        # torch.autograd.grad inside loss_fn) are no gradients of the step's, and never reach the sink.
+        self.backward_started = False
         # fp16 gradients are divided by the world size before the reduction, so that
         # summing N ranks' scaled gradients does not overflow fp16's range.
         world = C.world_size()

@@ -604,6 +604,7 @@ class Step:
                 if counts is not None and counters.value(state.micro) + 1 == self.accumulate_steps:
                     counts["handle"] = C.all_reduce(items.clone(), "sum", async_op=True, control=True)
             if loss.requires_grad:
+                sink.backward_started = True  # a backward before this one was a torch.autograd.grad in loss_fn
                 (loss * scale if isinstance(scale, torch.Tensor) or scale != 1.0 else loss).backward()
             del params, out
         if sink.received == 0 and state.spec.layout.buckets:
