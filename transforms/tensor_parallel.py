@@ -83,6 +83,7 @@ from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn.extension import Extension
 from zerofn.functional import Functional
+from zerofn.state import cut_slice
 from zerofn.step import Step, reapply, report, transform
 from zerofn.storage import ParamSplit, split_params
 
@@ -208,6 +209,7 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
             prepare=lambda split, f, where: _prepare(options, m, split, f, where),
             around=lambda model, state: _Around(m, model),
             partition=(lambda: (m.tensor_rank, m.tensor)) if m.tensor > 1 else None,
+            partition_group=(lambda: _whole_group(options, m)) if m.tensor > 1 else None,
             groups=(lambda: (m.tensor_group, *_replica_groups(m))) if m.tensor > 1 else None,
             slices=(lambda: _slices(options, m)) if m.tensor > 1 else None,
             prepare_first=True,  # quantize, applied before or after, then holds each rank's slices
@@ -532,12 +534,7 @@ def _rule(how: str, pname: str, conv: bool) -> tuple[int, int] | None:
 def _slice(t: torch.Tensor, how: str, pname: str, n: int, r: int, conv: bool = False) -> torch.Tensor:
     """Rank ``r``'s slice (of ``n``) of a split layer's parameter ``pname``, as :func:`_rule` says."""
     rule = _rule(how, pname, conv)
-    if rule is None:
-        return t
-    dim, parts = rule
-    if parts == 1:
-        return t.chunk(n, dim=dim)[r]
-    return torch.cat([part.chunk(n, dim=dim)[r] for part in t.chunk(parts, dim=dim)], dim=dim)
+    return t if rule is None else cut_slice(t, (*rule, n, r))
 
 
 class _Split:
@@ -768,6 +765,22 @@ def _slices(options: TensorParallelOptions, m: Mesh) -> tuple:
             if layer._parameters.get(pname) is not None and rule is not None:
                 out.append((prefix + pname, *rule, n, r))
     return tuple(out)
+
+
+def _whole_group(options: TensorParallelOptions, m: Mesh) -> Any:
+    """The tensor-parallel group, over which ``step.full_params`` gathers the split parameters whole; raises
+    where a split layer's weight is held quantized (each rank quantized its own slice: their codes and scales
+    do not join into those of the whole weight)."""
+    quantized = [p for p, layer in _LAYERS.get(id(options), {}).items() if hasattr(layer, "_zf_quantized")]
+    if quantized:
+        raise ValueError(
+            f"full_params: {quantized[0]!r}{' and others' if len(quantized) > 1 else ''} hold their weights "
+            "quantized per tensor-parallel slice (quantize around tensor_parallel): each rank quantized its own "
+            "slice, so the parts do not join into the whole weight's. Read this rank's slices with "
+            "step.full_params(state, local=True) (or step.state_dict(state, local=True)) and dequantize them "
+            "there: zerofn.transforms.quantize.dequantized(params, apply.module)."
+        )
+    return m.tensor_group
 
 
 def _replica_groups(m: Mesh) -> tuple:
