@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import TINY_DECODER, counting, rank_slice, tiny_llama
 from torch import nn
-from zerofn.transforms import amp, offload, remat, shard_grads, shard_params, tensor_parallel
+from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params, tensor_parallel
 
 import zerofn as zf
 
@@ -69,6 +69,7 @@ def _batch(i: int) -> torch.Tensor:
 
 COMPOSITIONS = {
     "plain": lambda s: s,
+    "shard_optimizer": shard_optimizer,
     "shard_grads": shard_grads,
     "shard_params": shard_params,
     "remat": lambda s: remat(shard_params(s)),
@@ -103,6 +104,16 @@ def _train(tp: int, name: str, kv_heads: int = 2) -> tuple[dict, float, str]:
             state, m = step(state, rank_slice(_batch(i), here, data) if tp else _batch(i))
     info = {"apply_diff": apply_diff, "seen": list(SEEN), "full_shape": tuple(first.shape), "comm": m["comm_bytes"]}
     info["reads"] = reads.n
+    # this rank's slices, and the whole model's state_dict: a model built unsplit loads it and computes what
+    # the split one computes
+    info["local"] = step.full_params(state, local=True)
+    whole = _model(kv_heads)
+    info["state_dict"] = step.state_dict(state)
+    whole.load_state_dict(info["state_dict"], strict=True)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=name == "amp"):
+        loaded = whole(input_ids=prompt).logits
+    info["loaded_diff"] = float((loaded - step.apply(state, input_ids=prompt).logits).abs().max())
+    info["local_state_dict"] = {k: tuple(v.shape) for k, v in step.state_dict(state, local=True).items()}
     return step.full_params(state), float(m["loss"]), step.name, info
 
 
@@ -151,11 +162,25 @@ def _check(results: list, references: dict, tp: int, name: str, kv: int) -> None
     tol = TOLERANCE.get(name, 1e-5)
     for out in results:
         r = out[(tp, name, kv)]
+        # full_params: the whole parameters, in the model's dtype (fp32 under amp too), one process's
+        assert ref.keys() == r["params"].keys()
+        for k in ref:
+            got = r["params"][k]
+            assert got.shape == ref[k].shape and got.dtype == ref[k].dtype == torch.float32, (k, got.shape, got.dtype)
+            assert torch.allclose(got, ref[k], atol=tol, rtol=0), (k, r["rank"], name)
+        # local=True: this rank's slices, as it holds them (amp's bf16)
         local = _local(ref, tp, r["rank"] % tp, kv)
-        assert local.keys() == r["params"].keys()
+        assert local.keys() == r["local"].keys()
         for k in local:
-            assert r["params"][k].shape == local[k].shape, k
-            assert torch.allclose(r["params"][k], local[k], atol=tol, rtol=0), (k, r["rank"], name)
+            got = r["local"][k]
+            assert got.shape == local[k].shape and got.dtype == (torch.bfloat16 if name == "amp" else torch.float32), k
+            assert torch.allclose(got.float(), local[k], atol=tol, rtol=0), (k, r["rank"], name)
+        # state_dict: the whole model's names and shapes (an unsplit model loaded it above); local=True: the slices
+        fresh = _model(kv).state_dict()
+        assert {k: v.shape for k, v in r["state_dict"].items()} == {k: v.shape for k, v in fresh.items()}
+        cut = _local(fresh, tp, r["rank"] % tp, kv)
+        assert r["local_state_dict"] == {k: tuple(v.shape) for k, v in cut.items()}
+        assert r["loaded_diff"] <= (0.1 if name == "amp" else 1e-5), (r["loaded_diff"], name)
         assert abs(r["loss"] - ref_loss) <= tol, (r["loss"], ref_loss)
         assert r["name"].startswith("tensor_parallel("), r["name"]
         assert r["apply_diff"] <= tol, r["apply_diff"]  # under amp: bf16 logits against the fp32 model
@@ -189,6 +214,7 @@ def test_tp2_on_two_ranks_trains_as_one_process(ranks, references):
 def test_tp2_by_dp2_and_tp4_with_shared_key_value_heads_train_as_one_process(ranks, references):
     # tp 4 with 4 key/value heads splits them; with 2, each is shared by the 2 ranks whose query heads read it
     cases = [(2, "shard_grads", 2), (2, "shard_params", 2), (4, "plain", 4), (4, "shard_params", 2)]
+    cases += [(2, "shard_optimizer", 2)]
     cases += [(2, "shard_params", 0), (4, "plain", 0)]  # GPT-2
     cases += [(2, "shard_params+sp", 2), (4, "plain+sp", 4)]  # sequence parallel
     results = ranks(4).run(_cases, cases)
@@ -314,7 +340,8 @@ def _ckpt_case(root: str) -> dict:
         state, _ = step(state, feed(step, i))
     zf.checkpoint.save(state, f"{root}/tp2/step_2", group=step.group)
     out["latest"] = zf.checkpoint.latest(f"{root}/tp2") == f"{root}/tp2/step_2"
-    saved = step.full_params(state)
+    saved = step.full_params(state, local=True)
+    whole_saved = step.full_params(state)
     for i in range(2, 4):
         state, m = step(state, feed(step, i))
     want = step.full_params(state)
@@ -336,12 +363,15 @@ def _ckpt_case(root: str) -> dict:
             whole[k] = torch.cat([a, b], 1)
         else:
             whole[k] = a
+    out["whole"] = whole.keys() == whole_saved.keys() and all(torch.equal(whole[k], whole_saved[k]) for k in whole)
     for tp in (1, 4):
         other, other_apply = build(tp)
         there = zf.checkpoint.load(f"{root}/tp2/step_2", other, params=other_apply.params)
-        full = other.full_params(there)
+        full = other.full_params(there, local=True)
         local = _local(whole, tp, rank % tp, 2) if tp > 1 else whole
         out[f"tp{tp}"] = full.keys() == local.keys() and all(torch.equal(full[k], local[k]) for k in full)
+        full = other.full_params(there)  # and the whole model, on every rank
+        out[f"tp{tp}"] &= full.keys() == whole.keys() and all(torch.equal(full[k], whole[k]) for k in full)
         if tp == 1:  # saved unsplit (dp 4), it loads at tp 2 x dp 2 too
             zf.checkpoint.save(there, f"{root}/dp4/step_2")
     if rank == 0:  # consolidate writes the whole model from the parts
@@ -353,7 +383,7 @@ def _ckpt_case(root: str) -> dict:
     else:
         out["consolidate"] = True
     two, two_apply = build(2)
-    full = two.full_params(zf.checkpoint.load(f"{root}/dp4/step_2", two, params=two_apply.params))
+    full = two.full_params(zf.checkpoint.load(f"{root}/dp4/step_2", two, params=two_apply.params), local=True)
     local = _local(whole, 2, rank % 2, 2)
     out["from_dp4"] = all(torch.equal(full[k], local[k]) for k in full)
     return out
@@ -361,7 +391,15 @@ def _ckpt_case(root: str) -> dict:
 
 def test_checkpoints_load_across_tensor_parallel_sizes(ranks, tmp_path):
     for out in ranks(4).run(_ckpt_case, str(tmp_path)):
-        assert out == {"latest": True, "resume": True, "tp1": True, "tp4": True, "from_dp4": True, "consolidate": True}
+        assert out == {
+            "latest": True,
+            "resume": True,
+            "whole": True,
+            "tp1": True,
+            "tp4": True,
+            "from_dp4": True,
+            "consolidate": True,
+        }
 
 
 # The adapters as one process trains them (a gradient summed twice, as a B after a row-wise base's sum once
@@ -401,16 +439,26 @@ def _lora(tp: int, nf4: int = 0) -> tuple[dict, float]:
     state = step.init(apply.params)
     for i in range(STEPS):
         state, m = step(state, _batch(i))
-    full = step.full_params(state)
-    return (full if not nf4 else {k: v for k, v in full.items() if "lora_" in k}), float(m["loss"])
+    if not nf4:  # the whole model, and (split) this rank's slices
+        return step.full_params(state), float(m["loss"]), tp and step.full_params(state, local=True)
+    try:  # each rank quantized its own slices of the base: they do not join into the whole weight's parts
+        step.full_params(state)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    full = step.full_params(state, local=True)
+    return {k: v for k, v in full.items() if "lora_" in k}, float(m["loss"]), refused
 
 
 def test_a_peft_lora_model_trains_split_as_one_process(ranks):
     pytest.importorskip("peft")
-    ref, ref_loss = _lora(0)
-    for rank, (got, loss) in enumerate(ranks(2).run(_lora, 2)):
+    ref, ref_loss, _ = _lora(0)
+    for rank, (whole, loss, got) in enumerate(ranks(2).run(_lora, 2)):
         assert abs(loss - ref_loss) <= LORA_TOL, (loss, ref_loss)
-        for k, v in ref.items():
+        assert whole.keys() == ref.keys()
+        for k, v in ref.items():  # full_params: the whole model, one process's
+            assert whole[k].shape == v.shape and torch.allclose(whole[k], v, atol=LORA_TOL, rtol=0), k
+        for k, v in ref.items():  # local=True: this rank's slices
             layer = k.split(".")
             if "lora_B" in k and any(p in layer for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
                 v = v.chunk(2, 0)[rank]  # B split by rows beside a column-wise base
@@ -430,9 +478,11 @@ def test_a_peft_lora_model_trains_split_as_one_process(ranks):
 
 def test_qlora_quantizes_each_ranks_slices_and_trains_as_one_process(ranks):
     pytest.importorskip("peft")
-    ref, ref_loss = _lora(0, nf4=2)
-    for rank, (got, loss) in enumerate(ranks(2).run(_lora, 2, 2)):
+    ref, ref_loss, _ = _lora(0, nf4=2)
+    for rank, (got, loss, refused) in enumerate(ranks(2).run(_lora, 2, 2)):
         assert abs(loss - ref_loss) <= LORA_TOL, (loss, ref_loss)
+        assert "hold their weights quantized per tensor-parallel slice" in refused, refused
+        assert "step.full_params(state, local=True)" in refused, refused
         assert got.keys() == {k for k in ref if "lora_" in k}
         for k, v in got.items():
             layer = k.split(".")
