@@ -61,7 +61,10 @@ With ``sequence_parallel=True`` the residual stream between the regions is
 split over the sequence (Megatron-SP, :func:`_sequence_parallel`).
 
 Checkpoints save one part per tensor-parallel rank and load on any split
-(:mod:`zerofn.checkpoint.partitioned`, from ``state.spec.slices``).
+(:mod:`zerofn.checkpoint.partitioned`, from ``state.spec.slices``), and
+``step.full_params`` / ``step.state_dict`` gather the slices whole over the
+tensor-parallel group (``partition_group``), one parameter at a time;
+``local=True`` gives this rank's slices.
 
 Not yet: counting the cross-entropy's own all-reduces (torch's
 ``loss_parallel``) in ``metrics["comm_bytes"]``, where the layers' are.
