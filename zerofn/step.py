@@ -341,8 +341,8 @@ class Step:
         # The masters are the most precise values: read where the held parameters are not in the model's dtype.
         cast = any(dtypes.get(s.name, b.dtype) != b.dtype for b in spec.layout.buckets for s in b.slots)
         masters = self.precision.masters(state.opt_state) if master or cast else None
-        full = self.storage.full_params(state, self.model, masters)
-        leaves, treedef = T.tree_flatten(full)
+        leaves, treedef = T.tree_flatten(self.storage.full_params(state, self.model, masters))
+        # ``leaves`` holds the only reference to each tensor: one replaced (cast, joined) is freed at once
         for i, (name, t) in enumerate(zip(spec.layout.names, leaves)):
             want = dtypes.get(name, t.dtype)
             if t.is_floating_point() and want != t.dtype:
@@ -649,7 +649,7 @@ class Step:
         return loss.detach(), aux, extra, items
 
 
-# ---------------------------------------------------------------- what a step computes besides the update
+# ---------------------------------------------------------------- a split model's parameters made whole
 
 
 def _join_slices(spec: StateSpec, leaves: list, group: Any) -> None:
@@ -658,8 +658,14 @@ def _join_slices(spec: StateSpec, leaves: list, group: Any) -> None:
     parameter at a time."""
     where = {name: i for i, name in enumerate(spec.layout.names)}
     rules = [(name, int(d), int(p), int(n), int(i)) for name, d, p, n, i in spec.slices if name in where]
+    if not rules:
+        return
     count = C.world_size(group=group)
-    indices = C.gather_objects([rule[4] for rule in rules], group=group)  # which slice each rank holds
+    device = leaves[where[rules[0][0]]].device
+    mine = torch.tensor([rule[4] for rule in rules], dtype=torch.int64, device=device)
+    every = torch.empty(count * len(rules), dtype=torch.int64, device=device)
+    C.all_gather(every, mine, group=group)
+    indices = every.view(count, len(rules)).tolist()  # which slice of each parameter each rank holds
     for k, (name, dim, parts, n, _) in enumerate(rules):
         t = leaves[where[name]]
         out = torch.empty((count, t.numel()), dtype=t.dtype, device=t.device)
@@ -669,6 +675,9 @@ def _join_slices(spec: StateSpec, leaves: list, group: Any) -> None:
             pieces.setdefault(indices[g][k], out[g].view(t.shape))
         leaves[where[name]] = join_slices(pieces, dim, parts, n)
         del out, pieces
+
+
+# ---------------------------------------------------------------- what a step computes besides the update
 
 
 def _unscale(precision: Precision, grads: dict, factors: list | None, norm_scales: list | None = None):
