@@ -342,7 +342,9 @@ class Step:
         cast = any(dtypes.get(s.name, b.dtype) != b.dtype for b in spec.layout.buckets for s in b.slots)
         masters = self.precision.masters(state.opt_state) if master or cast else None
         leaves, treedef = T.tree_flatten(self.storage.full_params(state, self.model, masters))
-        # ``leaves`` holds the only reference to each tensor: one replaced (cast, joined) is freed at once
+        # ``leaves`` holds the only reference to each tensor: one replaced (cast, joined) is freed at once;
+        # so are the masters read from files
+        del masters
         for i, (name, t) in enumerate(zip(spec.layout.names, leaves)):
             want = dtypes.get(name, t.dtype)
             if t.is_floating_point() and want != t.dtype:
