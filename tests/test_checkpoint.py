@@ -219,7 +219,7 @@ def _rank_save(root: str, name: str) -> dict:
     step, apply, _ = _build(name, nvme=f"{root}/nvme-save-{name}")
     state = _train(step, step.init(apply.params), 0, 5)
     zf.checkpoint.save(state, f"{root}/{name}@{C.world_size()}")
-    return {"masters": step.full_params(state, master=True), "params": step.full_params(state)}
+    return {"masters": step.full_params(state, master=True), "params": step.full_params(state, local=True)}
 
 
 def _rank_resume(root: str, saved: str, name: str) -> dict:
@@ -227,7 +227,7 @@ def _rank_resume(root: str, saved: str, name: str) -> dict:
     step, _, _ = _build(name, seed=3 + C.rank(), nvme=f"{root}/nvme-load-{name}-{C.world_size()}")
     state = zf.checkpoint.load(f"{root}/{saved}", step)
     loaded = {
-        "params": step.full_params(state),
+        "params": step.full_params(state, local=True),  # as held (amp's bf16)
         "masters": step.full_params(state, master=True),
         "count": int(state.count),
     }

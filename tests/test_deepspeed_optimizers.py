@@ -231,7 +231,7 @@ def test_bf16_masters_train_as_torch_adamw_on_bf16_parameters():
         loss.float().backward()
         opt.step()
         opt.zero_grad()
-    ours = step.full_params(state)
+    ours = step.full_params(state, local=True)  # as held: bf16, the optimizer's own (no master copy)
     for k, v in ref.named_parameters():
         assert ours[k].dtype == torch.bfloat16
         assert torch.equal(ours[k], v.detach()), k

@@ -48,7 +48,9 @@ def _rank_export(names):
         state = amp_step.init(apply.params)
         for _ in range(2):
             state, _ = amp_step(state, torch.randint(64, (2, 16), generator=g))
-        masters, params = amp_step.full_params(state, master=True), amp_step.full_params(state)
+        masters, params = amp_step.full_params(state, master=True), amp_step.full_params(state, local=True)
+        full = amp_step.full_params(state)  # the model's fp32: the masters themselves
+        assert all(full[k].dtype == torch.float32 and torch.equal(full[k], masters[k]) for k in masters)
         assert all(m.dtype == torch.float32 for m in masters.values())
         assert all(torch.equal(masters[k].to(params[k].dtype), params[k]) for k in params)
         assert any(not torch.equal(masters[k], params[k].float()) for k in params)  # more bits than bf16

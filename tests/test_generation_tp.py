@@ -66,7 +66,7 @@ def _generate(size: int) -> dict:
     assert torch.equal(again, got)
     with torch.no_grad():
         want = _llama().generate(PROMPTS, attention_mask=MASK, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    held = sum(t.numel() * t.element_size() for t in zf.tree.tree_leaves(step.full_params(state)))
+    held = sum(t.numel() * t.element_size() for t in zf.tree.tree_leaves(step.full_params(state, local=True)))
     # 2 all-reduces per block (attention's output, the MLP's down), and one more where the embedding is split
     # over the vocabulary (each rank looks up its rows, the lookups summed)
     reduces = 2 * LAYERS + int(model.get_input_embeddings().weight.shape[0] < 64)

@@ -1,5 +1,6 @@
 """The README's "In one screen" block runs as it stands, on one process and on two ranks under torchrun,
-and a second run resumes from the checkpoints the first one left."""
+and a second run resumes from the checkpoints the first one left; and with each of its commented-out
+transforms switched on, one at a time, to its last line (the held-out loss on step.full_params)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,41 @@ def test_the_readme_block_runs_alone_and_under_torchrun(tmp_path):
     out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"], two)
     assert "world_size=2, count=100" in out
     assert abs(_loss(out) - _loss(alone)) <= 0.002  # two ranks fed halves = one process fed the whole batch
+
+
+def _commented() -> list[str]:
+    """The block's commented-out transform lines (``# step = ...``), as they stand."""
+    return [line for line in _block().splitlines() if line.startswith("# step = ")]
+
+
+def test_the_block_has_the_commented_transforms_the_test_below_switches_on():
+    assert [line.split("(")[0].removeprefix("# step = ") for line in _commented()] == [
+        "shard_grads",
+        "shard_params",
+        "amp",
+        "offload",
+        "remat",
+    ]
+
+
+def test_each_commented_transform_switched_on_runs_to_the_end(tmp_path):
+    """Each commented line uncommented, alone (offload's NVMe path a temporary directory): the block runs to its
+    last line, the held-out loss on step.full_params, and learns. The five run side by side."""
+    runs = []
+    for i, line in enumerate(_commented()):
+        where = tmp_path / str(i)
+        (where / "nvme").mkdir(parents=True)  # the offload line's directory for its files
+        code = line.removeprefix("# ").replace('path="/nvme"', f"path={str(where / 'nvme')!r}")
+        block = _block()
+        assert block.count(line) == 1
+        (where / "train.py").write_text(block.replace(line, code))
+        proc = subprocess.Popen(
+            [sys.executable, "train.py"], cwd=where, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        runs.append((code, proc))
+    for code, proc in runs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{code}\n{out[-2000:]}\n{err[-4000:]}"
+        name = code.split("(")[0].removeprefix("step = ")
+        assert f"TrainState({name}(" in out, (code, out)  # the transform is on: the outermost piece of the name
+        assert _loss(out) < 1.0, (code, out)  # it ran to its last line, and learned

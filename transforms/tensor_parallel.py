@@ -61,7 +61,10 @@ With ``sequence_parallel=True`` the residual stream between the regions is
 split over the sequence (Megatron-SP, :func:`_sequence_parallel`).
 
 Checkpoints save one part per tensor-parallel rank and load on any split
-(:mod:`zerofn.checkpoint.partitioned`, from ``state.spec.slices``).
+(:mod:`zerofn.checkpoint.partitioned`, from ``state.spec.slices``), and
+``step.full_params`` / ``step.state_dict`` gather the slices whole over the
+tensor-parallel group (``partition_group``), one parameter at a time;
+``local=True`` gives this rank's slices.
 
 Not yet: counting the cross-entropy's own all-reduces (torch's
 ``loss_parallel``) in ``metrics["comm_bytes"]``, where the layers' are.
@@ -83,6 +86,7 @@ from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn.extension import Extension
 from zerofn.functional import Functional
+from zerofn.state import cut_slice
 from zerofn.step import Step, reapply, report, transform
 from zerofn.storage import ParamSplit, split_params
 
@@ -201,15 +205,17 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
             "tensor_parallel: this step already runs on a group of its own (train_step(..., group=)); "
             "tensor_parallel runs it on its data-parallel group. Leave group= out."
         )
+    prepared: dict = {}  # "layers": the split layers of the model this step's init prepared last (path -> layer)
     out = step.extend(
         Extension(
             "tensor_parallel",
             options,
-            prepare=lambda split, f, where: _prepare(options, m, split, f, where),
+            prepare=lambda split, f, where: _prepare(options, m, split, f, where, prepared),
             around=lambda model, state: _Around(m, model),
             partition=(lambda: (m.tensor_rank, m.tensor)) if m.tensor > 1 else None,
+            partition_group=(lambda: _whole_group(prepared, m)) if m.tensor > 1 else None,
             groups=(lambda: (m.tensor_group, *_replica_groups(m))) if m.tensor > 1 else None,
-            slices=(lambda: _slices(options, m)) if m.tensor > 1 else None,
+            slices=(lambda: _slices(prepared)) if m.tensor > 1 else None,
             prepare_first=True,  # quantize, applied before or after, then holds each rank's slices
             reports=True,  # the batch check below, made on the device
         )
@@ -319,7 +325,12 @@ def _plan_for(options: TensorParallelOptions, module: nn.Module, where: str) -> 
 
 
 def _prepare(
-    options: TensorParallelOptions, m: Mesh, split: ParamSplit, functional: Functional | None, where: str
+    options: TensorParallelOptions,
+    m: Mesh,
+    split: ParamSplit,
+    functional: Functional | None,
+    where: str,
+    prepared: dict,
 ) -> ParamSplit:
     if functional is None:
         raise ValueError(
@@ -372,7 +383,10 @@ def _prepare(
             )
         layers[path] = (layer, how, share)
     names = {}
-    done = _LAYERS.setdefault(id(options), {})
+    # The split layers live with their model (a model prepared again keeps the ones split before); this step's
+    # slices() and full_params read those of the model its init prepared last.
+    done = module.__dict__.setdefault("_zf_split_layers", {})
+    prepared["layers"] = done
     replaced: dict[int, nn.Parameter] = {}  # a weight tied to a split one's: the same slice (an embedding's head)
     order = sorted(layers.items(), key=lambda item: item[1][1] != EMBEDDING)
     for path, (layer, how, share) in order:
@@ -532,12 +546,7 @@ def _rule(how: str, pname: str, conv: bool) -> tuple[int, int] | None:
 def _slice(t: torch.Tensor, how: str, pname: str, n: int, r: int, conv: bool = False) -> torch.Tensor:
     """Rank ``r``'s slice (of ``n``) of a split layer's parameter ``pname``, as :func:`_rule` says."""
     rule = _rule(how, pname, conv)
-    if rule is None:
-        return t
-    dim, parts = rule
-    if parts == 1:
-        return t.chunk(n, dim=dim)[r]
-    return torch.cat([part.chunk(n, dim=dim)[r] for part in t.chunk(parts, dim=dim)], dim=dim)
+    return t if rule is None else cut_slice(t, (*rule, n, r))
 
 
 class _Split:
@@ -756,13 +765,10 @@ def _replica_group(m: Mesh, share: int) -> Any:
     return _REPLICAS[key]
 
 
-_LAYERS: dict[int, dict] = {}  # id(options) -> {path: split layer}, as prepare split them (for _slices)
-
-
-def _slices(options: TensorParallelOptions, m: Mesh) -> tuple:
+def _slices(prepared: dict) -> tuple:
     """(name, dim, parts, count, index) of every split parameter: how each is cut from the whole one."""
     out = []
-    for path, layer in _LAYERS.get(id(options), {}).items():
+    for path, layer in prepared.get("layers", {}).items():
         how, (n, r, conv) = layer.__dict__["_zf_how"], layer.__dict__["_zf_slices"]
         prefix = f"{path}." if path else ""
         for pname in ("weight", "bias"):
@@ -770,6 +776,22 @@ def _slices(options: TensorParallelOptions, m: Mesh) -> tuple:
             if layer._parameters.get(pname) is not None and rule is not None:
                 out.append((prefix + pname, *rule, n, r))
     return tuple(out)
+
+
+def _whole_group(prepared: dict, m: Mesh) -> Any:
+    """The tensor-parallel group, over which ``step.full_params`` gathers the split parameters whole; raises
+    where a split layer's weight is held quantized (each rank quantized its own slice: their codes and scales
+    do not join into those of the whole weight)."""
+    quantized = [p for p, layer in prepared.get("layers", {}).items() if hasattr(layer, "_zf_quantized")]
+    if quantized:
+        raise ValueError(
+            f"full_params: {quantized[0]!r}{' and others' if len(quantized) > 1 else ''} hold their weights "
+            "quantized per tensor-parallel slice (quantize around tensor_parallel): each rank quantized its own "
+            "slice, so the parts do not join into the whole weight's. Read this rank's slices with "
+            "step.full_params(state, local=True) (or step.state_dict(state, local=True)) and dequantize them "
+            "there: zerofn.transforms.quantize.dequantized(params, apply.module)."
+        )
+    return m.tensor_group
 
 
 def _replica_groups(m: Mesh) -> tuple:

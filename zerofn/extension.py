@@ -31,6 +31,10 @@ optional:
 - ``slices``: ``slices() -> ((name, dim, parts, count, index), ...)``: the
   parameters that are slices of whole ones and how (recorded in
   ``state.spec``; checkpoints reassemble them to load on another split).
+- ``partition_group``: ``partition_group() -> group``: the ranks that hold
+  the ``count`` parts of this rank's model (its tensor-parallel group),
+  over which ``step.full_params`` gathers each slice into the whole
+  parameter; it raises, saying why, when the parts cannot be made whole.
 - ``groups``: ``groups() -> (group, ...)``: process groups other than
   the step's that its collectives run on (a tensor-parallel group); their
   traffic counts in ``metrics["comm_bytes"]``.
@@ -86,6 +90,8 @@ class Extension:
         updates_late: ``device_type -> bool``: the optimizer wrapper may still be writing after the
             step returns, for parameters on that device type (None: never).
         partition: ``() -> (index, count)``: which part of a split model this rank's state holds.
+        partition_group: ``() -> group``: the ranks holding the parts of this rank's model (``full_params``
+            gathers the slices over it).
         groups: ``() -> (group, ...)``: other process groups its collectives use, counted in comm_bytes.
         slices: ``() -> ((name, dim, parts, count, index), ...)``: its parameters that are slices of whole ones.
         prepare_first: its ``prepare`` runs before the other extensions'.
@@ -102,6 +108,7 @@ class Extension:
     prepare: Callable | None = None
     updates_late: Callable[[str], bool] | None = None
     partition: Callable[[], tuple[int, int]] | None = None
+    partition_group: Callable[[], Any] | None = None
     groups: Callable[[], tuple] | None = None
     slices: Callable[[], tuple] | None = None
     prepare_first: bool = False

@@ -59,7 +59,7 @@ from zerofn.losses import MEAN_HELP, Mean
 from zerofn.optim.base import foreach_groups  # the device/dtype grouping foreach kernels need
 from zerofn.precision import Precision
 from zerofn.reduction import GradSink, Reduction
-from zerofn.state import InFlight, Layout, StateSpec, TrainState, collecting
+from zerofn.state import InFlight, Layout, StateSpec, TrainState, collecting, join_slices
 from zerofn.storage import Storage, split_params
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Step", "StepTransform", "reapply", "train_step", "transform"]
@@ -212,6 +212,7 @@ class Step:
             # start from other numbers than the state that holds them.
             raise ValueError(ADOPTED_HELP.format(what=f"{self.name}.init(apply.params)"))
         owner = functional.owner if functional is not None else (lambda name: None)
+        given = {k: v.dtype for k, v in split.named.items()}  # the model's dtypes, before the precision's cast
         named = {k: self.precision.cast(v, owner(k)) for k, v in split.named.items()}  # held (and run) so
         split = split._replace(named=named, trainable={k: named[k] for k in split.trainable})
         # the extensions that change what the model's layers are (their shapes) first, whatever the order of
@@ -265,6 +266,7 @@ class Step:
                 functional.state_dict_names() if functional else (),
                 next((e.partition() for e in self.extensions if e.partition is not None), (0, 1)),
                 tuple(x for e in self.extensions if e.slices is not None for x in e.slices()),
+                tuple(given.get(k, v.dtype) for k, v in split.named.items()),  # what prepare made: as held
             ),
         )
         if functional is not None and not keep_module:
@@ -296,39 +298,77 @@ class Step:
         }
 
     @_in_group
-    def full_params(self, state: TrainState, *, master: bool = False, requires_grad: bool = False) -> Any:
+    def full_params(
+        self, state: TrainState, *, master: bool = False, requires_grad: bool = False, local: bool = False
+    ) -> Any:
         """The full parameters (a new tree shaped like the ``init`` input) on every rank.
+
+        Whole tensors in the model's own dtypes, whatever the composition: the
+        parameters one process would hold after the same training. Sharded
+        parameters are gathered one bucket at a time; under
+        ``tensor_parallel`` each split parameter is gathered from its slices
+        over the tensor-parallel group, one parameter at a time (a rank holds
+        the model once, plus one parameter's slices). Under ``amp`` they are
+        the fp32 master weights cast to the dtype each parameter had when
+        ``init`` received it (the model's: fp32 for a model built in fp32;
+        frozen parameters, which have no master, the held values cast), so
+        they compute beside fp32 inputs as the model did.
+
+        ``master=True`` gives the weights the optimizer updates, in their
+        own dtype (amp's fp32 masters; with ``amp(..., master_dtype=bf16)``
+        the held bf16 parameters; frozen parameters, which have none, as
+        held, in the masters' dtype). ``local=True`` gives the parameters
+        this rank's model computes with, as the step holds them: under
+        ``tensor_parallel`` its own slices of the split parameters (cut as
+        ``state.spec.slices`` says), not gathered over the tensor-parallel
+        group; under ``amp`` in its dtype (bf16; the norms it keeps in fp32
+        in fp32); sharded parameters still gathered whole over the
+        data-parallel ranks.
+        ``requires_grad=True`` marks the trainable parameters (not the
+        frozen ones), so that ``other_step.init(step.full_params(state,
+        requires_grad=True))`` builds a state that trains the same ones.
 
         Collective: every rank must call it, in the same order as its other
         collective calls; called on some ranks only, it fails after
         ``ZEROFN_TIMEOUT_S`` with ``zerofn.collectives.CollectiveTimeoutError``
         (to save on one rank, call it on every rank and write on rank 0 only).
-        ``requires_grad=True`` marks the trainable parameters (not the
-        frozen ones), so that ``other_step.init(step.full_params(state,
-        requires_grad=True))`` builds a state that trains the same ones.
-        ``master=True`` gives the
-        full-precision weights the optimizer updates (amp's fp32 masters;
-        frozen parameters, which have none, as held, in fp32).
         """
         self.check_state(state)
-        masters = self.precision.masters(state.opt_state) if master else None
-        full = self.storage.full_params(state, self.model, masters)
+        spec = state.spec
+        split = not local and spec.partition[1] > 1 and bool(spec.slices)
+        # the group the slices are gathered over, asked first: it raises where they cannot be made whole
+        group = next(e.partition_group() for e in self.extensions if e.partition_group is not None) if split else None
+        dtypes = dict(zip(spec.layout.names, spec.dtypes)) if spec.dtypes and not (master or local) else {}
+        # The masters are the most precise values: read where the held parameters are not in the model's dtype.
+        cast = any(dtypes.get(s.name, b.dtype) != b.dtype for b in spec.layout.buckets for s in b.slots)
+        masters = self.precision.masters(state.opt_state) if master or cast else None
+        leaves, treedef = T.tree_flatten(self.storage.full_params(state, self.model, masters))
+        # ``leaves`` holds the only reference to each tensor: one replaced (cast, joined) is freed at once;
+        # so are the masters read from files
+        del masters
+        for i, (name, t) in enumerate(zip(spec.layout.names, leaves)):
+            want = dtypes.get(name, t.dtype)
+            if t.is_floating_point() and want != t.dtype:
+                leaves[i] = t.to(want)
+        if split:
+            _join_slices(spec, leaves, group)
         if requires_grad:  # trainable as they were, for init, which reads trainability from requires_grad
-            layout = state.spec.layout
-            trainable = {s.name for b in layout.buckets for s in b.slots}
-            for name, t in zip(layout.names, T.tree_leaves(full)):
+            trainable = {s.name for b in spec.layout.buckets for s in b.slots}
+            for name, t in zip(spec.layout.names, leaves):
                 if name in trainable:
                     t.requires_grad_(True)
-        return full
+        return T.tree_unflatten(treedef, leaves)
 
     @_in_group
-    def state_dict(self, state: TrainState, *, master: bool = False) -> dict[str, torch.Tensor]:
+    def state_dict(self, state: TrainState, *, master: bool = False, local: bool = False) -> dict[str, torch.Tensor]:
         """The model's ``state_dict`` from the state: every parameter name (tied ones under each of
         their names) and every persistent buffer, for ``model.load_state_dict(..., strict=True)``.
 
-        Collective, like :meth:`full_params`; ``master`` as there.
+        Collective, like :meth:`full_params`; ``master`` and ``local`` as there (whole parameters in the
+        model's dtypes by default, which a freshly built model loads; ``local=True``: this rank's slices
+        under ``tensor_parallel``, which its split model loads).
         """
-        full = self.full_params(state, master=master)
+        full = self.full_params(state, master=master, local=local)
         return self.model().state_dict_of(full, state.buffers)
 
     @_in_group
@@ -611,6 +651,34 @@ class Step:
             raise ValueError(IGNORED_PARAMS_HELP.format(name=self.name))
         _average_buffers(_float_buffers(state.buffers), before)
         return loss.detach(), aux, extra, items
+
+
+# ---------------------------------------------------------------- a split model's parameters made whole
+
+
+def _join_slices(spec: StateSpec, leaves: list, group: Any) -> None:
+    """Replace, in place in ``leaves`` (``layout.names``' order), each parameter that is a slice of a whole one
+    (``spec.slices``) by the whole one, gathered over ``group`` (the ranks holding the model's parts), one
+    parameter at a time."""
+    where = {name: i for i, name in enumerate(spec.layout.names)}
+    rules = [(name, int(d), int(p), int(n), int(i)) for name, d, p, n, i in spec.slices if name in where]
+    if not rules:
+        return
+    count = C.world_size(group=group)
+    device = leaves[where[rules[0][0]]].device
+    mine = torch.tensor([rule[4] for rule in rules], dtype=torch.int64, device=device)
+    every = torch.empty(count * len(rules), dtype=torch.int64, device=device)
+    C.all_gather(every, mine, group=group)
+    indices = every.view(count, len(rules)).tolist()  # which slice of each parameter each rank holds
+    for k, (name, dim, parts, n, _) in enumerate(rules):
+        t = leaves[where[name]]
+        out = torch.empty((count, t.numel()), dtype=t.dtype, device=t.device)
+        C.all_gather(out.view(-1), t.detach().contiguous().view(-1), group=group)
+        pieces: dict[int, torch.Tensor] = {}
+        for g in range(count):  # ranks sharing a slice (shared key/value heads) gave the same one
+            pieces.setdefault(indices[g][k], out[g].view(t.shape))
+        leaves[where[name]] = join_slices(pieces, dim, parts, n)
+        del out, pieces
 
 
 # ---------------------------------------------------------------- what a step computes besides the update

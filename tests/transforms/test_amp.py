@@ -29,7 +29,8 @@ def _train(shard, dtype, world, rank, *, order="amp_outside", reduce_dtype=None)
         step = SHARDS[shard](amp(step, DTYPES[dtype], reduce_dtype=reduce_dtype))
     state = step.init(apply.params)
     state, metrics = train(step, state, transformer_batch, STEPS, GLOBAL_BATCH, world, rank)
-    return step.full_params(state), step.name, float(metrics["loss"]), metrics["comm_bytes"]
+    # as held (in dtype): what the tolerance below is written for
+    return step.full_params(state, local=True), step.name, float(metrics["loss"]), metrics["comm_bytes"]
 
 
 def _rank_all(dtype):

@@ -65,7 +65,7 @@ def test_param_compute_equals_a_bf16_model_with_fp32_layernorms():
     state = step.init(apply.params)
     for i in range(steps):
         state, _ = step(state, transformer_batch(i, n))
-    got = step.full_params(state)
+    got = step.full_params(state, local=True)  # as the step holds them (the model's own dtypes: test_readme)
     assert got.keys() == ref.keys()
     for k in ref:
         assert got[k].dtype == ref[k].dtype == (torch.float32 if ".ln." in k else BF16), k
@@ -112,7 +112,7 @@ def test_no_autocast_bf16_matmuls_fp32_layernorms():
     assert set(seen["linear"]) == {BF16} and len(seen["linear"]) == 9  # 4 per block and the head: in bf16
     assert seen["ln_in"] == seen["ln_w"] == seen["ln_out"] == [torch.float32] * 2  # LayerNorm computes in fp32
     assert seen["logits"] == [torch.float32]  # the model's output comes back in fp32: the loss is fp32
-    held = step.full_params(state)
+    held = step.full_params(state, local=True)
     assert {k for k, v in held.items() if v.dtype == torch.float32} == {
         f"blocks.{i}.ln.{w}" for i in range(2) for w in ("weight", "bias")
     }
@@ -149,12 +149,12 @@ def test_float_inputs_cast_losses_stay_fp32_and_custom_types():
     batch = (torch.randn(5, 6), torch.randn(5, 3))
     state, m = step(state, batch)
     assert math.isfinite(float(m["loss"]))
-    held = step.full_params(state)
+    held = step.full_params(state, local=True)
     assert held["bn.weight"].dtype == held["norm.weight"].dtype == torch.float32 and held["fc1.weight"].dtype == BF16
     # fp32_modules=(): LayerNorm runs in bf16 with bf16 parameters (BatchNorm keeps fp32 parameters, as under autocast)
     apply2 = zf.functional(_Net())
     step2 = _param_step(lambda p, b: apply2(p, *b), fp32_modules=())
-    held2 = step2.full_params(step2.init(apply2.params))
+    held2 = step2.full_params(step2.init(apply2.params), local=True)
     assert held2["norm.weight"].dtype == BF16 and held2["bn.weight"].dtype == torch.float32
 
 

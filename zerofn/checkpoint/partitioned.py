@@ -22,6 +22,7 @@ import torch
 from zerofn.checkpoint._format import FORMAT, CheckpointError
 from zerofn.checkpoint.manifest import IndexEntry, Piece, Saved, Source
 from zerofn.checkpoint.parts import BUFFERS
+from zerofn.state import cut_slice, join_slices
 
 __all__ = ["PARTITIONS", "PartView", "partitions", "rules", "view", "whole"]
 
@@ -43,21 +44,6 @@ def partitions(path: str) -> dict | None:
 
 def rules(slices: Any) -> dict[str, tuple[int, int, int, int]]:
     return {name: (int(d), int(p), int(n), int(i)) for name, d, p, n, i in slices}
-
-
-def _cut(whole: torch.Tensor, rule: tuple[int, int, int, int]) -> torch.Tensor:
-    dim, parts, n, i = rule
-    if parts == 1:
-        return whole.chunk(n, dim)[i]
-    return torch.cat([p.chunk(n, dim)[i] for p in whole.chunk(parts, dim)], dim)
-
-
-def _join(pieces: dict[int, torch.Tensor], dim: int, parts: int, n: int) -> torch.Tensor:
-    """The whole parameter from its ``n`` slices (by index)."""
-    if parts == 1:
-        return torch.cat([pieces[i] for i in range(n)], dim)
-    thirds = [[pieces[i].chunk(parts, dim)[k] for i in range(n)] for k in range(parts)]
-    return torch.cat([torch.cat(t, dim) for t in thirds], dim)
 
 
 def view(path: str, info: dict, first: Saved, index: int, count: int, slices: Any) -> Any:
@@ -106,7 +92,7 @@ class PartView:
                 self.index[name] = e
                 continue
             whole = self._whole_shape(name, e.shape)
-            shape = tuple(_cut(torch.empty(whole, device="meta"), wanted[name]).shape) if name in wanted else whole
+            shape = tuple(cut_slice(torch.empty(whole, device="meta"), wanted[name]).shape) if name in wanted else whole
             numel = int(torch.Size(shape).numel())
             vid = len(self._names)  # one bucket of its own per parameter
             self._names[vid] = name
@@ -142,8 +128,8 @@ class PartView:
             e = part.index[name]
             flat = part.read(Source(source.key, e.kind, e.bucket), e.offset, e.offset + e.numel)
             pieces[i] = flat.view(e.shape)
-        whole = pieces[0] if rule is None else _join(pieces, rule[0], rule[1], rule[2])
-        value = (_cut(whole, self.wanted[name]) if name in self.wanted else whole).contiguous().view(-1)
+        whole = pieces[0] if rule is None else join_slices(pieces, rule[0], rule[1], rule[2])
+        value = (cut_slice(whole, self.wanted[name]) if name in self.wanted else whole).contiguous().view(-1)
         self._cache = (source, value)
         return value
 
