@@ -195,6 +195,10 @@ def _build_torch(system, cfg, device, world):
 
 
 def _build_deepspeed(system, cfg, device, batch_per_rank):
+    if device.type == "cuda" and "TORCH_CUDA_ARCH_LIST" not in os.environ:
+        # DeepSpeed compiles its fused Adam at first use; for this GPU only, not for every architecture
+        # torch lists (a newer CUDA compiler refuses the oldest of them)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "{}.{}".format(*torch.cuda.get_device_capability(device))
     import deepspeed
     import torch.nn.functional as F
 
