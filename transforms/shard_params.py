@@ -743,6 +743,7 @@ class _Runner:
         if not unit.fulls:
             return
         lease = self.reads.take(unit.index, unit.files) if self.reads is not None and unit.files else None
+        unit.lease = lease  # given back once the gather is done (or the unit released, however it ends)
         read = iter(lease.tensors if lease is not None else ())
         copied = None
         for full, shard in unit.fulls:
@@ -754,12 +755,12 @@ class _Runner:
                 copied = full.device
             unit.handles.append(C.all_gather(full, shard, async_op=True))
         if lease is not None and copied is not None and copied.type == "cuda":
-            # Copied to the device: the buffer is free for another read once the copies are done.
+            # Copied to the device: the buffer is free for another read once the copies are done (otherwise
+            # the gather reads the buffer itself).
             done = torch.cuda.Event()
             done.record(self.copies_stream)
             lease.release(after=done)
-        elif lease is not None:  # the gather reads the buffer itself: given back once it is done
-            unit.lease = lease
+            unit.lease = None
         self._read_ahead(unit)
 
     def _to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
