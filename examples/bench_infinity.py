@@ -9,7 +9,11 @@ all from the same run:
 
 - the model state (parameters, gradient, Adam's two moments: 16 bytes per
   parameter in fp32) against the machine's RAM;
-- the peak RSS of training (VmHWM from before ``step.init`` to the end);
+- the peak RSS of training (VmHWM from before ``step.init`` to the end),
+  and the allocator settings it ran under: the C allocator's defaults
+  unless ``MALLOC_*`` variables are set (none is needed: offload's host
+  buffers come from pools sized by its options, see the offload page of
+  the docs);
 - the bytes a step must move: the parameter shards read for the forward and
   again for backward, each gradient written as backward lands it and read by
   the update, the optimizer state and the parameters read and written by the
@@ -91,6 +95,12 @@ def _init(name: str, meta: torch.Tensor) -> torch.Tensor:
     if meta.dim() > 1:
         return torch.randn(meta.shape) * 0.02
     return torch.zeros(meta.shape) if name.endswith("bias") else torch.ones(meta.shape)
+
+
+def allocator_settings() -> str:
+    """The C allocator's settings this process runs under, as the peak RSS line prints them."""
+    found = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("MALLOC_"))
+    return "allocator: " + (", ".join(found) if found else "the C allocator's defaults")
 
 
 def disk_bandwidth(root: str, nbytes: int) -> tuple[float, float]:
@@ -175,8 +185,8 @@ def main(argv=None) -> None:
             f"state {16 * n / 1e9:.1f} GB = {16 * n / ram:.2f} x RAM ({ram / 2**30:.1f} GiB)"
         )
         print(
-            f"peak RSS {peak / 2**30:.2f} GiB ({(peak - base) / 2**30:.2f} GiB above the process before init); "
-            f"init {t_init:.1f} s; loss {first:.4f} -> {last:.4f}"
+            f"peak RSS {peak / 2**30:.2f} GiB ({(peak - base) / 2**30:.2f} GiB above the process before init, "
+            f"{allocator_settings()}); init {t_init:.1f} s; loss {first:.4f} -> {last:.4f}"
         )
         print(
             f"moved per step: {reads / 1e9:.2f} GB read, {writes / 1e9:.2f} GB written; disk {read_bw / 2**20:,.0f} "

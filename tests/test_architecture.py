@@ -103,11 +103,12 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return ids
 
 
-def imports_of(module: str) -> set[str]:
-    """The zerofn modules ``module`` imports (at any depth of its code; typing-only imports excepted)."""
+def imports_of(module: str, typing: bool = False) -> set[str]:
+    """The zerofn modules ``module`` imports (at any depth of its code; typing-only imports excepted
+    unless ``typing``)."""
     path = MODULES[module]
     tree = ast.parse(path.read_text())
-    skip = _type_checking_only(tree)
+    skip = set() if typing else _type_checking_only(tree)
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     out = set()
     for node in ast.walk(tree):
@@ -166,6 +167,14 @@ def test_no_import_cycle():
         if m not in state:
             visit(m, [m])
     assert cycles == []
+
+
+def test_no_two_modules_import_each_other():
+    """Not even for type annotations alone (``if TYPE_CHECKING:``): two modules that need each other's
+    names are one module, or share a third that both import."""
+    graph = {m: imports_of(m, typing=True) - {FACADE} for m in MODULES if m != FACADE}
+    pairs = sorted((a, b) for a in graph for b in graph[a] if a < b and a in graph.get(b, ()))
+    assert pairs == [], f"modules that import each other: {pairs}"
 
 
 def _module_aliases(tree: ast.AST) -> set[str]:

@@ -102,6 +102,7 @@ def test_bench_infinity_py_trains_from_files_and_reports_the_disk_bound(tmp_path
         )
         assert re.search(r"step [\d.]+ s \(mean of 1 consecutive\): [\d.]+ x the disk bound", out), out
         assert re.search(r"moved per step: [\d.]+ GB read, [\d.]+ GB written", out), out
+        assert re.search(r"peak RSS [\d.]+ GiB \([\d.-]+ GiB above the process before init, allocator: ", out), out
         outs[where] = re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups()
     assert outs["nvme"] == outs["cpu"], outs
     assert os.listdir(tmp_path) == [], "the benchmark removes what it wrote"

@@ -269,6 +269,16 @@ def test_constants_are_zerofns():
 
     assert plan.BUCKET_BYTES == DEFAULT_BUCKET_BYTES
     assert plan.NVME_SUB_GROUP_BYTES == offload_module.DEFAULT_SUB_GROUP_BYTES
+    # the pools offload("nvme") makes, as many buffers as the planner counts
+    from zerofn.transforms._param_files import read_buffers
+    from zerofn.transforms.offload import _nvme
+
+    from zerofn.plan.estimates import nvme_read_buffers
+
+    assert plan.NVME_UPDATE_BUFFERS == _nvme.UPDATE_BUFFERS
+    assert plan.NVME_LANDING_BUFFERS == _nvme.FileLanding.IN_FLIGHT + 1
+    for prefetch in (0, 1, 3):  # shard_params reads prefetch + 2 ahead and holds prefetch + 1 being gathered
+        assert nvme_read_buffers(prefetch) == read_buffers(prefetch + 2, prefetch + 1)
     assert plan.PREFETCH == inspect.signature(shard_params).parameters["prefetch"].default
 
 
@@ -406,7 +416,12 @@ def test_verdict_qwen_32b_on_one_24gb_gpu_and_64gb_of_ram_fits_with_params_and_o
     assert in_ram.short(**limits) == ["CPU"]  # lighter, had the RAM held the parameters
     assert best.nvme == (2 * 2 + 2 * 12 + 4) * shape.params  # one rank: no padding
     root = shape.params - shape.layers * shape.layer_params
-    assert best.cpu == 2 * (root + 3 * shape.layer_params) + 5 * 64 * 2**20
+    # offload's pools: a buffer of the root unit's shards (its embeddings and head) and five of a block's,
+    # four sub-groups of the update (12 bytes of state, a 4-byte gradient and a 2-byte parameter per element),
+    # three of gradients landing in fp32
+    update = 4 * (64 * 2**20 // 12) * (12 + 4 + 2)
+    landing = 3 * 4 * (plan.BUCKET_BYTES // 2)
+    assert best.cpu == 2 * (root + 5 * shape.layer_params) + update + landing
     config = tmp_path / "config.json"
     config.write_text(json.dumps(QWEN25_32B))
     r = _cli(
@@ -419,7 +434,7 @@ def test_verdict_qwen_32b_on_one_24gb_gpu_and_64gb_of_ram_fits_with_params_and_o
     )
     assert want in r.stdout, r.stdout
     assert want == (
-        "recommendation: ZeRO-3 + params on NVMe, optimizer on NVMe + remat (17.3 GB per GPU, 6.4 GB CPU RAM per "
+        "recommendation: ZeRO-3 + params on NVMe, optimizer on NVMe + remat (17.3 GB per GPU, 8.6 GB CPU RAM per "
         "node, 1.05 TB NVMe per node)"
     )  # as docs/planning.md shows it
 

@@ -12,15 +12,21 @@ before anything in it is touched.
 
 :class:`ShardReads` reads shards into host buffers on an I/O thread, ahead of
 the gathers that need them (``shard_params`` asks for the units it predicts
-next), and holds at most ``limit`` of them at once.
+next), at most ``limit`` reads at once. The buffers come from
+:class:`~zerofn.alloc.HostPool` s: one buffer per unit's shards, as many as
+the reads ahead and the gathers still reading them need, allocated once and
+reused step after step, so the memory they take is those pools whatever the
+model.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import os
-from collections import OrderedDict
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -29,7 +35,7 @@ from zerofn import alloc
 from zerofn._io import FileTensor, digest, generation_file, read_exact, remove, write_at, write_json
 from zerofn.state import Bucket
 
-__all__ = ["PARAMS_MANIFEST", "ShardFiles", "ShardReads"]
+__all__ = ["PARAMS_MANIFEST", "ShardFiles", "ShardReads", "read_buffers"]
 
 PARAMS_MANIFEST = "params.json"
 FORMAT = "zerofn-params-1"
@@ -84,39 +90,89 @@ def _check(rank_dir: str, signature: str) -> None:
         )
 
 
-class ShardReads:
-    """Shards read from their files into host buffers (pinned when ``pin``) on an I/O thread, at most
-    ``limit`` read or being read at once: ``ahead(key, files)`` starts a read, ``take(key, files)``
-    returns its buffers (reading now if none was started)."""
+_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> {buffer bytes: its HostPool}
+_POOLS_LOCK = threading.Lock()
 
-    def __init__(self, limit: int, pin: bool) -> None:
-        self.limit, self.pin = max(1, limit), pin
+
+def _pools(owner: Any, counts: dict[int, int], pin: bool) -> dict[int, alloc.HostPool]:
+    """A pool per size of buffer (``counts``: bytes -> how many buffers), those of ``owner`` (the model's
+    layout: the same from step to step, whose reads they serve) made once and kept; without an owner,
+    pools of their own."""
+    if owner is None:
+        return {n: alloc.HostPool(c, n, pin=pin) for n, c in counts.items()}
+    with _POOLS_LOCK:
+        pools = _POOLS.setdefault(owner, {})
+        for n, c in counts.items():
+            if n not in pools or pools[n].count < c or pools[n].pin != pin:
+                pools[n] = alloc.HostPool(c, n, pin=pin)
+        return {n: pools[n] for n in counts}
+
+
+def read_buffers(limit: int, held: int) -> int:
+    """The buffers of :class:`ShardReads` with ``limit`` reads ahead and at most ``held`` units' shards
+    read and still being gathered: one per unit's shards in either state."""
+    return max(1, limit) + held
+
+
+class ShardReads:
+    """Shards read from their files into host buffers on an I/O thread, at most ``limit`` read or being
+    read at once: ``ahead(key, files)`` starts a read, ``take(key, files)`` returns its
+    :class:`~zerofn.alloc.Lease` (reading now if none was started), whose tensors are the shards, to be
+    released once the gather has read them.
+
+    The buffers: a :class:`~zerofn.alloc.HostPool` (pinned when ``pin``) per size of a unit's shards
+    (``units``: the files of each unit that has some), of :func:`read_buffers` ``(limit, held)`` buffers
+    or as many as there are units of that size (a root unit larger than the blocks gets one of its own),
+    kept for ``owner`` (the model's layout) from step to step: each step's reads reuse the buffers of
+    the steps before."""
+
+    def __init__(self, limit: int, held: int, units: list, pin: bool, owner: Any = None) -> None:
+        self.limit = max(1, limit)
+        sizes = collections.Counter(alloc.slot_bytes(self.layout(files)) for files in units)
+        counts = {n: min(read_buffers(limit, held), c) for n, c in sizes.items()}
+        self.buffers = _pools(owner, counts, pin)
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.started: OrderedDict[Any, concurrent.futures.Future] = OrderedDict()
+        self.started: collections.OrderedDict[Any, tuple[concurrent.futures.Future, alloc.Lease]] = (
+            collections.OrderedDict()
+        )
+
+    @staticmethod
+    def layout(files: list[FileTensor]) -> list[tuple[torch.dtype, int]]:
+        return [(f.dtype, f.numel()) for f in files]
 
     def ahead(self, key: Any, files: list[FileTensor]) -> None:
         if key in self.started or len(self.started) >= self.limit or not files:
             return
         if self.pool is None:
             self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerofn-param-reads")
-        self.started[key] = self.pool.submit(self._read, files)
+        lease = self._lease(files)
+        self.started[key] = (self.pool.submit(self._read, files, lease), lease)
 
-    def take(self, key: Any, files: list[FileTensor]) -> list[torch.Tensor]:
+    def take(self, key: Any, files: list[FileTensor]) -> alloc.Lease:
         started = self.started.pop(key, None)
-        return started.result() if started is not None else self._read(files)
+        if started is not None:
+            return started[0].result()
+        return self._read(files, self._lease(files))
 
-    def _read(self, files: list[FileTensor]) -> list[torch.Tensor]:
-        out = []
-        for f in files:
-            buf = torch.empty(f.numel(), dtype=f.dtype, pin_memory=self.pin)
-            read_exact(f.path, buf, 0)
-            out.append(buf)
-        return out
+    def _lease(self, files: list[FileTensor]) -> alloc.Lease:
+        layout = self.layout(files)
+        return self.buffers[alloc.slot_bytes(layout)].take(layout)
+
+    @staticmethod
+    def _read(files: list[FileTensor], lease: alloc.Lease) -> alloc.Lease:
+        try:
+            for f, buf in zip(files, lease.tensors):
+                read_exact(f.path, buf, 0)
+        except BaseException:
+            lease.release()
+            raise
+        return lease
 
     def close(self) -> None:
-        for started in self.started.values():
-            started.cancel()
-        self.started.clear()
+        """Reads not taken are cancelled (or waited for), their buffers given back."""
         if self.pool is not None:
-            self.pool.shutdown(wait=True)
+            self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
+        for _, lease in self.started.values():
+            lease.release()
+        self.started.clear()

@@ -499,6 +499,13 @@ class _LiveUnit:
         # create_graph=True reads the parameters in an order that no hook of the unit's own sees coming
         # (see _Runner._inner).
         self.pinned = False
+        self.lease: alloc.Lease | None = None  # the host buffer its shards were read into, while gathered
+
+    def give_back(self) -> None:
+        """The gather is done: the buffer its shards were read into goes back to the pool."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
     @property
     def needed_in_backward(self) -> bool:
@@ -576,8 +583,14 @@ class _Runner:
                     full.untyped_storage().resize_(0)
                     unit.fulls.append((full, shard))
         # Shards in files: read on an I/O thread ahead of their gathers (a few units' worth at most).
-        on_disk = any(u.files for u in self.units)
-        self.reads = ShardReads(prefetch + 2, torch.cuda.is_available()) if on_disk else None
+        # The host buffers they are read into: pools of one per unit's shards read ahead (prefetch + 2 reads)
+        # or still being gathered (prefetch + 1 units).
+        on_disk = [u.files for u in self.units if u.files]
+        self.reads = (
+            ShardReads(prefetch + 2, prefetch + 1, on_disk, torch.cuda.is_available(), owner=self.layout)
+            if on_disk
+            else None
+        )
         self.copies_stream: Any = None  # CUDA: where host shards are copied in (see _to_device)
         self.intercepts: list[Intercept] = []
         try:
@@ -757,14 +770,25 @@ class _Runner:
             self.inflight.wait_bucket(i)
         if not unit.fulls:
             return
-        read = iter(self.reads.take(unit.index, unit.files) if self.reads is not None else ())
+        lease = self.reads.take(unit.index, unit.files) if self.reads is not None and unit.files else None
+        unit.lease = lease  # given back once the gather is done (or the unit released, however it ends)
+        read = iter(lease.tensors if lease is not None else ())
+        copied = None
         for full, shard in unit.fulls:
             full.untyped_storage().resize_(full.numel() * full.element_size())
             if isinstance(shard, FileTensor):  # read from its file (ahead, on the I/O thread), into a host buffer
                 shard = next(read)
             if self.host_shards and shard.device != full.device:  # brought in from host memory
                 shard = self._to_device(shard, full.device)
+                copied = full.device
             unit.handles.append(C.all_gather(full, shard, async_op=True))
+        if lease is not None and copied is not None and copied.type == "cuda":
+            # Copied to the device: the buffer is free for another read once the copies are done (otherwise
+            # the gather reads the buffer itself).
+            done = torch.cuda.Event()
+            done.record(self.copies_stream)
+            lease.release(after=done)
+            unit.lease = None
         self._read_ahead(unit)
 
     def _to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -807,6 +831,7 @@ class _Runner:
         for h in unit.handles:
             h.wait()
         unit.handles = []
+        unit.give_back()
         unit.ready = True
 
     def _agree(self, kind: int, unit: _LiveUnit | None, wait: bool = True) -> None:
@@ -869,8 +894,14 @@ class _Runner:
         for h in unit.handles:
             h.wait()
         unit.handles = []
+        unit.give_back()
         for full, _ in unit.fulls:
             full.untyped_storage().resize_(0)
+        if self.host_shards and unit.fulls and unit.fulls[0][0].device.type == "cpu":
+            # Computing on the CPU with the shards off the device (offload's params): the unit's buffers came
+            # from the C allocator, whose heap would keep them resident, fragmented, one more per unit
+            # gathered; handed back to the system, the step holds the units in flight and no more.
+            alloc.return_freed()
         unit.ready = False
         self._show(unit, False)
 

@@ -26,6 +26,17 @@ allocated filled, as always: a load that finds none of them saved leaves them as
 tensors with their dtype's largest value), so a test can show that a load writes every element of
 it: the loaded state is then finite and equal to the saved one.
 
+:class:`HostPool` is the other allocation here: a fixed number of host buffers of one size, reused
+step after step by the offload paths (shards read from files, the NVMe update's sub-groups, gradients
+on their way to files). A process that allocated and freed those buffers each time would leave the
+resident memory to the allocator: glibc, once a freed buffer has raised its mmap threshold, serves the
+next ones from its heap, which fragments and grows with the number of buffers a step goes through,
+that is with the model. A pool's memory is its ``count`` buffers, whatever the model and the
+allocator's settings. A step that computes on the CPU still allocates its own buffers there (gathered
+units, gradients) through the C allocator, whose freed memory the same fragmentation keeps resident:
+:func:`return_freed` hands it back to the system (glibc's ``malloc_trim``), which ``offload`` does
+after each update that ran on the CPU.
+
 Example:
     >>> import torch
     >>> from zerofn import alloc
@@ -40,14 +51,31 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
-from typing import NamedTuple
+import ctypes
+import ctypes.util
+import functools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from zerofn._io import new_file, write_at
 
-__all__ = ["copy_of", "filling", "unfilled", "zeros", "zeros_file", "zeros_like"]
+__all__ = [
+    "ALIGN",
+    "HostPool",
+    "Lease",
+    "copy_of",
+    "filling",
+    "slot_bytes",
+    "unfilled",
+    "zeros",
+    "zeros_file",
+    "zeros_like",
+]
+
+ALIGN = 256  # bytes: where each tensor of a pool buffer starts (a multiple of every CPU vector width)
 
 
 class _Mode(NamedTuple):
@@ -129,3 +157,117 @@ def _unwritten(t: torch.Tensor, mode: _Mode, pinned: bool) -> torch.Tensor:
     if t.is_floating_point() or t.is_complex():
         return t.fill_(mode.poison)
     return t.fill_(True if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
+
+
+def slot_bytes(layout: Sequence[tuple[torch.dtype, int]]) -> int:
+    """Bytes of a pool buffer that holds one tensor of each ``(dtype, numel)`` of ``layout``, each starting
+    at a multiple of :data:`ALIGN`."""
+    return sum(-(-n * dtype.itemsize // ALIGN) * ALIGN for dtype, n in layout)
+
+
+class Lease:
+    """Tensors carved from one buffer of a :class:`HostPool` (``tensors``), until :meth:`release`."""
+
+    def __init__(self, pool: HostPool, buffer: torch.Tensor, tensors: list[torch.Tensor], pooled: bool) -> None:
+        self.pool, self.buffer, self.tensors, self.pooled = pool, buffer, tensors, pooled
+
+    def release(self, after: Any = None) -> None:
+        """Give the buffer back (once; again does nothing). ``after``: a CUDA event that work still
+        reading or writing the buffer (a copy queued from it) records; the buffer's next lease waits for it."""
+        if self.buffer is not None:
+            self.pool._give(self.buffer, after, self.pooled)
+            self.buffer, self.tensors = None, []
+
+
+class HostPool:
+    """``count`` host buffers of ``nbytes`` each (pinned when ``pin``), reused from lease to lease.
+
+    A buffer is allocated the first time it is needed, never freed while the pool lives: the pool holds
+    at most ``count * nbytes``, however many leases a step takes. :meth:`take` carves tensors of the
+    dtypes and sizes asked for from a free buffer; :meth:`Lease.release` gives it back, from any thread.
+    A lease asked for when every buffer is out (or larger than ``nbytes``) gets a buffer of its own,
+    freed when released: counted in ``overflows``, which the callers' sizing keeps at 0 (the tests
+    check), so that a mistake costs memory, never a deadlock.
+
+    Example:
+        >>> import torch
+        >>> from zerofn.alloc import HostPool
+        >>> pool = HostPool(2, 1024)
+        >>> a = pool.take([(torch.float32, 4), (torch.int64, 2)])
+        >>> [tuple(t.shape) for t in a.tensors], pool.in_use
+        ([(4,), (2,)], 1)
+        >>> a.release(); b = pool.take([(torch.float32, 8)])
+        >>> pool.allocated, pool.overflows  # the same buffer again
+        (1, 0)
+    """
+
+    def __init__(self, count: int, nbytes: int, *, pin: bool = False) -> None:
+        if count < 1 or nbytes < 0:
+            raise ValueError(f"HostPool: count must be >= 1 and nbytes >= 0, got count={count}, nbytes={nbytes}")
+        self.count, self.nbytes, self.pin = count, nbytes, pin
+        self.allocated = 0  # buffers made so far (at most count)
+        self.in_use = 0  # pooled buffers out on lease now
+        self.peak = 0  # the most pooled buffers out at once
+        self.overflows = 0  # leases served outside the pool
+        self._free: list[tuple[torch.Tensor, Any]] = []  # (buffer, the event its last lease left, or None)
+        self._lock = threading.Lock()
+
+    @property
+    def bytes(self) -> int:
+        """Bytes the pool holds now (its buffers made so far)."""
+        return self.allocated * self.nbytes
+
+    def take(self, layout: Sequence[tuple[torch.dtype, int]]) -> Lease:
+        """A lease of one buffer, as a tensor per ``(dtype, numel)`` of ``layout`` (contents undefined)."""
+        need = slot_bytes(layout)
+        buffer, after, pooled = None, None, need <= self.nbytes
+        with self._lock:
+            if pooled and self._free:
+                buffer, after = self._free.pop()
+            elif pooled and self.allocated < self.count:
+                self.allocated += 1
+            else:
+                pooled = False
+                self.overflows += 1
+            if pooled:
+                self.in_use += 1
+                self.peak = max(self.peak, self.in_use)
+        if after is not None:
+            after.synchronize()
+        if buffer is None:
+            buffer = torch.empty(self.nbytes if pooled else need, dtype=torch.uint8, pin_memory=self.pin)
+        tensors, at = [], 0
+        for dtype, n in layout:
+            tensors.append(buffer[at : at + n * dtype.itemsize].view(dtype))
+            at += -(-n * dtype.itemsize // ALIGN) * ALIGN
+        return Lease(self, buffer, tensors, pooled)
+
+    def _give(self, buffer: torch.Tensor, after: Any, pooled: bool) -> None:
+        if not pooled:
+            return  # a buffer of its own: freed with the lease
+        with self._lock:
+            self._free.append((buffer, after))
+            self.in_use -= 1
+
+    def __repr__(self) -> str:
+        return f"HostPool({self.count} x {self.nbytes / 2**20:.2f} MiB, {self.allocated} made, {self.in_use} in use)"
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
+        return None
+
+
+def return_freed() -> bool:
+    """Give the memory the C allocator holds free back to the system (glibc's ``malloc_trim(0)``, which
+    releases free pages inside its heaps, not only at their tops); False where the C library has no
+    such call. Pooled buffers are held, so they stay; what it returns is the step's own freed buffers."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
 
 import torch
 from zerofn.transforms.offload._pending import Landing, PerBucket, Speculation, host_extra, landing_dtype, launch, mark
+from zerofn.transforms.offload._state import DelayedHostState, HostState
 
 from zerofn import optim as O
 from zerofn import tree as T
-from zerofn.roles import Inner, Quantity
 from zerofn.storage import to_host
 
 __all__ = ["DelayedHostState", "HostEngine", "HostOptions", "HostState", "host_optimizer", "runs_late"]
@@ -53,36 +52,6 @@ class HostOptions:
     overlap: bool | None = None
     delay: int = 0
     early: bool = False
-
-
-class HostState(NamedTuple):
-    """Optimizer state in host memory: host copies of the parameters it updates and of their gradients
-    (buffers kept from step to step, as DeepSpeed keeps its fp32 gradient partition on the host), and
-    the inner optimizer's state."""
-
-    params: Any  # None when the parameters already live on the host (params=True)
-    grads: Any
-    inner: Any
-    spare: Any = None  # early=True: room to save each bucket's state before a speculative update
-
-    placement = "cpu"  # where the optimizer state lives (the state's printout shows it)
-
-    def state_parts(self) -> tuple:
-        """The inner state; the host parameters mirror the parameters (filled from them on load, never
-        saved); the gradient buffers and the spare are scratch."""
-        if self.params is None:
-            return (Inner(self.inner),)
-        return (Inner(self.inner), Quantity("host_params", self.params, mirror=True))
-
-
-class DelayedHostState(HostState):
-    """:class:`HostState` of a delayed update (``delay=1``): the host parameters are one update ahead
-    of the parameters the forward uses, so a checkpoint saves them as a quantity of their own."""
-
-    __slots__ = ()
-
-    def state_parts(self) -> tuple:
-        return (Inner(self.inner), Quantity("pending", self.params, newer=True))
 
 
 class HostEngine:

@@ -56,6 +56,8 @@ __all__ = [
 
 ALIGN_BYTES = 256  # a multiple of every CPU vector width (AVX2 32 bytes, AVX-512 64, SVE up to 256): see _spans
 MANIFEST = "manifest.json"
+# The update's sub-group buffers: the one read ahead, the one updated, and two waiting to be written.
+UPDATE_BUFFERS = 4
 MANIFEST_FORMAT = "zerofn-offload-1"
 
 
@@ -193,6 +195,8 @@ class NvmeEngine:
         self.whole = O.bind(inner, view) if view is not None else inner  # over every bucket at once
         self.plans: dict = {}  # (bucket key, numel, dtype) -> BucketPlan
         self.bound: dict = {}  # (bucket key, a, b) -> the inner optimizer bound to that sub-group
+        self.buffers: alloc.HostPool | None = None  # the update's sub-groups (see :meth:`sub_group_buffers`)
+        self.landing: alloc.HostPool | None = None  # gradients on their way to their files (see FileLanding)
 
     def transformation(self) -> O.GradientTransformation:
         pure = O.in_place(self.init, self.update_in_place, "offload")
@@ -232,6 +236,28 @@ class NvmeEngine:
                 spans = [(0, numel)]
             self.plans[found] = BucketPlan(probe, spans)
         return self.plans[found]
+
+    def layout(self, key: str, param: Any, a: int, b: int, grad_dtype: torch.dtype) -> list:
+        """A sub-group's tensors in its pool buffer: the state's parameter-shaped leaves, the gradient,
+        the parameters, each over elements ``[a, b)``."""
+        probe = self.plan(key, param.numel(), param.dtype).probe
+        return [(dt, b - a) for dt in probe.big_dtypes] + [(grad_dtype, b - a), (param.dtype, b - a)]
+
+    def sub_group_buffers(self, layouts: list) -> alloc.HostPool:
+        """The update's pool: :data:`UPDATE_BUFFERS` buffers, each the largest sub-group's ``layouts``
+        (made once for a layout of the model, reused by every update after)."""
+        nbytes = max((alloc.slot_bytes(t) for t in layouts), default=0)
+        if self.buffers is None or self.buffers.nbytes < nbytes:
+            self.buffers = alloc.HostPool(UPDATE_BUFFERS, nbytes)
+        return self.buffers
+
+    def landing_buffers(self, params: dict) -> alloc.HostPool:
+        """The pool gradients are copied into on their way to their files: :attr:`FileLanding.IN_FLIGHT`
+        waiting to be written and the one landing, each the size of the largest bucket's gradient."""
+        nbytes = max((alloc.slot_bytes([(landing_dtype(p.dtype), p.numel())]) for p in params.values()), default=0)
+        if self.landing is None or self.landing.nbytes < nbytes:
+            self.landing = alloc.HostPool(FileLanding.IN_FLIGHT + 1, nbytes, pin=self.options.pin)
+        return self.landing
 
     def init(self, params: dict) -> NvmeState:
         keys = list(params)
@@ -283,13 +309,20 @@ class NvmeEngine:
 
     @torch.no_grad()
     def update_in_place(self, grads: dict, state: NvmeState, params: dict, **extra) -> NvmeState:
-        return self.stream(state, params, extra, grads=grads)
+        on_cpu = all(g.device.type == "cpu" for g in grads.values())
+        return self.stream(state, params, extra, grads=grads, on_cpu=on_cpu)
 
     @torch.no_grad()
-    def stream(self, state: NvmeState, params: dict, extra: dict, *, grads=None, landed=None) -> NvmeState:
+    def stream(
+        self, state: NvmeState, params: dict, extra: dict, *, grads=None, landed=None, on_cpu: bool = False
+    ) -> NvmeState:
         """The update, streamed sub-group by sub-group. The gradients: ``grads`` (bucket key -> the reduced
         gradient), or, when None, ``state.grads``' files, which backward landed them in in the dtypes
-        ``landed`` gives (see :class:`FileLanding`); each sub-group's gradient is read beside its state."""
+        ``landed`` gives (see :class:`FileLanding`); each sub-group's gradient is read beside its state.
+
+        Its host buffers come from the engine's pool (:meth:`sub_group_buffers`). ``on_cpu``: the step
+        computed on the CPU (its gradients arrived there): the memory it freed goes back to the system
+        after the update (:func:`zerofn.alloc.return_freed`)."""
         on_disk = grads is None
         files = state.files
         old, new = files.generation, 1 - files.generation
@@ -302,6 +335,16 @@ class NvmeEngine:
         next_gen = {k: _other_generation(p) for k, p in in_files.items()}
         for f in next_gen.values():
             remove(f.path)
+        grad_dtype = {k: landing_dtype(p.dtype) if on_disk else grads[k].dtype for k, p in params.items()}
+        pool = self.sub_group_buffers(
+            [self.layout(k, p, a, b, grad_dtype[k]) for k, p in params.items() for a, b in plans[k].spans]
+        )
+        leases: list = []  # every lease taken, released (again: a no-op) however the update ends
+
+        def take(k: str, span: tuple[int, int]) -> alloc.Lease:
+            leases.append(pool.take(self.layout(k, params[k], *span, grad_dtype[k])))
+            return leases[-1]
+
         try:
             with concurrent.futures.ThreadPoolExecutor(2) as io:
                 for k in params:
@@ -312,30 +355,34 @@ class NvmeEngine:
                     olds = [files.tensor(f"{k}_{j}", dt, n, old) for j, dt in enumerate(probe.big_dtypes)]
                     news = [files.tensor(f"{k}_{j}", dt, n, new) for j, dt in enumerate(probe.big_dtypes)]
                     staged = next_gen[k] if k in in_files else files.tensor(f"{k}_next", params[k].dtype, n, 0)
-                    sources = (
-                        olds + ([state.grads.tensor(k)] if on_disk else []) + ([in_files[k]] if k in in_files else [])
-                    )
-                    reading = io.submit(_read_group, sources, spans[0]) if spans else None
+                    # what is read from files, into the first of a sub-group's tensors, its gradient, its parameters
+                    sources = [(f, j) for j, f in enumerate(olds)]
+                    sources += [(state.grads.tensor(k), len(olds))] if on_disk else []
+                    sources += [(in_files[k], len(olds) + 1)] if k in in_files else []
+                    reading = io.submit(_read_group, sources, spans[0], take(k, spans[0])) if spans else None
                     writes: list = []
                     for i, (a, b) in enumerate(spans):
-                        big = reading.result()
+                        lease = reading.result()
                         if i + 1 < len(spans):  # read the next sub-group while this one is updated
-                            reading = io.submit(_read_group, sources, spans[i + 1])
-                        p_file = big.pop() if k in in_files else None
-                        g_file = big.pop() if on_disk else None
+                            reading = io.submit(_read_group, sources, spans[i + 1], take(k, spans[i + 1]))
+                        *big, g_t, p_t = lease.tensors
+                        if not on_disk:
+                            g_t.copy_(flat_g[a:b])
+                        if k not in in_files:
+                            p_t.copy_(flat_p[a:b])
                         leaves: list = [None] * (len(probe.big) + len(state.small))
                         for pos, t in zip(probe.big, big):
                             leaves[pos] = t
                         rest = iter([s.clone() for s in state.small])  # the counts as they were before this step
                         leaves = [t if t is not None else next(rest) for t in leaves]
                         sub = T.tree_unflatten(probe.treedef, leaves)
-                        p = {"x": p_file if p_file is not None else flat_p[a:b].to("cpu", copy=True)}
-                        g = {"x": g_file.to(landed[k]) if on_disk else flat_g[a:b].to("cpu", copy=True)}
+                        p = {"x": p_t}
+                        g = {"x": g_t.to(landed[k]) if on_disk else g_t}
                         sub = O.update_params(self.on(k, a, b), g, sub, p, **extra)
                         out = T.tree_leaves(sub)
                         new_small = [t for i2, t in enumerate(out) if i2 not in probe.big]
                         done = [out[pos] for pos in probe.big]
-                        writes.append(io.submit(_write_group, news, a, done, staged, p["x"]))
+                        writes.append(io.submit(_write_group, news, a, done, staged, p_t, lease))
                         if len(writes) > 2:  # at most two sub-groups waiting to be written
                             writes.pop(0).result()
                     for w in writes:
@@ -347,6 +394,9 @@ class NvmeEngine:
                 f"({e.strerror}). Nothing was changed: the state from before this step is intact. Free space "
                 "(or pass another path) and run the step again.",
             ) from e
+        finally:
+            for lease in leases:
+                lease.release()
         # Every write succeeded: copy the new parameters in (or switch to their new files), then switch
         # generations.
         for k, f in next_gen.items():
@@ -355,11 +405,17 @@ class NvmeEngine:
             flat_p = params[k].reshape(-1)
             staged = files.file(f"{k}_next", 0)
             for a, b in plans[k].spans:
-                buf = torch.empty(b - a, dtype=flat_p.dtype)
-                read_exact(staged, buf, a)
-                flat_p[a:b].copy_(buf)
+                lease = pool.take([(flat_p.dtype, b - a)])
+                read_exact(staged, lease.tensors[0], a)
+                flat_p[a:b].copy_(lease.tensors[0])
+                lease.release()
         _write_manifest(files.root, files.signature, new)
         new_files = dataclasses.replace(files, generation=new)
+        if on_cpu:
+            # The step computed on the CPU: its own buffers (gathered units, gradients) came from the C
+            # allocator, whose freed memory stays resident, fragmented, in step with the model's size unless
+            # handed back (the pools above it holds anyway).
+            alloc.return_freed()
         return NvmeState(new_small if new_small is not None else state.small, new_files, state.grads)
 
 
@@ -367,32 +423,42 @@ class FileLanding(O.PendingUpdate):
     """Each bucket's gradient written to its file as backward lands it, on a writer thread (overlapping
     the rest of backward), from a host copy (pinned and non-blocking on CUDA; on the CPU the gradient
     itself) that lives only until its write is done; at most ``IN_FLIGHT`` are waiting at once.
-    ``commit`` streams the update from the files."""
+    The host copies are buffers of the engine's landing pool (:meth:`NvmeEngine.landing_buffers`),
+    ``IN_FLIGHT + 1`` of them. ``commit`` streams the update from the files."""
 
     IN_FLIGHT = 2
 
     def __init__(self, engine: NvmeEngine, state: NvmeState, params: dict) -> None:
         self.engine, self.state, self.params = engine, state, params
+        self.buffers: alloc.HostPool | None = None  # the engine's landing pool, once a gradient needs a copy
         self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerofn-nvme-grads")
         self.writes: list = []
         self.landed: dict = {}  # bucket key -> the dtype its gradient arrived in
+        self.on_cpu = True  # every gradient arrived on the CPU: the step computed there
 
     def grad(self, key: str, grad: torch.Tensor) -> None:
         pin = self.engine.options.pin and grad.device.type == "cuda"
         dtype, event = landing_dtype(grad.dtype), None
+        lease = None
         if grad.device.type == "cpu" and grad.dtype == dtype:
             host = grad  # handed over: written as it is, no copy
         else:
-            host = torch.empty(grad.shape, dtype=dtype, pin_memory=pin)
-            host.copy_(grad, non_blocking=pin)
+            if self.buffers is None:
+                self.buffers = self.engine.landing_buffers(self.params)
+            lease = self.buffers.take([(dtype, grad.numel())])
+            host = lease.tensors[0]
+            host.copy_(grad.reshape(-1), non_blocking=pin)
         if pin:
             event = torch.cuda.Event()
             event.record()
         self.landed[key] = grad.dtype
+        self.on_cpu = self.on_cpu and grad.device.type == "cpu"
         file = self.state.grads.tensor(key)
-        self.writes.append(self.writer.submit(_land, file, host, event))
+        self.writes.append(self.writer.submit(_land, file, host, event, lease))
         while len(self.writes) > self.IN_FLIGHT:
             self.writes.pop(0).result()
+            if grad.device.type == "cpu":  # the gradient it wrote, freed: back to the system (see stream)
+                alloc.return_freed()
 
     def _written(self) -> None:
         try:
@@ -412,7 +478,7 @@ class FileLanding(O.PendingUpdate):
                 "Nothing was changed: the state from before this step is intact. Free space (or pass another "
                 "path) and run the step again.",
             ) from e
-        return self.engine.stream(self.state, self.params, extra, landed=self.landed)
+        return self.engine.stream(self.state, self.params, extra, landed=self.landed, on_cpu=self.on_cpu)
 
     def cancel(self) -> None:
         try:
@@ -433,10 +499,14 @@ def _other_generation(param: FileTensor) -> FileTensor:
     return FileTensor(other_generation(param.path), param.dtype, param.numel())
 
 
-def _land(file: FileTensor, host: torch.Tensor, event: Any) -> None:
-    if event is not None:
-        event.synchronize()
-    file.write(0, host)
+def _land(file: FileTensor, host: torch.Tensor, event: Any, lease: alloc.Lease | None) -> None:
+    try:
+        if event is not None:
+            event.synchronize()
+        file.write(0, host)
+    finally:
+        if lease is not None:
+            lease.release()
 
 
 def nvme_optimizer(inner: O.GradientTransformation, *, options: NvmeOptions) -> O.GradientTransformation:
@@ -525,15 +595,23 @@ def _spans(n: int, size: int, starts: list[int], align: int) -> list[tuple[int, 
     return spans
 
 
-def _read_group(tensors: list[FileTensor], span: tuple[int, int]) -> list[torch.Tensor]:
-    a, b = span
-    return [t.read(a, b - a) for t in tensors]
+def _read_group(sources: list[tuple[FileTensor, int]], span: tuple[int, int], lease: alloc.Lease) -> alloc.Lease:
+    """Elements ``span`` of each source file into the lease's tensor its index names."""
+    for f, j in sources:
+        read_exact(f.path, lease.tensors[j], span[0])
+    return lease
 
 
-def _write_group(tensors: list[FileTensor], a: int, big: list, staged: FileTensor, params: torch.Tensor) -> bool:
-    for f, t in zip(tensors, big):
-        f.write(a, t)
-    staged.write(a, params)
+def _write_group(
+    tensors: list[FileTensor], a: int, big: list, staged: FileTensor, params: torch.Tensor, lease: alloc.Lease
+) -> bool:
+    """A sub-group's new state and parameters into their files; then its buffer goes back to the pool."""
+    try:
+        for f, t in zip(tensors, big):
+            f.write(a, t)
+        staged.write(a, params)
+    finally:
+        lease.release()
     return True
 
 

@@ -16,17 +16,15 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+from zerofn.transforms.offload._state import HostState
 
 from zerofn import collectives as C
 from zerofn import optim as O
 from zerofn import tree as T
 from zerofn.state import arriving
-
-if TYPE_CHECKING:
-    from zerofn.transforms.offload._host import HostState
 
 __all__ = ["BucketRun", "Done", "Landing", "Launched", "PerBucket", "Speculation", "launch", "mark", "worker"]
 

@@ -91,12 +91,17 @@ parameters themselves when they rest on the host too:
 ``param_offload="cpu"``, ZeRO-3 only): 18 bytes per
 parameter in mixed precision, where write-ups of ZeRO-Offload count 12.
 On NVMe (``"nvme"``): the files hold two generations of the K S state plus
-a staging copy of the parameters, (2 K + 2) S bytes; RAM holds a few
-streamed sub-groups. ZeRO-3's parameter shards on NVMe beside it
-(``param_offload="nvme"``, ZeRO-Infinity): two generations of them instead
-of the staging copy, (2 K + 4) S bytes of state and parameter files, and
-RAM holds the shards read ahead of their gathers too (the root unit's and
-``prefetch + 2`` blocks', divided by N). Files count in ``state`` in their
+a staging copy of the parameters, (2 K + 2) S bytes; RAM holds offload's
+pools, whose sizes come from the options, not the model: the update's
+``NVME_UPDATE_BUFFERS`` sub-groups (each 64 MiB of state with the fp32
+gradient and the parameters over its elements) and, on a GPU,
+``NVME_LANDING_BUFFERS`` fp32 copies of a bucket's gradient partition.
+ZeRO-3's parameter shards on NVMe beside it (``param_offload="nvme"``,
+ZeRO-Infinity): two generations of them instead of the staging copy,
+(2 K + 4) S bytes of state and parameter files, and RAM holds the pool the
+shards are read into too: a buffer of the root unit's shards and
+:func:`~zerofn.plan.estimates.nvme_read_buffers` (``2 prefetch + 3``) of a
+block's, divided by N. Files count in ``state`` in their
 current generation (as ``zf.memory.state_bytes`` does), in ``nvme`` with
 both.
 
@@ -120,8 +125,9 @@ from zerofn.plan.cli import main, parse_count, parse_size
 from zerofn.plan.estimates import (
     ADAM_COUNT_BYTES,
     BUCKET_BYTES,
+    NVME_LANDING_BUFFERS,
     NVME_SUB_GROUP_BYTES,
-    NVME_SUB_GROUPS_IN_RAM,
+    NVME_UPDATE_BUFFERS,
     PREFETCH,
     Estimate,
     OptimizerBytes,
@@ -138,8 +144,9 @@ from zerofn.plan.text import fmt_bytes, format_count, plan_text
 __all__ = [
     "ADAM_COUNT_BYTES",
     "BUCKET_BYTES",
-    "NVME_SUB_GROUPS_IN_RAM",
+    "NVME_LANDING_BUFFERS",
     "NVME_SUB_GROUP_BYTES",
+    "NVME_UPDATE_BUFFERS",
     "PREFETCH",
     "Estimate",
     "LoraPlan",

@@ -19,24 +19,35 @@ from zerofn.plan.tensor import TensorParallelPlan, tensor_parallel_plan
 __all__ = [
     "ADAM_COUNT_BYTES",
     "BUCKET_BYTES",
-    "NVME_SUB_GROUPS_IN_RAM",
+    "NVME_LANDING_BUFFERS",
     "NVME_SUB_GROUP_BYTES",
+    "NVME_UPDATE_BUFFERS",
     "PREFETCH",
     "Estimate",
     "OptimizerBytes",
     "compositions",
     "estimate",
+    "nvme_read_buffers",
     "optimizer_bytes",
 ]
 
 # zerofn's defaults, repeated here so that planning depends on no step or transform (tests check they agree):
 BUCKET_BYTES = 25 * 2**20  # zerofn.step.DEFAULT_BUCKET_BYTES
 NVME_SUB_GROUP_BYTES = 64 * 2**20  # the NVMe update's sub-group (transforms/offload.py)
-NVME_SUB_GROUPS_IN_RAM = 5  # the one read ahead, the one updated, two being written, and the copies in
+# offload("nvme")'s host pools (docs/transforms/offload.md), as many buffers as the transform makes:
+NVME_UPDATE_BUFFERS = 4  # the update's sub-groups: the one read ahead, the one updated, two being written
+NVME_LANDING_BUFFERS = 3  # gradients copied off the GPU on their way to their files: two being written, one landing
 PREFETCH = 1  # ZeRO-3's default prefetch
 ADAM_COUNT_BYTES = 8  # the optimizer's int64 step count
 
 _DEVICES = (None, "cpu", "nvme")
+
+
+def nvme_read_buffers(prefetch: int = PREFETCH) -> int:
+    """The buffers ZeRO-3's parameter shards are read into from their files (``offload(..., params="nvme")``):
+    one per unit read ahead (``prefetch + 2``) or still being gathered (``prefetch + 1``)."""
+    return (prefetch + 2) + (prefetch + 1)
+
 
 QUANTIZE_NEEDS_LORA = (
     "estimate: quantize={quantize!r} without lora_rank: quantize holds the model's frozen Linear weights "
@@ -112,7 +123,7 @@ class Estimate:
         activations: activation bytes at the step's peak (0 without shapes).
         gathered: ZeRO-3's gathered units inside a step (0 without layer count).
         update: the update's transient beyond the gradients (fp32 gradient copy under mixed precision).
-        cpu: host RAM per rank for state (0 without offload).
+        cpu: host RAM per rank for state and offload's pools of host buffers (0 without offload).
         nvme: NVMe bytes per rank: every file, both generations of those the update rewrites.
         state: bytes a TrainState holds per rank between steps, every placement
             (what ``zf.memory.state_bytes(state)["total"]`` reports: of files, the current generation).
@@ -325,7 +336,8 @@ def estimate(
         flash: flash/SDPA attention (no s^2 attention matrix saved).
         device: ``"cuda"`` (layer norms in fp32 under autocast) or ``"cpu"``.
         bucket_bytes: zerofn's gradient bucket size (padding, ZeRO-2's buckets).
-        prefetch: ZeRO-3's prefetch.
+        prefetch: ZeRO-3's prefetch (with ``param_offload="nvme"`` it sizes the pool the shards are read
+            into: :func:`nvme_read_buffers`).
         optimizer: the ``zf.optim`` optimizer, whose state is counted as it holds it (see
             :func:`optimizer_bytes`: ``adamw(..., mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)``
             holds 4 bytes per parameter where fp32 moments hold 8); None: Adam with fp32 moments.
@@ -542,17 +554,19 @@ def estimate(
     gathered = 0
     # ZeRO-3's units in flight at once: the root unit (embeddings, head, final norm) and prefetch + 2 blocks.
     # Without the layer count the model is one unit: all of it.
-    ahead = pb * math.ceil(psi / n)  # bytes of this rank's shards of the units in flight
+    # this rank's shards of the root unit and of a block, and the blocks (the read pool's buffers: see below)
+    root_shard, block_shard, blocks = pb * math.ceil(psi / n), 0, 0
     if stage == 3 and lora is not None:
         # The frozen base at the bytes it is held in (quantized parts), the adapters and their gradients.
-        units = min(prefetch + 2, layers)
-        gathered = lora.root_bytes() + units * (lora.block_bytes() + 2 * pb * lora.block_trainable)
-        ahead = math.ceil((lora.root_bytes() + units * (lora.block_bytes() + pb * lora.block_trainable)) / n)
+        in_flight = min(prefetch + 2, layers)
+        gathered = lora.root_bytes() + in_flight * (lora.block_bytes() + 2 * pb * lora.block_trainable)
+        root_shard = math.ceil(lora.root_bytes() / n)
+        block_shard, blocks = math.ceil((lora.block_bytes() + pb * lora.block_trainable) / n), layers
     elif stage == 3 and layer_params:
         root = psi - layers * layer_params
         per_param = pb if inference else 2 * pb  # full parameters (and, training, their gradients)
         gathered = root * per_param + min(prefetch + 2, layers) * layer_params * per_param
-        ahead = pb * math.ceil((root + min(prefetch + 2, layers) * layer_params) / n)
+        root_shard, block_shard, blocks = pb * math.ceil(root / n), pb * math.ceil(layer_params / n), layers
 
     label = _label(stage, optimizer_offload, param_offload, remat, inference)
     common = dict(
@@ -631,10 +645,16 @@ def estimate(
         # (Frozen parameters, which this estimate does not count, would rest in one generation.)
         # A frozen base's files are written once, at init: one generation.
         nvme = 2 * k * shard + (2 * param_bytes + base if param_offload == "nvme" else pb * shard) + gbuf
-        cpu += NVME_SUB_GROUPS_IN_RAM * min(NVME_SUB_GROUP_BYTES, k * shard)
+        # RAM: offload's pools, fixed by the options whatever the model. The update's: a buffer per sub-group
+        # in flight, each the optimizer state of a sub-group and the fp32 gradient and parameters over the same
+        # elements (a whole shard when it is smaller).
+        cpu += NVME_UPDATE_BUFFERS * min(NVME_SUB_GROUP_BYTES // (k or 4), shard) * (k + 4 + pb)
+        if device != "cpu":  # each bucket's gradient copied off the GPU (in fp32) on its way to its file
+            cpu += NVME_LANDING_BUFFERS * 4 * math.ceil(min(bucket_bytes, pb * psi) / pb / (n if stage else 1))
         if param_offload == "nvme":
-            # the shards read ahead of their gathers into host buffers: those of the units in flight
-            cpu += min(param_bytes + base, ahead)
+            # the shards read ahead of their gathers and still being gathered: a buffer per unit's shards, a
+            # pool per size of unit (the root unit's one buffer; the blocks' nvme_read_buffers)
+            cpu += root_shard + min(nvme_read_buffers(prefetch), blocks) * block_shard
         state_cpu += held.fixed  # the step counts stay in memory, on the host
         state_nvme += k * shard + gbuf  # the current generation of the state files, and the gradients' files
     traffic = 0 if n == 1 else (3 if stage == 3 else 2) * psi
