@@ -59,7 +59,8 @@ def dequant_bytes(kind: str, numel: int, dtype: torch.dtype, block_size: int = 6
     """Bytes alive at the peak of dequantizing one weight of ``numel`` elements held as ``kind`` from ``dtype``
     (what ``codec(kind, block_size).decode`` allocates). NF4 decodes in the weight's dtype: every element's
     code-book value beside the scaled result (2 x the weight), with the block scales and the scalers' factors
-    expanded to one per block (the last scaler block's whole) and its 256-entry table of byte pairs. int8
+    expanded to one per block (the last scaler block's whole) and its 256-entry table of byte pairs (the code
+    book itself is made once per dtype and device and kept, not allocated per decode). int8
     decodes through fp32: its codes as floats beside their scaled product (8 bytes per element, the last
     block's padding included), then casts.
 
@@ -75,7 +76,7 @@ def dequant_bytes(kind: str, numel: int, dtype: torch.dtype, block_size: int = 6
     if kind == "nf4":
         scaler_blocks = -(-blocks // 256)  # the codec's scaler_block_size
         per_block = blocks + 256 * scaler_blocks  # the scales, and the factors repeated per block
-        table = 2 * 256 + 16  # the byte pairs' values and the code book, in the weight's dtype
+        table = 2 * 256  # the byte pairs' values in the weight's dtype (the 16-value code book is made once, kept)
         return (2 * int(numel) + per_block + table) * dtype.itemsize + 256 * 8  # and the 256 bytes as int64
     return 8 * blocks * block_size
 
