@@ -165,7 +165,7 @@ def run_offload_tests(args, log: Log, deadline: float) -> dict:
 # ---------------------------------------------------------------- part 3: speed
 
 
-def run_speed(args, shape: dict, log: Log, deadline: float, peak: float | None) -> list[dict]:
+def run_speed(args, shape: dict, log: Log, deadline: float) -> list[dict]:
     deepspeed = args.device == "cuda" and importlib.util.find_spec("deepspeed") is not None
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
     results = []
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = GPTConfig(**{k: shape[k] for k in ("vocab", "seq_len", "dim", "heads", "layers")})
     with torch.device("meta"):
         report["speed_params"] = sum(p.numel() for p in GPT(cfg).parameters())
-    report["speed"] = run_speed(args, shape, log, deadline, peak) if "speed" in args.parts else []
+    report["speed"] = run_speed(args, shape, log, deadline) if "speed" in args.parts else []
     report["comparisons"] = comparisons(report["speed"], peak)
     report["seconds"] = time.monotonic() - t0
     with open(os.path.join(args.out, "report.json"), "w") as f:
