@@ -113,7 +113,7 @@ def run_checks(args, out: str, log: Log, deadline: float) -> list[dict]:
             rec = json.loads(line)
             done[rec["case"]] = rec
         todo = [n for n in todo if n not in done]
-        if todo and code is not None and code == 0:
+        if todo and code == 0:
             break  # the child ended cleanly without them: nothing more to learn by rerunning
         if todo:  # the case in flight took its process down (or the time ran out): report it, go on
             name = todo.pop(0)
@@ -354,11 +354,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     shape = SPEED_SHAPES["cpu" if args.device == "cpu" else "quick" if args.quick else "full"]
     report["speed_shape"] = shape
-    from zerofn.bench.gpt import GPT, GPTConfig
+    from zerofn.bench.gpt import GPTConfig
 
     cfg = GPTConfig(**{k: shape[k] for k in ("vocab", "seq_len", "dim", "heads", "layers")})
-    with torch.device("meta"):
-        report["speed_params"] = sum(p.numel() for p in GPT(cfg).parameters())
+    report["speed_params"] = gpu_speed.gpt_params(cfg)
     report["speed"] = run_speed(args, shape, log, deadline) if "speed" in args.parts else []
     report["comparisons"] = comparisons(report["speed"], peak)
     report["seconds"] = time.monotonic() - t0

@@ -37,6 +37,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,8 @@ STEPS = 10
 WINDOW = range(2, STEPS)  # steps 3 to 10, counted from 1
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(zf.__file__)))  # frames below it are zerofn's
+_HERE = os.path.relpath(os.path.abspath(__file__), _ROOT)  # how _where names this file
 
 
 @dataclass(frozen=True)
@@ -205,24 +208,23 @@ def _where(frames) -> str:
     torch, marked as such."""
     mine = [f for f in frames if _ours(f.filename)]
     if mine:
-        f = mine[-1]
-        return f"{os.path.relpath(f.filename, _ROOT)}:{f.lineno} {f.name}"
+        return _named(mine[-1])
     outside = [f for f in frames if os.sep + "torch" + os.sep not in f.filename] or frames
     return f"(not zerofn) {os.path.basename(outside[-1].filename)}:{outside[-1].lineno} {outside[-1].name}"
 
 
 def _zerofn_frames(exc: BaseException) -> list[str]:
     frames = traceback.extract_tb(exc.__traceback__)
-    mine = [f"{os.path.relpath(f.filename, _ROOT)}:{f.lineno} {f.name}" for f in frames if _ours(f.filename)]
+    mine = [_named(f) for f in frames if _ours(f.filename)]
     return mine[-4:] or [f"{os.path.basename(f.filename)}:{f.lineno}" for f in frames[-3:]]
+
+
+def _named(f: traceback.FrameSummary) -> str:
+    return f"{os.path.relpath(f.filename, _ROOT)}:{f.lineno} {f.name}"
 
 
 def _ours(filename: str) -> bool:
     return filename.startswith(_ROOT) and os.sep + "torch" + os.sep not in filename[len(_ROOT) :]
-
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(zf.__file__)))
-_HERE = os.path.relpath(os.path.abspath(__file__), _ROOT)  # how _where names this file
 
 
 # ---------------------------------------------------------------- zerofn runs
@@ -365,21 +367,26 @@ def _fp16_overflow(ctx: Ctx, record: dict):
     _sync_runs(ctx, build, batches, record)
 
 
+def _llama_reference(ctx: Ctx, seed: int, **model: Any) -> tuple[list[torch.Tensor], dict, dict]:
+    """Random token batches from ``seed``, and the parameters torch trains from them on ``_llama(ctx, **model)``,
+    twice (its own run-to-run difference)."""
+    vocab, seq = (128, 16) if ctx.tiny else (512, 128)
+    g = torch.Generator().manual_seed(seed)
+    batches = [torch.randint(vocab, (2 if ctx.tiny else 8, seq + 1), generator=g).to(ctx.device) for _ in range(STEPS)]
+
+    def loss(m):
+        return lambda b: F.cross_entropy(m(input_ids=b[:, :-1]).logits.flatten(0, 1).float(), b[:, 1:].flatten())
+
+    runs = [_torch_train(m := _llama(ctx, **model), loss(m), batches)[0] for _ in range(2)]
+    return batches, runs[0], runs[1]
+
+
 def _quantize_lora(ctx: Ctx, record: dict):
     """quantize("nf4") of a peft LoRA Llama against the same model whose frozen weights are their NF4 round
     trip, trained by torch."""
     from zerofn.transforms import quantize
 
-    seq = 16 if ctx.tiny else 128
-    vocab = 128 if ctx.tiny else 512
-    g = torch.Generator().manual_seed(3)
-    batches = [torch.randint(vocab, (2 if ctx.tiny else 8, seq + 1), generator=g).to(ctx.device) for _ in range(STEPS)]
-
-    def ref_loss(model):
-        return lambda b: F.cross_entropy(model(input_ids=b[:, :-1]).logits.flatten(0, 1).float(), b[:, 1:].flatten())
-
-    want, _ = _torch_train(m := _llama(ctx, lora=True, nf4_of=torch.float32), ref_loss(m), batches)
-    again, _ = _torch_train(m := _llama(ctx, lora=True, nf4_of=torch.float32), ref_loss(m), batches)
+    batches, want, again = _llama_reference(ctx, 3, lora=True, nf4_of=torch.float32)
 
     def build():
         apply = zf.functional(_llama(ctx, lora=True))
@@ -395,15 +402,7 @@ def _quantize_lora(ctx: Ctx, record: dict):
 def _tensor_parallel_1(ctx: Ctx, record: dict):
     from zerofn.transforms import tensor_parallel
 
-    vocab, seq = (128, 16) if ctx.tiny else (512, 128)
-    g = torch.Generator().manual_seed(4)
-    batches = [torch.randint(vocab, (2 if ctx.tiny else 8, seq + 1), generator=g).to(ctx.device) for _ in range(STEPS)]
-
-    def ref_loss(model):
-        return lambda b: F.cross_entropy(model(input_ids=b[:, :-1]).logits.flatten(0, 1).float(), b[:, 1:].flatten())
-
-    want, _ = _torch_train(m := _llama(ctx), ref_loss(m), batches)
-    again, _ = _torch_train(m := _llama(ctx), ref_loss(m), batches)
+    batches, want, again = _llama_reference(ctx, 4)
 
     def build():
         apply = zf.functional(_llama(ctx))

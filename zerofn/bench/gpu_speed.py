@@ -122,6 +122,14 @@ def zf_composition(name: str):
     return compose
 
 
+def gpt_params(cfg) -> int:
+    """Parameters of the GPT of ``cfg`` (a ``GPTConfig``), counted on the meta device: the tied head once."""
+    from zerofn.bench.gpt import GPT
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg).parameters())
+
+
 def flops_per_token(n_params: int, layers: int, seq_len: int, dim: int) -> int:
     """Model FLOPs per trained token: 6 N for the matmuls (forward and backward) plus attention's scores."""
     return 6 * n_params + 12 * layers * seq_len * dim
@@ -257,7 +265,7 @@ def run_one(args) -> dict | None:
     """This rank's part of one system's benchmark; rank 0 returns the result, the others None."""
     import torch.distributed as dist
 
-    from zerofn.bench.gpt import GPT, GPTConfig
+    from zerofn.bench.gpt import GPTConfig
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -270,8 +278,7 @@ def run_one(args) -> dict | None:
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers)
-    with torch.device("meta"):  # parameters() counts the tied head once
-        n_params = sum(p.numel() for p in GPT(cfg).parameters())
+    n_params = gpt_params(cfg)
     g = torch.Generator().manual_seed(1)  # the same global batch for every system; each rank its slice
     data = torch.randint(args.vocab, (args.batch * world, args.seq_len + 1), generator=g)
     batch = data[rank * args.batch : (rank + 1) * args.batch].to(device)
@@ -575,11 +582,10 @@ def main(argv=None) -> list[dict] | None:
             raise SystemExit(f"gpu benchmark: unknown bf16 peak for {gpu!r}; pass --peak-tflops")
     if args.device == "cpu":
         peak = None  # no meaningful peak
-    from zerofn.bench.gpt import GPT, GPTConfig
+    from zerofn.bench.gpt import GPTConfig
 
     cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers)
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in GPT(cfg).parameters())
+    n_params = gpt_params(cfg)
     fpt = flops_per_token(n_params, args.layers, args.seq_len, args.dim)
     print(
         f"GPT {n_params / 1e6:,.1f} M parameters (dim {args.dim}, {args.layers} layers, {args.heads} heads, "
