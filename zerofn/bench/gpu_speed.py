@@ -29,9 +29,12 @@ same hyper-parameters, no gradient clipping):
 - ``fsdp2``: ``fully_shard`` on every block and on the root, with
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, fused AdamW.
 - ``deepspeed-z2``, ``deepspeed-z3``: ``deepspeed.initialize`` with bf16 and
-  ZeRO stage 2 / 3, DeepSpeed's AdamW (when ``import deepspeed`` works;
-  otherwise reported as "not installed"; CUDA only); ``deepspeed-z2-offload``:
-  stage 2 with ``offload_optimizer`` to pinned CPU memory (ZeRO-Offload).
+  ZeRO stage 2 / 3 and torch's fused AdamW over DeepSpeed's fp32 partitions
+  (the Adam kernel of every other row; no gradient clipping, DeepSpeed's
+  default being 1.0), when ``import deepspeed`` works (otherwise
+  reported as "not installed"; CUDA only); ``deepspeed-z2-offload``: stage 2
+  with ``offload_optimizer`` to pinned CPU memory and DeepSpeed's CPU Adam
+  (ZeRO-Offload).
 - zerofn: ``zf-amp`` = amp(train_step), ``zf-z1-amp`` (+ shard_optimizer),
   ``zf-z2-amp`` (+ shard_grads), ``zf-z3-amp`` (+ shard_params),
   ``zf-z2-amp-offload`` (+ offload("cpu"): the host update overlapping the
@@ -204,7 +207,7 @@ def _build_torch(system, cfg, device, world):
 
 def _build_deepspeed(system, cfg, device, batch_per_rank):
     if device.type == "cuda" and "TORCH_CUDA_ARCH_LIST" not in os.environ:
-        # DeepSpeed compiles its fused Adam at first use; for this GPU only, not for every architecture
+        # DeepSpeed compiles its CPU Adam at first use; for this GPU only, not for every architecture
         # torch lists (a newer CUDA compiler refuses the oldest of them)
         os.environ["TORCH_CUDA_ARCH_LIST"] = "{}.{}".format(*torch.cuda.get_device_capability(device))
     import deepspeed
@@ -214,15 +217,25 @@ def _build_deepspeed(system, cfg, device, batch_per_rank):
     config = {
         "train_micro_batch_size_per_gpu": batch_per_rank,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0; no other system clips
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": int(system[len("deepspeed-z")])},
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    adamw = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}
     if system.endswith("-offload"):  # ZeRO-Offload: its CPU Adam on pinned host state
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        config["optimizer"] = {"type": "AdamW", "params": {**adamw, "betas": list(BETAS)}}
+        optimizer = None
+    else:
+        # torch's fused AdamW over DeepSpeed's fp32 partitions: the kernel every other GPU row runs, so
+        # that the rows compare ZeRO and not two Adam kernels (and no compiler is needed at first use)
+        config["zero_allow_untested_optimizer"] = True
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), optimizer=optimizer, config=config
+    )
 
     def step(batch):
         logits = engine(batch[:, :-1])
