@@ -42,6 +42,7 @@ LAYERS = {  # bottom first
         "zerofn.roles",
         "zerofn.keys",
         "zerofn.placement",
+        "zerofn.sharding",
         "zerofn.losses",
         "zerofn.moe",
     ),

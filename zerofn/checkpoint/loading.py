@@ -18,7 +18,7 @@ from zerofn import keys
 from zerofn._io import FileTensor, remove
 from zerofn.checkpoint._format import CheckpointError, layout_json, signature
 from zerofn.checkpoint.manifest import Saved, Source
-from zerofn.checkpoint.partitioned import PartView, partitions, rules, view
+from zerofn.checkpoint.partitioned import into_part, of_spec, partitions, view
 from zerofn.checkpoint.parts import BUFFERS, FROZEN, PARAM_STEPS, PARAMS, Part, frozen_crc, layouts, state_parts
 from zerofn.functional import owner_of
 from zerofn.state import TrainState
@@ -273,11 +273,11 @@ def _load(path: str | os.PathLike, step: Any, state: TrainState | None, params: 
             state = step.init(params, structure_only=frozen_saved)
         else:
             step.check_state(state)
-        index, count = state.spec.partition
+        mine = of_spec(state.spec)
         if split is not None:  # the saved parts, reassembled and cut as this state's part is (if it differs)
-            saved = view(path, split, saved, index, count, state.spec.slices)
-        elif count > 1:  # an ordinary checkpoint into a split state: each parameter cut from the whole
-            saved = PartView(path, [saved], {0: {}}, rules(state.spec.slices))
+            saved = view(path, split, saved, mine)
+        elif mine is not None:  # an ordinary checkpoint into a split state: each parameter cut from the whole
+            saved = into_part(path, saved, mine[1])
         lays = layouts(state)
         _check_model(saved, lays, state)
         held = state_parts(state, C.rank(), lays)

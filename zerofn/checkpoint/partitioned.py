@@ -1,37 +1,63 @@
-"""A checkpoint of a model split over groups of ranks (tensor parallelism), read as the part a loading
-state holds: each split parameter reassembled whole from the saved parts, one at a time, and cut as the
-loading state cuts it.
+"""A checkpoint of a model split over groups of ranks (tensor parallelism, any parallelism that cuts
+parameters), read as the part a loading state holds: each cut parameter reassembled whole from the saved
+parts, one at a time, and cut as the loading state cuts it.
 
-``save`` writes such a state as one checkpoint per part (``path/part{i}``, each of its group of ranks)
-and ``partitions.json``: how each part's parameters are cut from whole ones (``state.spec.slices``:
-name, dim, parts, count, index). :func:`view` gives the loader what it reads from a checkpoint
+``save`` writes such a state as one checkpoint per part (``path/part{i}``, each of its group of ranks) and
+``partitions.json``: the mesh axes that cut parameters (names and sizes) and, for each part, its
+coordinates on them and each cut parameter's placements (``state.spec.mesh``, ``state.spec.placements``;
+:mod:`zerofn.sharding`). A checkpoint written before placements were recorded lists each part's slices
+instead (name, dim, parts, count, index, over one tensor-parallel axis); :func:`partitions` reads both as
+placements. :func:`view` gives the loader what it reads from a checkpoint
 (:class:`~zerofn.checkpoint.manifest.Saved`'s interface): the saved part itself when the loading state is
 cut as it was, else a :class:`PartView` whose every parameter is one bucket of its own, read by
-reassembling it from the saved parts (each part's piece of it read as that part saved it) and cutting
-the loading state's slice: one whole parameter of one quantity in memory at a time.
+reassembling it from the saved parts (each part's piece of it read as that part saved it) and cutting the
+loading state's piece: one whole parameter of one quantity in memory at a time.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from zerofn import sharding
 from zerofn.checkpoint._format import FORMAT, CheckpointError
 from zerofn.checkpoint.manifest import IndexEntry, Piece, Saved, Source
 from zerofn.checkpoint.parts import BUFFERS
-from zerofn.state import cut_slice, join_slices
 
-__all__ = ["PARTITIONS", "PartView", "partitions", "rules", "view", "whole"]
+__all__ = ["PARTITIONS", "Cuts", "PartView", "into_part", "of_spec", "partitions", "record", "view", "whole"]
 
 PARTITIONS = "partitions.json"
 _VIRTUAL = "<reassembled>"
 
 
-def partitions(path: str) -> dict | None:
-    """A split model's checkpoint's ``partitions.json`` (None: an ordinary checkpoint)."""
+class Cuts(NamedTuple):
+    """How one part's parameters are cut: the mesh axes that cut parameters, their sizes, the part's
+    coordinates on them, and name -> placements (one per axis) for each parameter not whole."""
+
+    axes: tuple[str, ...]
+    sizes: tuple[int, ...]
+    coords: tuple[int, ...]
+    placements: dict[str, tuple[sharding.Placement, ...]]
+
+    def same_as(self, other: Cuts) -> bool:
+        return (self.axes, self.sizes, self.coords, self.placements) == (
+            other.axes,
+            other.sizes,
+            other.coords,
+            other.placements,
+        )
+
+
+def record(cuts: Cuts) -> dict:
+    """One part's entry of ``partitions.json``."""
+    return {"coords": list(cuts.coords), "placements": {n: [str(p) for p in ps] for n, ps in cuts.placements.items()}}
+
+
+def partitions(path: str) -> dict[int, Cuts] | None:
+    """A split model's checkpoint's parts (part index -> its cuts; None: an ordinary checkpoint)."""
     name = os.path.join(os.fspath(path), PARTITIONS)
     if not os.path.exists(name):
         return None
@@ -39,41 +65,70 @@ def partitions(path: str) -> dict | None:
         info = json.load(f)
     if info.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {info.get('format')!r}, this zerofn reads {FORMAT!r}")
-    return info
+    if "mesh" not in info:  # written before placements: slices over one tensor-parallel axis
+        count = int(info["count"])
+        return {int(i): _from_slices(count, int(i), sl) for i, sl in info["parts"].items()}
+    axes, sizes = tuple(info["mesh"]["axes"]), tuple(int(n) for n in info["mesh"]["sizes"])
+    return {
+        int(i): Cuts(
+            axes,
+            sizes,
+            tuple(int(c) for c in part["coords"]),
+            {n: tuple(sharding.parse(p) for p in ps) for n, ps in part["placements"].items()},
+        )
+        for i, part in info["parts"].items()
+    }
 
 
-def rules(slices: Any) -> dict[str, tuple[int, int, int, int]]:
-    return {name: (int(d), int(p), int(n), int(i)) for name, d, p, n, i in slices}
+def _from_slices(count: int, index: int, slices: Any) -> Cuts:
+    """A part's cuts from the slices a checkpoint recorded before placements: (name, dim, parts, pieces,
+    piece), cut over ``count`` ranks of which ``count // pieces`` consecutive ones hold the same piece."""
+    placements = {name: (sharding.Shard(int(d), int(p), count // int(n)),) for name, d, p, n, _ in slices}
+    return Cuts(("tp",), (count,), (index,), placements)
 
 
-def view(path: str, info: dict, first: Saved, index: int, count: int, slices: Any) -> Any:
-    """What the loader reads for a state holding part ``index`` of ``count`` cut as ``slices``:
-    the saved part itself when it was cut alike, else a :class:`PartView`. ``first``: part 0, open."""
-    saved_count = int(info["count"])
-    wanted = rules(slices)
-    if count == saved_count and rules(info["parts"][str(index)]) == wanted:
+def of_spec(spec: Any) -> tuple[int, Cuts] | None:
+    """(part index, cuts) of the parameters a state holds, from its spec (None: the whole model)."""
+    index, count = spec.partition
+    if count == 1:
+        return None
+    return index, _from_slices(count, index, spec.slices)
+
+
+def view(path: str, parts: dict[int, Cuts], first: Saved, mine: tuple[int, Cuts] | None) -> Any:
+    """What the loader reads for a state holding part ``mine = (index, cuts)`` (None: the whole model): the
+    saved part itself when it was cut alike, else a :class:`PartView`. ``first``: part 0, open."""
+    if mine is None:
+        return _parts_view(path, parts, first, None)
+    index, wanted = mine
+    if index in parts and parts[index].same_as(wanted):
         if index == 0:
             return first
         first.close()
         return Saved(os.path.join(path, f"part{index}"))
-    return _parts_view(path, info, first, wanted)
+    return _parts_view(path, parts, first, wanted)
 
 
-def whole(path: str, info: dict) -> PartView:
+def whole(path: str, parts: dict[int, Cuts]) -> PartView:
     """A split model's checkpoint read as the whole model (``consolidate``)."""
-    return _parts_view(path, info, Saved(os.path.join(path, "part0")), {})
+    return _parts_view(path, parts, Saved(os.path.join(path, "part0")), None)
 
 
-def _parts_view(path: str, info: dict, first: Saved, wanted: dict) -> PartView:
-    """Every saved part (``first``: part 0, open), read as cut by ``wanted`` (name -> rule; {}: whole)."""
-    parts = [first] + [Saved(os.path.join(path, f"part{i}")) for i in range(1, int(info["count"]))]
-    return PartView(path, parts, {int(k): rules(v) for k, v in info["parts"].items()}, wanted)
+def _parts_view(path: str, parts: dict[int, Cuts], first: Saved, wanted: Cuts | None) -> PartView:
+    """Every saved part (``first``: part 0, open), read as cut by ``wanted`` (None: whole)."""
+    opened = [first] + [Saved(os.path.join(path, f"part{i}")) for i in range(1, len(parts))]
+    return PartView(path, opened, [parts[i] for i in range(len(parts))], wanted)
+
+
+def into_part(path: str, saved: Saved, wanted: Cuts) -> PartView:
+    """An ordinary checkpoint (the whole model) read as the part ``wanted`` holds."""
+    return PartView(path, [saved], [Cuts((), (), (), {})], wanted)
 
 
 class PartView:
     """A split model's checkpoint as the loading state's part would have been saved (see the module)."""
 
-    def __init__(self, path: str, parts: list[Saved], saved: dict[int, dict], wanted: dict):
+    def __init__(self, path: str, parts: list[Saved], saved: list[Cuts], wanted: Cuts | None):
         self.path, self.parts, self.saved, self.wanted = path, parts, saved, wanted
         base = parts[0]
         self.what = f"checkpoint {os.path.abspath(path)}"
@@ -92,7 +147,7 @@ class PartView:
                 self.index[name] = e
                 continue
             whole = self._whole_shape(name, e.shape)
-            shape = tuple(cut_slice(torch.empty(whole, device="meta"), wanted[name]).shape) if name in wanted else whole
+            shape = tuple(self._cut(name, torch.empty(whole, device="meta")).shape)
             numel = int(torch.Size(shape).numel())
             vid = len(self._names)  # one bucket of its own per parameter
             self._names[vid] = name
@@ -104,32 +159,36 @@ class PartView:
         self._cache: tuple | None = None
 
     def _whole_shape(self, name: str, local: tuple) -> tuple:
-        rule = self.saved[0].get(name)
-        if rule is None:
+        cuts = self.saved[0]
+        if name not in cuts.placements:
             return tuple(local)
-        dim, _, n, _ = rule
-        shape = list(local)
-        shape[dim] *= n
-        return tuple(shape)
+        return sharding.whole_shape(local, cuts.placements[name], cuts.sizes)
+
+    def _cut(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """The loading state's piece of the whole parameter ``name`` (itself when the state holds it whole)."""
+        w = self.wanted
+        if w is None or name not in w.placements:
+            return whole
+        return sharding.cut(whole, w.placements[name], w.sizes, w.coords)
 
     def _value(self, source: Source) -> torch.Tensor:
-        """The loading state's slice of a parameter in one quantity, flat."""
+        """The loading state's piece of a parameter in one quantity, flat."""
         if self._cache is not None and self._cache[0] == source:
             return self._cache[1]
         name = self._names[source.bucket]
-        pieces: dict[int, torch.Tensor] = {}
-        rule = self.saved[0].get(name)
-        holders = range(len(self.parts)) if rule is not None else [0]
-        for p in holders:
-            i = self.saved[p][name][3] if rule is not None else 0
-            if i in pieces:  # several parts hold the same slice (shared key/value heads)
-                continue
+        placements = self.saved[0].placements.get(name)
+        if placements is None:  # whole in every part: part 0's
+            holders = {(): 0}
+        else:  # one part per distinct piece (parts sharing a piece, as key/value heads fewer than ranks, read once)
+            by_coords = {cuts.coords: p for p, cuts in enumerate(self.saved)}
+            holders = {c: by_coords[c] for c in sharding.pieces(placements, self.saved[0].sizes)}
+        held = {}
+        for c, p in holders.items():
             part = self.parts[p]
             e = part.index[name]
-            flat = part.read(Source(source.key, e.kind, e.bucket), e.offset, e.offset + e.numel)
-            pieces[i] = flat.view(e.shape)
-        whole = pieces[0] if rule is None else join_slices(pieces, rule[0], rule[1], rule[2])
-        value = (cut_slice(whole, self.wanted[name]) if name in self.wanted else whole).contiguous().view(-1)
+            held[c] = part.read(Source(source.key, e.kind, e.bucket), e.offset, e.offset + e.numel).view(e.shape)
+        whole = held[()] if placements is None else sharding.join(held, placements, self.saved[0].sizes)
+        value = self._cut(name, whole).contiguous().view(-1)
         self._cache = (source, value)
         return value
 

@@ -38,7 +38,7 @@ from zerofn.checkpoint._format import (
     signature,
 )
 from zerofn.checkpoint.manifest import complete
-from zerofn.checkpoint.partitioned import PARTITIONS
+from zerofn.checkpoint.partitioned import PARTITIONS, of_spec, record
 from zerofn.checkpoint.parts import FROZEN, Part, frozen_crc, layouts, quantities, state_parts
 from zerofn.state import TrainState
 
@@ -237,12 +237,19 @@ def _save_partition(
         handle = save(state, os.path.join(partial, f"part{index}"), blocking=True, group=group, frozen=frozen)
     finally:
         _IN_PART.reset(token)
-    slices = C.gather_objects((index, [list(x) for x in state.spec.slices]), group=world)
+    _, cuts = of_spec(state.spec)
+    every = C.gather_objects((index, record(cuts)), group=world)
     if dist.get_rank() == 0:
-        parts = {str(i): sl for i, sl in slices}
         write_json(
             os.path.join(partial, PARTITIONS),
-            {"format": FORMAT, "count": count, "parts": parts, "model_count": int(state.count), "time": time.time()},
+            {
+                "format": FORMAT,
+                "count": count,
+                "mesh": {"axes": list(cuts.axes), "sizes": list(cuts.sizes)},
+                "parts": {str(i): part for i, part in every},
+                "model_count": int(state.count),
+                "time": time.time(),
+            },
         )
         fsync_dir(partial)
         if os.path.exists(path):

@@ -1,0 +1,159 @@
+"""Placements: how a parameter a rank holds is cut from the whole one, per axis of the step's mesh.
+
+As DTensor writes them: one placement per mesh axis, in the mesh's order, each :class:`Replicate` (the
+rank holds the tensor whole along that axis) or :class:`Shard` (cut along a tensor dimension over the
+axis's ranks). The state's spec records them for every parameter a model-parallel transform cuts
+(``state.spec.placements``, beside ``state.spec.mesh``: each cutting axis's name, size and this rank's
+coordinate on it), and a checkpoint's manifest records them for each part it saved; saving, loading onto
+another mesh, ``consolidate`` and ``full_params`` reassemble and re-cut any parameter from them alone, so a
+new parallelism that cuts parameters declares placements and needs no code in persistence.
+
+Two generalisations of DTensor's ``Shard(dim)`` that tensor parallelism needs, both as fields of
+:class:`Shard`:
+
+- ``parts``: the dimension is ``parts`` blocks side by side (a fused q/k/v projection), each cut alike
+  and this rank's piece of each put side by side; DTensor's ``_StridedShard(dim, split_factor=parts)``.
+- ``share``: ``share`` consecutive ranks of the axis hold the same piece (key/value heads fewer than the
+  ranks: the axis's ``size`` ranks hold ``size // share`` pieces).
+
+Data-parallel axes never appear here: ZeRO's shards are flat ranges of buckets (``state.spec.layout``),
+resharded by the layout, not by placements.
+
+Example:
+    >>> import torch
+    >>> from zerofn.sharding import Shard, cut, join, parse
+    >>> w = torch.arange(12.0).view(6, 2)
+    >>> qkv = Shard(0, parts=3)
+    >>> [cut(w, (qkv,), (2,), (r,))[:, 0].tolist() for r in range(2)]
+    [[0.0, 4.0, 8.0], [2.0, 6.0, 10.0]]
+    >>> torch.equal(join({(r,): cut(w, (qkv,), (2,), (r,)) for r in range(2)}, (qkv,), (2,)), w)
+    True
+    >>> str(qkv), parse("S(0,share=2)"), str(parse("R"))
+    ('S(0,parts=3)', Shard(dim=0, parts=1, share=2), 'R')
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Placement", "Replicate", "Shard", "cut", "join", "parse", "piece", "pieces", "whole_shape"]
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Whole along this axis: every rank of it holds the same tensor."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Cut along tensor dimension ``dim`` over the axis's ranks (see the module for ``parts`` and ``share``)."""
+
+    dim: int
+    parts: int = 1
+    share: int = 1
+
+    def __str__(self) -> str:
+        extra = "".join(f",{k}={v}" for k, v in (("parts", self.parts), ("share", self.share)) if v != 1)
+        return f"S({self.dim}{extra})"
+
+
+Placement = Replicate | Shard
+
+_SHARD = re.compile(r"^S\((\d+)((?:,(?:parts|share)=\d+)*)\)$")
+
+
+def parse(text: str) -> Placement:
+    """The placement written as ``text`` (``"R"``, ``"S(0)"``, ``"S(1,parts=3,share=2)"``), as ``str`` writes it.
+
+    Raises:
+        ValueError: ``text`` is no placement.
+    """
+    if text == "R":
+        return Replicate()
+    m = _SHARD.match(text)
+    if m is None:
+        raise ValueError(f"not a placement: {text!r} (expected 'R', 'S(dim)' or 'S(dim,parts=k,share=s)')")
+    fields = dict(kv.split("=") for kv in m.group(2).split(",")[1:])
+    return Shard(int(m.group(1)), **{k: int(v) for k, v in fields.items()})
+
+
+def piece(p: Placement, size: int, coord: int) -> tuple[int, int]:
+    """(which piece, of how many) the rank at ``coord`` of an axis of ``size`` holds under ``p``."""
+    if isinstance(p, Replicate):
+        return 0, 1
+    if size % p.share:
+        raise ValueError(f"{p}: share {p.share} does not divide the axis's {size} ranks")
+    return coord // p.share, size // p.share
+
+
+def _cut1(t: torch.Tensor, p: Placement, size: int, coord: int) -> torch.Tensor:
+    i, n = piece(p, size, coord)
+    if n == 1:
+        return t
+    if p.parts == 1:
+        return t.chunk(n, p.dim)[i]
+    return torch.cat([block.chunk(n, p.dim)[i] for block in t.chunk(p.parts, p.dim)], p.dim)
+
+
+def _join1(by_piece: Sequence[torch.Tensor], p: Placement) -> torch.Tensor:
+    if len(by_piece) == 1:
+        return by_piece[0]
+    if p.parts == 1:
+        return torch.cat(list(by_piece), p.dim)
+    blocks = [[t.chunk(p.parts, p.dim)[k] for t in by_piece] for k in range(p.parts)]
+    return torch.cat([torch.cat(b, p.dim) for b in blocks], p.dim)
+
+
+def cut(whole: torch.Tensor, placements: Sequence[Placement], sizes: Sequence[int], coords: Sequence[int]):
+    """The piece of ``whole`` the rank at ``coords`` (one per axis, the axes of ``sizes``) holds."""
+    t = whole
+    for p, size, coord in zip(placements, sizes, coords):
+        t = _cut1(t, p, size, coord)
+    return t
+
+
+def pieces(placements: Sequence[Placement], sizes: Sequence[int]) -> list[tuple[int, ...]]:
+    """One coordinate tuple per distinct piece: the ranks whose pieces make the whole tensor."""
+    out: list[tuple[int, ...]] = [()]
+    for p, size in zip(placements, sizes):
+        _, n = piece(p, size, 0)
+        share = size // n
+        out = [c + (i * share,) for c in out for i in range(n)]
+    return out
+
+
+def join(
+    held: Mapping[tuple[int, ...], torch.Tensor], placements: Sequence[Placement], sizes: Sequence[int]
+) -> torch.Tensor:
+    """The whole tensor from the pieces ``held`` by coordinates (at least those :func:`pieces` names), the
+    inverse of :func:`cut`."""
+    axes = len(sizes)
+
+    def rebuild(prefix: tuple[int, ...]) -> torch.Tensor:
+        k = len(prefix)
+        if k == axes:
+            return held[prefix]
+        p, size = placements[k], sizes[k]
+        _, n = piece(p, size, 0)
+        share = size // n
+        # the innermost axes were cut last: join them first, then this one
+        return _join1([rebuild(prefix + (i * share,)) for i in range(n)], p)
+
+    return rebuild(())
+
+
+def whole_shape(local: Sequence[int], placements: Sequence[Placement], sizes: Sequence[int]) -> tuple[int, ...]:
+    """The whole tensor's shape from a piece's."""
+    shape = list(local)
+    for p, size in zip(placements, sizes):
+        _, n = piece(p, size, 0)
+        if isinstance(p, Shard):
+            shape[p.dim] *= n
+    return tuple(shape)
