@@ -16,7 +16,8 @@ import tempfile
 import torch
 
 HERE = pathlib.Path(__file__).parent
-sys.path.insert(0, str(HERE.parent.parent))  # tests/: helpers and the test module
+TESTS = HERE.parent.parent
+sys.path[:0] = [str(TESTS), str(TESTS / "checkpoint")]  # helpers, and the test module wherever it is
 
 import test_stored_checkpoints as T  # noqa: E402
 
