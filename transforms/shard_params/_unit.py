@@ -28,7 +28,7 @@ class LiveUnit:
         # Gathered by an inner torch.autograd.grad (a gradient penalty in loss_fn): kept until its backward
         # is over (with frozen parameters: until the step ends), since the graph that grad built with
         # create_graph=True reads the parameters in an order that no hook of the unit's own sees coming
-        # (see Runner.inner).
+        # (see Runner._inner).
         self.pinned = False
         self.lease: alloc.Lease | None = None  # the host buffer its shards were read into, while gathered
 
