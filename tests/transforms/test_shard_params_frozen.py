@@ -5,12 +5,11 @@ the training equals one process's."""
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from helpers import rank_slice
 from torch import nn
 from zerofn.transforms import shard_params
+from zerofn.transforms.shard_params._runner import Runner
 
 import zerofn as zf
 
@@ -60,15 +59,14 @@ def _train(sharded: bool) -> tuple[dict, list]:
         step = shard_params(step)
     gathers: list = []
     if sharded:
-        sp = importlib.import_module("zerofn.transforms.shard_params")  # the module (the package exports the function)
-        real = sp._Runner._gather
+        real = Runner.gather
 
         def counted(self, unit):
             if unit.idle and unit.fulls:
                 gathers[-1][unit.spec.name] = gathers[-1].get(unit.spec.name, 0) + 1
             return real(self, unit)
 
-        sp._Runner._gather = counted
+        Runner.gather = counted
     try:
         state = step.init(apply.params)
         for i in range(3):
@@ -77,7 +75,7 @@ def _train(sharded: bool) -> tuple[dict, list]:
             state, _ = step(state, x)
     finally:
         if sharded:
-            sp._Runner._gather = real
+            Runner.gather = real
     return step.full_params(state), gathers
 
 

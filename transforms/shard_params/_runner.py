@@ -1,0 +1,486 @@
+"""The runner (:class:`Runner`): one step's gathers and releases of the units around the model's forward
+and backward. Module hooks open a unit (all-gather its buffers, with the next ``prefetch`` units'
+gathers in flight) and close it (release them, but for the units backward needs first); gradient hooks
+gather a unit again for backward and release it when its backward is over. :class:`Phase` says where in
+the step the runner is."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from zerofn.transforms._units import ROOT, Intercept, compiled, compiles_children, inside
+from zerofn.transforms.shard_params._agreement import Agreement, Point
+from zerofn.transforms.shard_params._placeholders import StandIns
+from zerofn.transforms.shard_params._read_ahead import ReadAhead
+from zerofn.transforms.shard_params._unit import LiveUnit, last_block
+
+from zerofn import alloc, counters
+from zerofn import collectives as C
+from zerofn import tree as T
+from zerofn._io import FileTensor
+from zerofn.functional import Functional
+from zerofn.state import TrainState
+
+ORDER = "shard_params.order"  # state.extra key: unit indices in the order the last step ran them
+
+
+class Phase(enum.Enum):
+    """Where a runner is in its step."""
+
+    BUILT = enum.auto()  # made, the model not called yet: the model's places hold what they held
+    FORWARD = enum.auto()  # a model call is running: module calls open and close units
+    # After a model call: loss_fn's own code, or backward, whose recomputes (activation checkpointing) call
+    # modules outside any model call. The model's places show placeholders but in the unit whose modules run.
+    BETWEEN = enum.auto()
+    CLOSED = enum.auto()  # the step is over: every unit released, the model's own parameters back
+
+
+def _grad_node(t: torch.Tensor) -> Any:
+    """The autograd node that receives ``t``'s gradient: its ``grad_fn``, or a leaf's gradient accumulator."""
+    return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
+
+
+class Runner:
+    """Gathers and releases units around the module's forward and backward."""
+
+    def __init__(self, state: TrainState, functional: Functional, prefetch: int, sink: Any, host_shards: bool):
+        spec = state.spec
+        self.functional = functional
+        self.module = functional.module
+        self.layout = spec.layout
+        self.treedef = spec.treedef
+        self.prefetch = prefetch
+        self.sink = sink
+        self.host_shards = host_shards
+        self.phase = Phase.BUILT
+        self.units = [LiveUnit(u, i) for i, u in enumerate(self.layout.units)]
+        # The shards without waiting for an update still writing them (offload's, on its worker thread):
+        # each unit waits for its own buckets before it is gathered.
+        self.flats, self.inflight = state.arriving_params(), state.inflight
+        self.by_name = {u.spec.name: u for u in self.units}
+        self.leaves: dict[str, torch.Tensor] = {}
+        self.unit_of: dict[str, LiveUnit] = {}  # parameter name -> its unit
+        self.hooks: list[Any] = []
+        self.forward_order: list[LiveUnit] = []
+        self.last_order = state.extra.get(ORDER)
+        self.expected: list[LiveUnit] | None = None
+        self.backward_queue: list[LiveUnit] | None = None
+        self.queue_inner = False  # the queue is an inner torch.autograd.grad's (see _inner)
+        self.agreement = Agreement(self.units)
+        self.next_open = 0  # where the forward is in the recorded order (among units with parameters)
+        self.recorded: list[LiveUnit] | None = None  # that order, units with parameters only
+        trainable = sink is not None and torch.is_grad_enabled()
+        # One rank holds whole buckets: the leaves view them where they lie, with nothing to gather or release.
+        whole = C.world_size() == 1 and not host_shards
+        for unit in self.units:
+            pairs = [(self.flats[i], self.layout.buckets[i], True) for i in unit.spec.buckets]
+            pairs += [(state.frozen[i], self.layout.frozen_buckets[i], False) for i in unit.spec.frozen]
+            for shard, bucket, grads in pairs:
+                full = shard if whole else torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
+                raw = full.data  # leaves view this alias: refilling `full` bumps no version they saved
+                for s in bucket.slots:
+                    leaf = raw[s.offset : s.offset + s.numel].view(s.shape)
+                    if grads and trainable:
+                        leaf, hooks = sink.leaf(s.name, leaf, then=self._grad_in(unit))
+                        self.hooks += hooks
+                        unit.remaining += 1
+                    self.leaves[s.name] = leaf
+                    self.unit_of[s.name] = unit
+                if not whole:
+                    full.untyped_storage().resize_(0)
+                    unit.fulls.append((full, shard))
+        self.read_ahead = ReadAhead(self.units, prefetch, owner=self.layout)
+        self.intercepts: list[Intercept] = []
+        try:
+            self._watch_calls()
+        except BaseException:
+            self.unwatch()
+            raise
+        self.open_block: LiveUnit | None = None
+        self.input_hooks: list = []  # see _watch_inputs
+        self.stand_ins = StandIns(functional, self, self.leaves, self.unit_of, self.units)
+        self.copies: dict[str, torch.Tensor] = {}  # parameters read outside their unit: gathered copies
+
+    def _watch_calls(self) -> None:
+        """Make every module call inside a unit open the unit (the unit's own module or any of its submodules:
+        a model may call a block's layers without calling the block); modules in no unit belong to the root.
+
+        An eager module gets a forward pre-hook and hook. A module compiled with ``module.compile()`` gets an
+        :class:`Intercept` instead, so that the unit opens and closes in eager code around the compiled call
+        (its hooks would run inside the compiled region, where dynamo would trace them); its submodules in the
+        same unit get nothing (they run inside that call, with the unit open). A module in a compiled region
+        whose unit differs from its parent's (a block of a model compiled whole) can only be reached by hooks,
+        which dynamo traces: the graph breaks there (docs/compile.md)."""
+        owner: dict[int, LiveUnit] = {}
+        for name, m in self.module.named_modules():
+            best = self.by_name[ROOT]
+            for unit in self.units:
+                if unit.spec.name and inside(name, unit.spec.name):
+                    best = unit
+            owner[id(m)] = best
+        seen: set[int] = set()
+
+        def walk(m: nn.Module, parent: LiveUnit | None, in_region: bool) -> None:
+            if id(m) in seen:
+                return
+            seen.add(id(m))
+            unit = owner[id(m)]
+            top = bool((unit.spec.name and self.module.get_submodule(unit.spec.name) is m) or m is self.module)
+            if not in_region and compiled(m):
+                self.intercepts.append(Intercept(m, C.with_current_group(functools.partial(self._call, unit, top, m))))
+            elif not in_region or unit is not parent:
+                # In the step's group also where autograd recomputes on a thread of its own (CUDA).
+                before = C.with_current_group(functools.partial(self._before, unit))
+                after = C.with_current_group(functools.partial(self._after, unit, top))
+                if in_region:  # dynamo would trace them: it calls them outside the graph instead (a break)
+                    before, after = torch.compiler.disable(before), torch.compiler.disable(after)
+                self.hooks.append(m.register_forward_pre_hook(before))
+                self.hooks.append(m.register_forward_hook(after))
+            region = in_region or compiled(m) or compiles_children(m)
+            for child in m.children():
+                walk(child, unit, region)
+
+        walk(self.module, None, False)
+
+    def _call(self, unit: LiveUnit, top: bool, module: nn.Module, call: Callable, args: tuple, kwargs: dict) -> Any:
+        """A compiled module's call (see :meth:`_watch_calls`): the unit's hooks around it, in eager code."""
+        self._before(unit, module, args)
+        out = call(*args, **kwargs)
+        self._after(unit, top, module, args, out)
+        return out
+
+    def unwatch(self) -> None:
+        """Take the hooks off the model's modules: its calls no longer open or close units."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        for i in reversed(self.intercepts):
+            i.remove()
+        self.intercepts = []
+
+    # ---------------------------------------------------------- entry points
+
+    def placeholders(self) -> Any:
+        """What loss_fn receives: placeholders shaped like the parameters (meta tensors), for apply to
+        recognise; a placeholder that loss_fn computes with gathers its parameter (see :meth:`outside`)."""
+        return self.stand_ins.tree(self.treedef, self.layout.names)
+
+    def outside(self, name: str) -> torch.Tensor:
+        """Parameter ``name``, read outside its unit's modules (in loss_fn, or by another unit): a gathered
+        copy whose gradient flows into the parameter's, so into the unit's bucket before its reduction.
+
+        The unit is gathered for the read if it is not (one all-gather, agreed on by every rank first) and
+        released again unless it was gathered or on its way; the copy lives as long as what uses it (autograd
+        keeps it until backward passes it). One copy per parameter and step.
+        """
+        if self.phase is Phase.CLOSED:
+            raise RuntimeError(
+                f"shard_params: parameter {name!r} (a placeholder loss_fn received) was used after its step ended; "
+                "the parameters live sharded across the ranks. Read them with step.full_params(state)."
+            )
+        copy = self.copies.get(name)
+        if copy is not None:
+            return copy
+        unit = self.unit_of[name]
+        idle = unit.idle
+        if idle:
+            self.agreement.agree(Point.OUTSIDE, unit)
+        self.ensure(unit)
+        leaf = self.leaves[name]
+        copy = leaf.clone() if leaf.requires_grad and torch.is_grad_enabled() else leaf.detach().clone()
+        if idle and unit.depth == 0 and unit is not self.open_block:
+            self._release(unit)
+        self.copies[name] = copy
+        return copy
+
+    def refuse_write(self, name: str, op: str) -> None:
+        unit = self.unit_of[name].spec.name or "<root>"
+        raise RuntimeError(
+            f"shard_params: {op} writes into parameter {name!r} (of unit {unit!r}) from outside its unit's modules; "
+            "the parameters live sharded across the ranks and a read from outside the unit is a gathered copy, so "
+            "the write would be lost. Compute a new tensor instead (w = params[name] * 2, not params[name].mul_(2)); "
+            "to change parameters between steps, build a new state: step.init(new_params). Nothing was updated."
+        )
+
+    def _show(self, unit: LiveUnit, inside: bool) -> None:
+        """Put the unit's leaves (while its own modules run) or placeholders (otherwise) in its places in the
+        model, from the first model call to the step's end: a read from anywhere else then goes through
+        :meth:`outside`, never to a released buffer."""
+        if self.phase in (Phase.FORWARD, Phase.BETWEEN):
+            self.stand_ins.show(unit, inside)
+
+    def __call__(self, functional: Functional, params: Any, args: tuple, kwargs: dict) -> Any:
+        if params is not self.stand_ins.params:
+            raise ValueError(
+                "under shard_params, call apply with the params the step passed to loss_fn: they are "
+                "placeholders for parameters that live sharded across the ranks and are gathered unit by "
+                "unit inside apply. To read full parameters, use step.full_params(state)."
+            )
+        return self.run(args, kwargs)
+
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        outer, self.phase = self.phase, Phase.FORWARD
+        try:
+            # The model shows placeholders but in the unit whose modules run, so a parameter read from outside
+            # its unit is gathered for the read (outside), wherever the read is.
+            out = self.functional.call_with(self.stand_ins.placeholders, args, kwargs)
+        finally:
+            self.phase = Phase.FORWARD if outer is Phase.FORWARD else Phase.BETWEEN  # a model call in a model call
+        self.agreement.agree(Point.END, None)  # every rank's forward ends here, having run the same units
+        return out
+
+    def close(self) -> None:
+        self.phase = Phase.CLOSED  # the model has its own parameters back
+        self.unwatch()
+        for h in self.input_hooks:
+            h.remove()
+        self.input_hooks = []
+        for unit in self.units:
+            self._release(unit, final=True)
+        # A forward that raised left its last agreement in flight: end it alike.
+        with contextlib.suppress(RuntimeError):
+            self.agreement.settled()
+        self.copies = {}
+        self.read_ahead.close()
+
+    # ---------------------------------------------------------- gather and release
+
+    def gather(self, unit: LiveUnit) -> None:
+        """Start gathering ``unit``'s full buffers, unless they are gathered or on their way."""
+        if unit.ready or unit.handles:
+            return
+        for i in unit.spec.buckets:  # an update still writing a shard finishes first (on every rank alike)
+            self.inflight.wait_bucket(i)
+        if not unit.fulls:
+            return
+        lease = self.read_ahead.take(unit)
+        unit.lease = lease  # given back once the gather is done (or the unit released, however it ends)
+        read = iter(lease.tensors if lease is not None else ())
+        copied = None
+        for full, shard in unit.fulls:
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            if isinstance(shard, FileTensor):  # read from its file (ahead, on the I/O thread), into a host buffer
+                shard = next(read)
+            if self.host_shards and shard.device != full.device:  # brought in from host memory
+                shard = self.read_ahead.to_device(shard, full.device)
+                copied = full.device
+            unit.handles.append(C.all_gather(full, shard, async_op=True))
+        if lease is not None and copied is not None and copied.type == "cuda":
+            # Copied to the device: the buffer is free for another read once the copies are done (otherwise
+            # the gather reads the buffer itself).
+            self.read_ahead.release_after_copies(lease)
+            unit.lease = None
+        self._read_ahead(unit)
+
+    def _read_ahead(self, unit: LiveUnit) -> None:
+        """Start reading the shards of the units expected after ``unit`` (``prefetch + 1`` of them): the
+        forward's recorded order, then backward's (the forward's reversed), or what backward has left."""
+        if not self.read_ahead.reading:
+            return
+        if self.backward_queue is not None:
+            order = [u for u in self.backward_queue if u.needed_in_backward]
+        else:
+            forward = self.recorded if self.recorded is not None else self._expected_forward()
+            order = forward[forward.index(unit) + 1 :] if unit in forward else forward
+            if self.sink is not None and torch.is_grad_enabled():  # a backward follows
+                order = order + list(reversed(forward))
+        self.read_ahead.ahead(unit, order)
+
+    def ensure(self, unit: LiveUnit) -> None:
+        """Have ``unit``'s full buffers gathered: start the gather if it is not under way, and wait for it."""
+        self.gather(unit)
+        for h in unit.handles:
+            h.wait()
+        unit.handles = []
+        unit.give_back()
+        unit.ready = True
+
+    def _release(self, unit: LiveUnit, final: bool = False, over: bool = False) -> None:
+        """Free the unit's full buffers. A pinned unit's only at the step's end (``final``) or, if it has no
+        frozen parameters, when its backward is over (``over``: its last gradient is in; see :meth:`_inner`)."""
+        if unit.pinned and not (final or (over and not unit.spec.frozen)):
+            self._show(unit, False)
+            return
+        for h in unit.handles:
+            h.wait()
+        unit.handles = []
+        unit.give_back()
+        for full, _ in unit.fulls:
+            full.untyped_storage().resize_(0)
+        if self.host_shards and unit.fulls and unit.fulls[0][0].device.type == "cpu":
+            # Computing on the CPU with the shards off the device (offload's params): the unit's buffers came
+            # from the C allocator, whose heap would keep them resident, fragmented, one more per unit
+            # gathered; handed back to the system, the step holds the units in flight and no more.
+            alloc.return_freed()
+        unit.ready = False
+        self._show(unit, False)
+
+    def _prefetch(self, candidates: list[LiveUnit], current: LiveUnit, agree: bool = False) -> None:
+        """Have the next ``prefetch`` units (after ``current``) gathered or on their way; ``agree``: each
+        gather this issues is agreed on first (in backward, whose order autograd decides)."""
+        for u in [u for u in candidates if u is not current and u.fulls][: self.prefetch]:
+            if agree and u.idle:
+                self.agreement.agree(Point.BACKWARD, u)
+            self.gather(u)
+
+    def _ensure_backward(self, unit: LiveUnit) -> None:
+        if unit.idle and unit.fulls:
+            self.agreement.agree(Point.BACKWARD, unit)
+        self.ensure(unit)
+        if self._inner():
+            unit.pinned = True
+
+    def _inner(self) -> bool:
+        """Whether autograd is running a backward other than the step's: a ``torch.autograd.grad`` inside
+        ``loss_fn`` (a gradient penalty, a Jacobian regulariser), before the step's own backward.
+
+        Such a grad runs through the units like a backward (their hooks gather them) but accumulates no
+        gradient, so no unit's last gradient arrives to release it; with ``create_graph=True`` it builds
+        a graph that the step's backward then runs, whose nodes read the parameters of every unit the grad ran
+        through, in an order that the units' own hooks do not see coming (a node of it may run before any
+        hook of the unit has run in the step's backward). So each unit it gathers is pinned: no forward (a
+        second model call in ``loss_fn``) releases it. Its backward's end still does: every node of that
+        graph that reads a trainable parameter also computes a gradient for it (the parameter is one of its
+        inputs), so autograd runs it before the parameter's gradient is in. Not so for a frozen parameter,
+        which has no gradient to wait for: a unit that holds one stays gathered until the step ends."""
+        return self.sink is not None and not self.sink.backward_started and torch._C._current_graph_task_id() != -1
+
+    # ---------------------------------------------------------- hooks
+
+    def _expected_forward(self) -> list[LiveUnit]:
+        if self.expected is None:
+            if self.last_order is not None and self.last_order.numel():
+                self.expected = [self.units[i] for i in counters.values(self.last_order)]  # carried: no read
+            else:  # first step: the root runs first, then the blocks in registration order
+                self.expected = [self.by_name[ROOT]] + [u for u in reversed(self.units) if u.spec.name != ROOT]
+        return self.expected
+
+    def _before(self, unit: LiveUnit, module: nn.Module, args: Any) -> None:
+        if self.phase is not Phase.FORWARD:
+            # Outside the model's call: a recompute in backward (activation checkpointing).
+            # The unit's backward is under way: have it gathered, and release it only
+            # when its last gradient is in (a recompute may stop early, so no depth count).
+            self._ensure_backward(unit)
+            self._show(unit, True)  # until the unit is released
+            return
+        if unit.spec.name != ROOT and unit is not self.open_block:
+            # Entering another block: the previous one is done if none of its calls is running.
+            prev = self.open_block
+            if prev is not None and prev.depth == 0:
+                self._release(prev)
+            self.open_block = unit
+            self._opened(unit)
+        elif unit.spec.name == ROOT and unit.depth == 0 and not unit.ready:
+            self._opened(unit)
+        if unit.depth == 0:
+            self._show(unit, True)
+            if torch.is_grad_enabled() and self.sink is not None:
+                self._watch_inputs(unit, args)
+        unit.depth += 1
+
+    def _watch_inputs(self, unit: LiveUnit, args: Any) -> None:
+        """Count the call until backward has computed its inputs' gradients: the unit's backward is over only
+        then. A unit whose frozen weights compute those gradients (a LoRA block: its adapters' gradients can
+        all be in before backward reaches the frozen layers below them) must stay gathered until it is."""
+        inputs = [t for t in T.tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not inputs:
+            return
+        unit.inputs += 1
+        # torch.autograd.graph.register_multi_grad_hook(inputs, done, mode="all") but for the step's own backward
+        # only: an inner torch.autograd.grad (see _inner) runs these hooks too, where that one raises on an input
+        # that is a leaf (torch cannot tell which leaves a grad reaches), and would count the call done early.
+        nodes = [_grad_node(t) for t in inputs]
+        left: list[int] = []  # the step's backward: how many of the inputs it computes a gradient for, still to come
+
+        def arrived(_grad: torch.Tensor) -> None:
+            if self._inner() or self.phase is Phase.CLOSED:
+                return
+            if not left:
+                left.append(sum(map(torch._C._will_engine_execute_node, nodes)))
+            left[0] -= 1
+            if left[0] == 0:
+                unit.inputs -= 1
+                if unit.inputs == 0 and unit.remaining == 0:
+                    self._release(unit, over=True)
+
+        self.input_hooks += [t.register_hook(C.with_current_group(arrived)) for t in inputs]
+
+    def _opened(self, unit: LiveUnit) -> None:
+        self.forward_order.append(unit)
+        expected = self._expected_forward()
+        if not unit.fulls:  # a unit without parameters issues no collective to disagree on
+            self.ensure(unit)
+            return
+        if self.last_order is not None and self.last_order.numel():
+            # The order the last step recorded (every rank's, agreed on then): every rank issues the gathers
+            # it predicts at this point, the next unit in it and `prefetch` after that, whichever unit it opened,
+            # so the agreement on the unit can stay in flight; a rank that opened another unit waits for it.
+            if self.recorded is None:
+                self.recorded = [u for u in expected if u.fulls]
+            order = self.recorded
+            self.agreement.agree(Point.OPEN, unit, wait=False)
+            for u in order[self.next_open : self.next_open + 1 + self.prefetch]:
+                self.gather(u)
+            if self.next_open < len(order) and unit is order[self.next_open]:
+                self.next_open += 1
+                self.ensure(unit)
+                return
+            self.agreement.settled()  # ranks that opened different units raise here together
+            if unit in order[self.next_open :]:
+                self.next_open = order.index(unit, self.next_open) + 1
+        else:  # the first step: no order agreed on yet, each point waits for its agreement
+            self.agreement.agree(Point.OPEN, unit)
+        self.ensure(unit)
+        if unit in expected:
+            self._prefetch(expected[expected.index(unit) + 1 :], unit)
+
+    def _after(self, unit: LiveUnit, top: bool, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and self.sink is not None:
+            for t in T.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    unit.backward = True
+                    t.register_hook(C.with_current_group(functools.partial(self._before_backward, unit)))
+        if self.phase is not Phase.FORWARD:  # a recompute in backward: see _before
+            return
+        unit.depth -= 1
+        if unit.depth == 0:
+            self._show(unit, False)
+        if top and unit.depth == 0:
+            # The root and the forward's last block are the first backward needs: they stay gathered
+            # (as FSDP2 keeps its root), saving their gathers at backward's start and the wait for them.
+            backward = torch.is_grad_enabled() and self.sink is not None
+            expected = self._expected_forward()
+            backward_next = backward and (unit.spec.name == ROOT or unit is last_block(expected))
+            if not backward_next:
+                self._release(unit)
+            if unit is self.open_block:
+                self.open_block = None
+            if unit.spec.name == ROOT and self.open_block is not None:
+                if not backward_next:
+                    self._release(self.open_block)  # the model's forward is over
+                self.open_block = None
+
+    def _before_backward(self, unit: LiveUnit, grad: torch.Tensor) -> None:
+        inner = self._inner()
+        if self.backward_queue is None or self.queue_inner != inner:  # the step's backward after an inner grad
+            self.backward_queue = list(dict.fromkeys(reversed(self.forward_order)))
+            self.queue_inner = inner
+        if unit in self.backward_queue:
+            self.backward_queue.remove(unit)
+        if unit.remaining or unit.spec.frozen:
+            self._ensure_backward(unit)
+        self._prefetch([u for u in self.backward_queue if u.needed_in_backward], unit, agree=True)
+
+    def _grad_in(self, unit: LiveUnit) -> Callable[[torch.Tensor], None]:
+        def on_grad(leaf: torch.Tensor) -> None:
+            unit.remaining -= 1
+            if unit.remaining == 0 and unit.inputs == 0:  # its backward is over: the full parameters can go
+                self._release(unit, over=True)
+
+        return on_grad
