@@ -33,14 +33,6 @@ tensor of n bytes costs 2n (a reduce-scatter plus an all-gather), a
 reduce-scatter or an all-gather whose full tensor has n bytes costs n. At
 world size 1 nothing travels and nothing is counted.
 
-This package's ``__init__`` holds the public API, from private modules by
-job: ``_timeouts`` (``ZEROFN_TIMEOUT_S`` and each group's timeout),
-``_errors`` (the errors, and torch's errors translated into them),
-``_groups`` (joining, membership, the current group, rank and size, the
-control group), ``_accounting`` (:func:`counting`), ``_handle``
-(:class:`Handle`, and naming a collective that fails) and ``_ops`` (the
-operations).
-
 Example:
     >>> import torch
     >>> from zerofn import collectives as C
@@ -52,8 +44,11 @@ Example:
 
 from __future__ import annotations
 
-from zerofn.collectives._accounting import Counter as Counter  # public, outside __all__
-from zerofn.collectives._accounting import counting
+# The public API, from private modules by job (each says what it holds): _timeouts (ZEROFN_TIMEOUT_S and
+# each group's timeout; the lowest), _errors (the errors, and torch's errors translated into them), _groups
+# (joining, membership, the current group, rank and size, the control group), _accounting (counting),
+# _handle (Handle, and naming a collective that fails) and _ops (the operations).
+from zerofn.collectives._accounting import Counter, counting
 from zerofn.collectives._errors import CollectiveError, CollectiveTimeoutError
 from zerofn.collectives._groups import (
     NonMember,
@@ -86,32 +81,34 @@ from zerofn.collectives._timeouts import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
 from zerofn.collectives._timeouts import TIMEOUT_ENV as TIMEOUT_ENV
 from zerofn.collectives._timeouts import timeout_s
 
+# In reading order, which the API reference (docs/api/collectives.md) follows.
 __all__ = [
+    "timeout_s",
+    "set_group_timeout",
+    "init",
+    "ensure_initialized",
+    "NonMember",
+    "current_group",
+    "group_scope",
+    "with_current_group",
+    "new_group",
+    "world_size",
+    "rank",
+    "Counter",
+    "counting",
     "CollectiveError",
     "CollectiveTimeoutError",
     "Handle",
-    "NonMember",
-    "all_gather",
-    "all_gather_tree",
-    "all_reduce",
-    "all_reduce_tree",
-    "any_of",
-    "barrier",
-    "broadcast_object",
-    "counting",
-    "current_group",
     "data_rank",
-    "ensure_initialized",
-    "gather_objects",
-    "group_scope",
-    "init",
+    "all_reduce",
+    "any_of",
     "max_min",
-    "new_group",
-    "rank",
     "reduce_scatter",
+    "all_gather",
+    "barrier",
+    "gather_objects",
+    "broadcast_object",
+    "all_reduce_tree",
     "reduce_scatter_tree",
-    "set_group_timeout",
-    "timeout_s",
-    "with_current_group",
-    "world_size",
+    "all_gather_tree",
 ]
