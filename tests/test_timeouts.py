@@ -20,6 +20,7 @@ import pytest
 
 import zerofn as zf
 from zerofn import collectives as C
+from zerofn.collectives import _errors
 
 TESTS = pathlib.Path(__file__).parent
 LIMIT = 2.0  # ZEROFN_TIMEOUT_S in these tests
@@ -46,12 +47,12 @@ def test_collective_errors_pickle_and_are_runtime_and_timeout_errors():
 
 
 def test_backend_errors_become_errors_that_name_the_call(monkeypatch):
-    monkeypatch.setattr(C, "_first_failure", None)  # the process's first failure is quoted by later ones
+    monkeypatch.setattr(_errors, "_first_failure", None)  # the process's first failure is quoted by later ones
     started = time.monotonic() - 2.0
     gloo = RuntimeError(
         "[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation to complete"
     )
-    err = C._translate(gloo, "all_reduce (8 bytes)", started, rank=1, world=2, limit=2)
+    err = _errors.translate(gloo, "all_reduce (8 bytes)", started, rank=1, world=2, limit=2)
     assert type(err) is C.CollectiveTimeoutError and err.call.startswith("all_reduce (8 bytes), called from test_")
     assert re.search(
         r"^all_reduce \(8 bytes\), called from test_backend_errors_become_errors_that_name_the_call "
@@ -60,11 +61,12 @@ def test_backend_errors_become_errors_that_name_the_call(monkeypatch):
         str(err),
     ), str(err)
     peer = RuntimeError("[/x/pair.cc:553] Connection closed by peer [127.0.0.1]:1234. This is typically caused by ...")
-    err = C._translate(peer, "barrier", started, rank=0, world=2, limit=2)
+    err = _errors.translate(peer, "barrier", started, rank=0, world=2, limit=2)
     assert type(err) is C.CollectiveError and "failed on rank 0 of world size 2" in str(err)
     assert "the connection to another rank is gone" in str(err) and "Earlier on this rank: all_reduce" in str(err)
     assert (
-        C._translate(RuntimeError("Tensors must be contiguous"), "barrier", started, rank=0, world=2, limit=2) is None
+        _errors.translate(RuntimeError("Tensors must be contiguous"), "barrier", started, rank=0, world=2, limit=2)
+        is None
     )
 
 

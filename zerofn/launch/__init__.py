@@ -43,7 +43,7 @@ front (``python -m zerofn run``). One generation of ranks is
 processes), ``_links`` (listening socket, handshake, messages) and
 ``_errors`` (``RankError``, and which rank failed and how); ``_rank`` is
 what each rank runs (``python -c`` imports ``zerofn.launch._rank``). With
-``collectives.py`` they are the only modules that touch
+``zerofn.collectives`` they are the only modules that touch
 ``torch.distributed``, and only to host the store (``_procs``) and start
 the process group (``_rank``).
 """

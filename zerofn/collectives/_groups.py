@@ -1,0 +1,382 @@
+"""Process groups: joining and leaving, membership, the current group, rank and size, the control group.
+
+:func:`init` joins the default group under torchrun (and ``_leave`` leaves
+it at exit); :func:`new_group` makes a subgroup with zerofn's timeout, and
+a :class:`NonMember` on the ranks outside it; :func:`set_group_timeout`
+bounds a group's later collectives. :func:`group_scope` makes a group
+current (a ``contextvars`` variable) and :func:`with_current_group` carries
+it to another thread; :func:`joined` is the group a collective runs on.
+:func:`rank`, :func:`world_size` and :func:`data_rank` are this rank's
+place in a group. :func:`control_group` is the second gloo group over a
+group's ranks that small checks travel on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import contextvars
+import datetime
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerofn.collectives._errors import JOIN, translate
+from zerofn.collectives._timeouts import DEFAULT_GROUP, TIMEOUTS, group_key, is_default, timeout_s
+
+# ---------------------------------------------------------------- process group
+
+
+def _env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def set_group_timeout(seconds: float | None = None, *, group: Any = None) -> float:
+    """Bound every later collective of ``group`` (default: the current group) by ``seconds``
+    (default :func:`timeout_s`).
+
+    ``zf.spawn``'s ranks join with the generous start timeout (interpreters
+    start unevenly) and then call this.
+    """
+    seconds = timeout_s() if seconds is None else seconds
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    g = _group(group, "set_group_timeout")
+    _set_pg_timeout(datetime.timedelta(seconds=seconds), None if is_default(g) else g)
+    control = _CONTROL.get(group_key(g)) if _CONTROL_WORLD[0] is dist.group.WORLD else None
+    if control is not None:
+        _set_pg_timeout(datetime.timedelta(seconds=seconds), control)
+    TIMEOUTS[group_key(g)] = seconds
+    return seconds
+
+
+def init(backend: str | None = None) -> bool:
+    """Join the default process group if the environment asks for one; True when a process group is active.
+
+    Under torchrun (``WORLD_SIZE`` > 1 in the environment) this joins the
+    default group once: ``backend`` (default: nccl for CUDA tensors and gloo
+    for CPU ones when CUDA is available, gloo otherwise), with
+    :func:`timeout_s` bounding both the join and every collective. Joined
+    already (``zf.spawn``'s ranks, your own ``init_process_group``), or
+    outside torchrun, it does nothing. ``step.init`` calls it, and so does a
+    collective on the default group before the join; :func:`rank` and
+    :func:`world_size` do not.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return True
+    if _env_world_size() <= 1:
+        return False
+    seconds = timeout_s()
+    cuda = torch.cuda.is_available()
+    if backend is None:  # on GPUs, CPU tensors (the small agreement checks and statistics) travel over gloo
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    start = time.monotonic()
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds))
+    except RuntimeError as err:
+        env_rank = os.environ.get("RANK", "")
+        rank, world = (int(env_rank) if env_rank.isdigit() else "?"), _env_world_size()
+        new = translate(err, JOIN, start, rank=rank, world=world, limit=seconds)
+        if new is None:
+            raise
+        raise new from err
+    TIMEOUTS[DEFAULT_GROUP] = seconds
+    atexit.register(_leave)
+    return True
+
+
+def ensure_initialized() -> bool:
+    """The former name of :func:`init` (with its default backend)."""
+    return init()
+
+
+def _leave() -> None:
+    """At exit, leave the group that :func:`init` joined, while Python is still whole.
+
+    Otherwise gloo's threads may drop their last collective's tensors after
+    the interpreter began to shut down, need the GIL, not get it, and abort
+    the process ("terminate called without an active exception", exit code
+    -6) now and then, after a run that succeeded.
+    """
+    _CONTROL.clear()
+    TIMEOUTS.clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the current group
+
+# The group that group_scope made current here; None: none, the default group is.
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("zerofn_group", default=None)
+# Scopes of a group other than the default one now open on some thread: (thread, group) entries.
+_OPEN: list = []
+_NON_MEMBER = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", -100)
+_PROCESS_GROUP = getattr(dist, "ProcessGroup", ())
+
+
+class NonMember:
+    """What :func:`new_group` returns on a rank outside ``ranks``; a call given it raises, naming ``ranks``.
+
+    torch's ``dist.new_group`` returns ``GroupMember.NON_GROUP_MEMBER``
+    there, which says nothing of the group.
+    """
+
+    __slots__ = ("ranks",)
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = list(ranks)
+
+    def __repr__(self) -> str:
+        return f"NonMember(ranks={self.ranks})"
+
+
+def describe(group: Any) -> str:
+    """The group, for messages: its global ranks."""
+    if is_default(group):
+        return "the default group"
+    if isinstance(group, NonMember):
+        return f"the group of ranks {group.ranks}"
+    try:
+        return f"the group of ranks {dist.get_process_group_ranks(group)}"
+    except Exception:  # not registered (made by another process group's world)
+        return f"the group {group!r}"
+
+
+def member(group: Any, what: str) -> Any:
+    """``group`` itself once checked to be a process group this rank is in."""
+    if isinstance(group, _PROCESS_GROUP):
+        return group
+    if isinstance(group, NonMember) or (isinstance(group, int) and group == _NON_MEMBER):
+        which = (
+            f"the group of ranks {group.ranks}"
+            if isinstance(group, NonMember)
+            else "GroupMember.NON_GROUP_MEMBER (what dist.new_group returns on the ranks outside the group)"
+        )
+        here = dist.get_rank() if dist.is_available() and dist.is_initialized() else os.environ.get("RANK", "?")
+        raise ValueError(
+            f"{what}: rank {here} is not in {which}: a group's collectives run on its members only. Call it (and "
+            "enter group_scope, or build a step with group=) only on the ranks in the group: give each rank its "
+            "own group, for example mine = zf.collectives.new_group([0, 1]) and "
+            "theirs = zf.collectives.new_group([2, 3]) on every rank, then group = mine if rank < 2 else theirs."
+        )
+    raise TypeError(
+        f"{what}: group must be a torch.distributed ProcessGroup (from dist.new_group or "
+        f"zf.collectives.new_group) or None for the current group, got {type(group).__name__} {group!r}."
+    )
+
+
+def _group(group: Any, what: str) -> Any:
+    """The process group a call ``what`` runs on: ``group``, else the current one; None when there is none
+    (nothing joined: one process, or torchrun's ranks before :func:`init`)."""
+    if group is not None:
+        return member(group, what)
+    group = _CURRENT.get()
+    if group is not None:
+        return group
+    if _OPEN:
+        _check_thread(what)
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _check_thread(what: str) -> None:
+    """A thread other than the main one, outside any scope while a subgroup's scope is open elsewhere, would
+    run on the default group instead of the one its work was launched in: raise rather than mix the groups."""
+    here = threading.current_thread()
+    if here is threading.main_thread():
+        return
+    opened = [(t, g) for t, g in list(_OPEN) if t is not here]
+    if not opened:
+        return
+    thread, group = opened[-1]
+    raise RuntimeError(
+        f"{what} ran on thread {here.name!r} outside any zf.collectives.group_scope while {describe(group)} is "
+        f"the current group of thread {thread.name!r}: it would have run on the default group instead. A "
+        "thread does not inherit the group of the code that started it (contextvars stay with their thread): "
+        "wrap what the thread runs where it is launched, pool.submit(zf.collectives.with_current_group(fn)), "
+        "or pass group= explicitly (group=torch.distributed.group.WORLD for the default group)."
+    )
+
+
+def joined(group: Any, what: str) -> Any:
+    """:func:`_group` for a collective: under torchrun the default group is joined first (:func:`init`)."""
+    g = _group(group, what)
+    if g is None and _env_world_size() > 1 and init():
+        g = dist.group.WORLD
+    return g
+
+
+def current_group() -> Any:
+    """The group collectives use here: the innermost :func:`group_scope`'s, else the default group
+    (``torch.distributed.group.WORLD``; None while nothing is joined)."""
+    group = _CURRENT.get()
+    if group is not None:
+        return group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+class group_scope:  # noqa: N801 - a context manager, named as a function
+    """Make ``group`` the current group inside the block: every call of this module (and every step method,
+    checkpoint and tool built on it) without ``group=`` runs on it, :func:`rank` and :func:`world_size`
+    are this rank's place and the size within it.
+
+    ``group``: a torch ``ProcessGroup`` this rank is in (``dist.new_group``,
+    :func:`new_group`, ``dist.new_subgroups_by_enumeration``); None leaves
+    the current group as it is. Scopes nest; the value is a
+    ``contextvars`` variable, so it holds in this thread (and asyncio task)
+    only: see :func:`with_current_group` for work handed to other threads.
+
+    Example:
+        >>> import zerofn as zf
+        >>> with zf.collectives.group_scope(None) as g:   # one process: no group, rank 0 of 1
+        ...     g, zf.collectives.rank(), zf.collectives.world_size()
+        (None, 0, 1)
+    """
+
+    __slots__ = ("group", "_token", "_entry")
+
+    def __init__(self, group: Any):
+        self.group = None if group is None else member(group, "group_scope")
+        self._token = self._entry = None
+
+    def __enter__(self) -> Any:
+        if self.group is None:
+            return current_group()
+        self._token = _CURRENT.set(self.group)
+        if not is_default(self.group):
+            self._entry = (threading.current_thread(), self.group)
+            _OPEN.append(self._entry)
+        return self.group
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._token is not None:
+            _CURRENT.reset(self._token)
+            self._token = None
+        if self._entry is not None:
+            with contextlib.suppress(ValueError):
+                _OPEN.remove(self._entry)
+            self._entry = None
+
+
+def with_current_group(fn: Any, group: Any = None) -> Any:
+    """``fn``, to run in ``group`` (default: the group current here, now) on whatever thread runs it.
+
+    A thread does not inherit the current group (``contextvars`` stay with
+    their thread): wrap what you hand to a thread pool or register as a
+    gradient hook (autograd runs CUDA backward on threads of its own) where
+    you launch it. Outside any scope this returns ``fn`` itself.
+    """
+    g = _CURRENT.get() if group is None else member(group, "with_current_group")
+    if g is None:
+        return fn
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # not a call of its own in error messages (see _errors._where)
+        with group_scope(g):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def new_group(ranks: list[int], *, backend: str | None = None, timeout_s: float | None = None) -> Any:
+    """A process group over the global ``ranks``, for ``group=`` and :func:`group_scope`.
+
+    torch's ``dist.new_group`` with zerofn's timeout (``timeout_s``, default
+    ``ZEROFN_TIMEOUT_S``, which its timeout errors then quote) and the
+    default group's backend unless ``backend``. As ``dist.new_group``, it is
+    collective over the whole world: every rank calls it, members or not,
+    and every rank creates its groups in the same order. On a rank outside
+    ``ranks`` it returns a :class:`NonMember`, which zerofn's calls reject
+    with an error naming the group's ranks and this rank.
+    """
+    if not init():
+        raise RuntimeError(
+            f"new_group({list(ranks)}): no process group is joined and this is not a torchrun rank "
+            "(WORLD_SIZE is not set above 1). Run under torchrun, zf.spawn or zf.RankPool, or join with "
+            "torch.distributed.init_process_group first."
+        )
+    seconds = _timeout_env() if timeout_s is None else float(timeout_s)
+    members = sorted(int(r) for r in ranks)
+    g = dist.new_group(members, timeout=datetime.timedelta(seconds=seconds), backend=backend)
+    if isinstance(g, int) and g == _NON_MEMBER:
+        return NonMember(members)
+    TIMEOUTS[g] = seconds
+    return g
+
+
+_timeout_env = timeout_s  # new_group's keyword shadows the function
+
+
+def world_size(group: Any = None) -> int:
+    """Ranks in ``group`` (default: the current group); 1 when there is none.
+
+    Before the default group is joined, torchrun's ``WORLD_SIZE`` (asking joins nothing).
+    """
+    g = _group(group, "world_size")
+    if g is not None:
+        return g.size()
+    return max(_env_world_size(), 1)
+
+
+def rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (default: the current group); 0 when there is none.
+
+    Before the default group is joined, torchrun's ``RANK`` (asking joins nothing).
+    """
+    g = _group(group, "rank")
+    if g is not None:
+        return g.rank()
+    env = os.environ.get("RANK", "")
+    return int(env) if env.isdigit() and _env_world_size() > 1 else 0
+
+
+def data_rank(step: Any = None) -> int:
+    """The data-parallel rank of this process for ``step``: which micro-batch it feeds.
+
+    ``step`` runs on a group (``step.group``: the world by default; its data-parallel group under
+    ``tensor_parallel``, whose ranks ``t, t + size, ...`` make this the global rank ``// size``, so the
+    ranks of one tensor-parallel group feed the same micro-batch); its rank there. Without a step, the rank
+    in the current group.
+
+    Example:
+        >>> import zerofn as zf
+        >>> zf.collectives.data_rank()  # one process
+        0
+    """
+    return rank(getattr(step, "group", None))
+
+
+# ---------------------------------------------------------------- the control group
+
+_CONTROL: dict = {}  # group_key(group) -> its control group
+_CONTROL_WORLD: list = [None]  # the default group _CONTROL's groups were made in
+
+
+def control_group(group: Any):
+    """A second gloo group over ``group``'s ranks, for small checks that must not queue behind the data.
+
+    Collectives on one group run in the order they were issued: a check at
+    the start of a step would otherwise wait for the previous step's
+    parameter all-gathers, which are meant to overlap the forward. Made on
+    its first use, which every rank of ``group`` reaches together (a
+    collective call), and by them only (``use_local_synchronization``: its
+    name comes from its ranks, so the ranks outside it neither take part nor
+    fall out of step in numbering the groups they make).
+    """
+    world = dist.group.WORLD
+    if _CONTROL_WORLD[0] is not world:  # first use, or the default group was made anew
+        _CONTROL.clear()
+        _CONTROL_WORLD[0] = world
+    key = group_key(group)
+    if key not in _CONTROL:
+        seconds = TIMEOUTS.get(key) or timeout_s()
+        ranks = list(range(world.size())) if key is DEFAULT_GROUP else dist.get_process_group_ranks(group)
+        _CONTROL[key] = dist.new_group(
+            ranks, backend="gloo", timeout=datetime.timedelta(seconds=seconds), use_local_synchronization=True
+        )
+    return _CONTROL[key]
