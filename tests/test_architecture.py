@@ -334,3 +334,14 @@ def test_the_layer_check_sees_an_upward_import(tmp_path):
     assert layer_of("zerofn.checkpoint._load") == "persistence"
     assert layer_of("zerofn.transforms.offload._nvme") == "transforms"
     assert RANK[layer_of("zerofn.checkpoint")] > RANK[layer_of("zerofn.transforms.amp")] > RANK[layer_of("zerofn.step")]
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists its packages one by one: a folder made a package and left out of the list is
+    missing from every wheel (an editable install still finds it, so no other test would notice)."""
+    line = re.search(r"^packages = \[(.*)\]$", (ROOT.parent / "pyproject.toml").read_text(), re.M)
+    listed = set(re.findall(r'"([\w.]+)"', line.group(1)))
+    found = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    assert found <= listed, (
+        f"packages missing from pyproject.toml's [tool.setuptools] packages: {sorted(found - listed)}"
+    )
