@@ -15,14 +15,15 @@ all-reduce, so what the all-reduce costs DDP is the difference) and
 zerofn's AdamW runs).
 
 zerofn's phases are timed by wrapping, from outside, the functions of the
-step that do them (any that a version of zerofn lacks is left out):
-``_check_batch`` (the batch-shape check, one small blocking all-reduce),
-the forward (the ``loss_fn``), backward with the gradient sink's work in it
-(the bucket buffer and the gradients written into it, the launch of each
-reduction), the wait for the reductions after backward (``GradSink.finish``), ``_unscale``,
-``_stats`` (the loss and gradient-norm all-reduce, blocking), the update
-and the publish; and every wait on a collective by its kind. Each phase has
-its wall time and the CPU time of the rank's main thread
+step that do them, where the step's call looks them up (``zerofn.step._call``
+and ``zerofn.step._checks``; any that a version of zerofn lacks is left out):
+``check_batch`` (the batch-shape check, one small blocking all-reduce), the
+forward (the ``loss_fn``), backward with the gradient sink's work in it (the
+bucket buffer and the gradients written into it, the launch of each
+reduction), the wait for the reductions after backward (``GradSink.finish``),
+``unscale``, ``gather_stats`` (the loss and gradient-norm all-reduce,
+blocking), the update and the publish; and every wait on a collective by its
+kind. Each phase has its wall time and the CPU time of the rank's main thread
 (``time.thread_time``): on a shared machine the CPU time moves far less
 than the wall time.
 
@@ -84,17 +85,17 @@ def _patch() -> None:
 
     import zerofn.optim as O
     from zerofn import reduction, storage
-    from zerofn import step as steps
+    from zerofn.step import _call, _checks
 
-    _wrap(steps, "_check_batch", "check_batch (batch-shape all-reduce, blocking)")
-    _wrap(steps.Step, "_forward_backward", "forward + backward")
+    _wrap(_checks, "check_batch", "check_batch (batch-shape all-reduce, blocking)")
+    _wrap(_call, "forward_backward", "forward + backward")
     _wrap(reduction.GradSink, "buffer", "  in backward: bucket buffer (pending gradients copied in, gaps zeroed)")
     _wrap(reduction.GradSink, "_add", "  in backward: gradient add_ into the bucket")
     _wrap(reduction.Reduction, "reduce", "  in backward: launch all-reduce")
     _wrap(ShardedReduction, "reduce", "  in backward: launch reduce-scatter")
     _wrap(reduction.GradSink, "finish", "wait for the reductions after backward")
-    _wrap(steps, "_unscale", "unscale + bucket norms")
-    _wrap(steps, "_stats", "stats all-reduce (loss, gradient norm; blocking)")
+    _wrap(_call, "unscale", "unscale + bucket norms")
+    _wrap(_call, "gather_stats", "stats all-reduce (loss, gradient norm; blocking)")
     _wrap(O, "update_params", "update")
     _wrap(storage.Storage, "publish", "publish (launch the all-gathers)")
     wait = C.Handle.wait

@@ -200,6 +200,25 @@ def test_donate_false_leaves_input_untouched():
     assert max_abs_diff(step.full_params(again), step.full_params(new)) == 0
 
 
+def test_a_step_is_a_value_and_its_run_keeps_what_it_derives():
+    """Nothing is cached on a Step: the bound optimizer and the model live in the run's states, made by
+    init and carried from state to state; a copy of the step with other settings shares them."""
+    _, apply, loss_fn = make_mlp()
+    step = zf.train_step(loss_fn, zf.optim.adamw(1e-2))
+    fields = dict(vars(step))
+    state = step.init(apply.params, keep_module=True)
+    run, entries = state.run, dict(state.run.entries)
+    for i in range(2):
+        state, _ = step(state, mlp_batch(i, 8))
+    assert vars(step) == fields
+    assert state.run is run and all(state.run.entries[k] is v for k, v in entries.items())
+    longer = step.replace(accumulate_steps=2)
+    state, _ = longer(state, mlp_batch(2, 8))
+    assert all(state.run.entries[k] is v for k, v in entries.items())  # the same optimizer, bound once
+    other = step.init(apply.params, keep_module=True)
+    assert other.run is not run and other.run == run  # another run; not part of the state's value
+
+
 def test_donated_state_raises():
     _, apply, loss_fn = make_mlp()
     step = zf.train_step(loss_fn, zf.optim.adamw(1e-2))

@@ -26,7 +26,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ __all__ = [
     "Slot",
     "StateSpec",
     "InFlight",
+    "RunCache",
     "TrainState",
     "arriving",
     "block_until_ready",
@@ -311,6 +312,42 @@ class InFlight:
         return f"InFlight(buckets={self.buckets()}, opt={len(self.opt)})"
 
 
+class RunCache:
+    """What a training run derives once from its step and keeps beside its states (``state.run``): the
+    model ``loss_fn`` calls, the optimizer bound to the state's buckets (a wrapper may learn from update to
+    update), whether the ranks agreed on the batch shapes. Made by ``init``, it goes from state to state.
+
+    Entries are kept by key (:meth:`get`): the step's package decides what the keys are. Like
+    :class:`InFlight` it is not part of the state's value: every ``RunCache`` equals every other, and a
+    copy or a pickle holds none of its entries (they are derived again when needed).
+    """
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: dict = {}
+
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
+        """The entry ``key``, made by ``make()`` the first time it is asked for."""
+        try:
+            return self.entries[key]
+        except KeyError:
+            value = self.entries[key] = make()
+            return value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunCache)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __reduce__(self):
+        return (RunCache, ())
+
+    def __repr__(self) -> str:
+        return f"RunCache({len(self.entries)} entries)"
+
+
 # The in-flight record of the step now running its update (``collecting``): what ``arriving`` marks goes
 # there, and so into the state the step returns. Scoped to one update, never process-wide.
 _COLLECTING: contextvars.ContextVar = contextvars.ContextVar("zerofn_collecting", default=None)
@@ -398,6 +435,9 @@ class TrainState:
     # Work still running on params and opt_state (a publish's all-gathers, a host update): not part of
     # the value (every InFlight equals every other); reading params or opt_state waits for it.
     inflight: InFlight = T.field(static=True, default_factory=InFlight)
+    # What the run derives once from its step (the bound optimizer, the model, the batch check): not part
+    # of the value either; every state of a run shares it.
+    run: RunCache = T.field(static=True, default_factory=RunCache)
 
     def __getattr__(self, name: str) -> Any:  # only for a name not found: a donated state has no fields
         if name != "__dict__" and not name.startswith("__") and self.__dict__.get("_donated", False):

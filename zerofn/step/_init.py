@@ -1,0 +1,115 @@
+"""``step.init(params)``: the state a run starts from.
+
+The parameters are split into trainable and frozen ones, cast by the precision part, prepared by the
+extensions (those that change the model's layers first), labelled by the optimizer, compared across
+ranks and handed to the storage part, which lays them out in buckets; the optimizer, bound to what this
+rank updates, builds its state; the extensions add their entries. The run's cache
+(:class:`~zerofn.state.RunCache`) starts here, with the bound optimizer in it. See ``Step.init``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerofn import collectives as C
+from zerofn import counters, keys
+from zerofn import optim as O
+from zerofn.functional import ADOPTED_HELP, owner_of
+from zerofn.optim.bucket_view import names_view
+from zerofn.state import Layout, RunCache, StateSpec, TrainState
+from zerofn.step._checks import check_same_params
+from zerofn.step._derived import run_model, run_optimizer
+from zerofn.storage import split_params
+
+__all__ = ["device_of", "init_state", "opt_params"]
+
+
+def init_state(step: Any, params: Any, keep_module: bool, structure_only: bool) -> TrainState:
+    """The body of ``step.init`` (see there), in the step's group."""
+    for e in step.extensions:
+        if e.check is not None:
+            e.check(step)
+    split = split_params(params, f"{step.name}.init")
+    functional = owner_of(params)
+    if functional is not None and functional.adopted:
+        # Its parameters are placeholders now: materialising them afresh would silently
+        # start from other numbers than the state that holds them.
+        raise ValueError(ADOPTED_HELP.format(what=f"{step.name}.init(apply.params)"))
+    owner = functional.owner if functional is not None else (lambda name: None)
+    given = {k: v.dtype for k, v in split.named.items()}  # the model's dtypes, before the precision's cast
+    named = {k: step.precision.cast(v, owner(k)) for k, v in split.named.items()}  # held (and run) so
+    split = split._replace(named=named, trainable={k: named[k] for k in split.trainable})
+    # the extensions that change what the model's layers are (their shapes) first, whatever the order of
+    # application, so that the others' prepares see the layers as they will run
+    for e in sorted(step.extensions, key=lambda e: not e.prepare_first):
+        if e.prepare is not None:
+            split = e.prepare(split, functional, f"{step.name}.init")
+    names = names_view(split.treedef, split.named, split.trainable)
+    groups = O.labels(step.optimizer, names)  # its masks and groups, if any
+    split = split._replace(labels={k: groups[k] for k in split.trainable} if groups else {})
+    world, rank = C.world_size(), C.rank()
+    if world > 1 and not structure_only:
+        check_same_params(split.named, step.name)
+    run = RunCache()
+    held = step.storage.init(
+        split,
+        shards=step.reduction.shards(world),
+        bucket_bytes=step.bucket_bytes,
+        model=lambda: functional or run_model(step, run),
+    )
+    opt_state = run_optimizer(step, run, held.layout, rank, split.treedef).init(
+        opt_params(step, held.params, held.layout, rank)
+    )
+    extra = dict(held.extra)
+    for e in step.extensions:
+        extra.update((key, init()) for key, init in e.entries)
+    # The model's buffers are state too; the module keeps the same tensors (or, with
+    # keep_module, its own), and every step binds the state's into the module.
+    buffers = functional.buffers() if functional is not None else {}
+    if keep_module:
+        buffers = {k: v.clone() for k, v in buffers.items()}
+    # The counts an update advances live where the update runs, so that the device can decide on it.
+    counts_on = None if device_of(held.layout) in ("cpu", "meta") else device_of(held.layout)
+    state = TrainState(
+        params=held.params,
+        frozen=held.frozen,
+        buffers=buffers,
+        opt_state=opt_state,
+        count=counters.new(0, device=counts_on),
+        micro=counters.new(0),
+        grad_accum=None,
+        seen=None,
+        items=None,
+        param_steps=counters.new_like([0] * len(held.layout.trainable_names), device=counts_on),
+        loss_scale=step.precision.new_loss_scale(counts_on),
+        extra=extra,
+        spec=StateSpec(
+            step.name,
+            world,
+            held.layout,
+            split.treedef,
+            functional.state_dict_names() if functional else (),
+            next((e.partition() for e in step.extensions if e.partition is not None), (0, 1)),
+            tuple(x for e in step.extensions if e.slices is not None for x in e.slices()),
+            tuple(given.get(k, v.dtype) for k, v in split.named.items()),  # what prepare made: as held
+        ),
+        run=run,
+    )
+    if functional is not None and not keep_module:
+        device = torch.device(device_of(held.layout)).type
+        late = any(e.updates_late(device) for e in step.extensions if e.updates_late is not None)
+        step.storage.adopt(functional, state, share=step.donate, updates_late=late)
+    return state
+
+
+def opt_params(step: Any, flats: tuple, layout: Layout, rank: int) -> dict[str, torch.Tensor]:
+    """What the optimizer updates: one tensor per bucket, as the storage part gives it (the whole bucket,
+    or this rank's shard)."""
+    return {keys.bucket(i): step.storage.opt_view(f, b, rank) for i, (f, b) in enumerate(zip(flats, layout.buckets))}
+
+
+def device_of(layout: Layout) -> str:
+    """The device the layout's trainable buckets live on ("cpu" without any)."""
+    return layout.buckets[0].device if layout.buckets else "cpu"

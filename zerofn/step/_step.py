@@ -1,0 +1,456 @@
+"""The :class:`Step` value: what it is made of (composition), building it (:func:`train_step`), writing
+transforms of it (:func:`transform`, :func:`reapply`), and its views of a state (``full_params``,
+``state_dict``, ``apply``, ``check_state``).
+
+A Step holds no cache: what a run derives once from it (the bound optimizer, the model ``loss_fn``
+calls, the batch check) lives in the run's states (``zerofn.step._derived``). ``init`` and the call
+live in ``zerofn.step._init`` and ``zerofn.step._call``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerofn import alloc, counters
+from zerofn import collectives as C
+from zerofn import optim as O
+from zerofn import tree as T
+from zerofn.closure import find_functional
+from zerofn.extension import Extension
+from zerofn.functional import Functional
+from zerofn.optim.bucket_view import param_view
+from zerofn.precision import Precision
+from zerofn.reduction import Reduction
+from zerofn.state import Layout, StateSpec, TrainState, join_slices
+from zerofn.step._call import call
+from zerofn.step._derived import run_model
+from zerofn.step._init import device_of, init_state, opt_params
+from zerofn.storage import Storage
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "Step", "StepTransform", "reapply", "train_step", "transform"]
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # torch DDP's default bucket_cap_mb
+
+
+def in_group(method: Callable) -> Callable:
+    """Run a Step method inside ``C.group_scope(self.group)`` (None: the caller's current group); ``init``
+    first joins the default process group under torchrun when nothing joined yet (``C.init``)."""
+    joins = method.__name__ == "init"
+
+    @functools.wraps(method)
+    def run(self: Step, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # error messages name the method, not this wrapper
+        if joins:
+            C.init()
+        with C.group_scope(self.group):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
+@dataclass(frozen=True)
+class Step:
+    """A training step ``step(state, batch) -> (state, metrics)``; see :mod:`zerofn.step`.
+
+    Build one with :func:`train_step` and rewrite it with the transforms in
+    ``zerofn.transforms``. A value: its fields say everything it does, and it
+    keeps nothing from one call to the next (a run's states do).
+    """
+
+    loss_fn: Callable
+    optimizer: O.GradientTransformation
+    accumulate_steps: int = 1
+    donate: bool = True
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    group: Any = None  # the torch ProcessGroup it runs on; None: the current group (zf.collectives.group_scope)
+    reduction: Reduction = Reduction()
+    storage: Storage = Storage()
+    precision: Precision = Precision()
+    extensions: tuple[Extension, ...] = ()
+
+    # ------------------------------------------------------------ composition
+
+    @property
+    def name(self) -> str:
+        """The chain: the parts' pieces (reduction, storage, precision), then the extensions' in order.
+
+        A name depends on the parts a step has, not on the order the
+        transforms that made them were applied in.
+        """
+        out = "train_step"
+        parts = (self.reduction, self.storage, self.precision, *self.extensions)
+        for piece in dict.fromkeys(p.name for p in parts if p.name):
+            out = f"{piece}({out})"
+        return out
+
+    def __repr__(self) -> str:
+        return f"<Step {self.name}, accumulate_steps={self.accumulate_steps}, donate={self.donate}>"
+
+    def replace(self, **changes: Any) -> Step:
+        """A copy with some fields (parts, settings) replaced."""
+        return dataclasses.replace(self, **changes)
+
+    def extend(self, extension: Extension) -> Step:
+        """A copy with ``extension`` added at the end of the chain."""
+        return self.replace(extensions=self.extensions + (extension,))
+
+    def extension(self, name: str) -> Extension | None:
+        """The extension named ``name``, if the step has it."""
+        return next((e for e in self.extensions if e.name == name), None)
+
+    @property
+    def effective_optimizer(self) -> O.GradientTransformation:
+        """The user's optimizer inside the precision's wrapper, then the extensions' in order.
+
+        The precision wraps first whatever order the transforms were applied
+        in: amp's fp32 master weights are optimizer state, so a wrapper that
+        places the optimizer state (offload) must see them. Built anew on each
+        access (a step holds no cache; the one a run updates with is bound to
+        its buckets, see :meth:`bound_optimizer`).
+        """
+        return self._wrapped(self.optimizer)
+
+    def _wrapped(self, opt: O.GradientTransformation) -> O.GradientTransformation:
+        opt = self.precision.wrap_optimizer(opt)
+        for e in self.extensions:
+            if e.wrap_optimizer is not None:
+                opt = e.wrap_optimizer(opt)
+        return opt
+
+    def model(self) -> Functional:
+        """The ``zf.functional`` apply that ``loss_fn`` calls (found in its closure)."""
+        return find_functional(self.loss_fn)
+
+    # ------------------------------------------------------------ init and views
+
+    @in_group
+    def init(self, params: Any, *, keep_module: bool = False, structure_only: bool = False) -> TrainState:
+        """Build the state for ``params`` (a tree of tensors, e.g. ``apply.params``).
+
+        Tensors with ``requires_grad=False`` (or a non-float dtype) are frozen:
+        no gradient, no optimizer state.
+
+        When ``params`` is ``apply.params`` of a ``zf.functional`` module, the
+        state takes the module's parameters over, so that it holds the only
+        copy: a parameter the state holds whole in the same dtype and device
+        (no sharding of parameters, no amp, a donating step) stays in the
+        module as a view of the state's buffer, and reads the state's current
+        values; every other one becomes a meta placeholder, and calling the
+        module outside a step raises, pointing to ``step.apply`` and
+        ``step.full_params``. ``keep_module=True`` leaves the module as it
+        was (a second copy of the parameters beside the state).
+
+        ``structure_only=True`` builds the state only to be overwritten, as
+        ``zf.checkpoint.load`` does: the ranks' params are not compared, and
+        the parameter buckets, the optimizer's moments and the copies
+        wrappers keep of the parameters (amp's masters, offload's host
+        copies) are allocated without being written (see
+        :mod:`zerofn.alloc`); counts and scratch are made as always. Its
+        values are undefined until a load fills every one of them.
+
+        Collective: call it on every rank, with the same params (under
+        torchrun it joins the process group, and the ranks' states must match).
+        """
+        with alloc.unfilled() if structure_only else contextlib.nullcontext():
+            return init_state(self, params, keep_module, structure_only)
+
+    def bound_optimizer(self, layout: Layout, rank: int, treedef: Any) -> O.GradientTransformation:
+        """The effective optimizer bound to what each bucket this rank updates holds (its
+        :class:`~zerofn.optim.ParamView`; ``treedef``: the params tree's structure), built anew: a run
+        builds it once, at ``init``, and keeps it in its states."""
+        view = param_view(layout, rank, treedef)
+        # The user's optimizer is bound before any wrapper sees it, so that a wrapper which does not
+        # forward bind (one of a user's own) still wraps the per-parameter optimizer; the wrappers that
+        # do (amp's masters, offload) are bound again, which rebinds their inner one to the same view.
+        return O.bind(self._wrapped(O.bind(self.optimizer, view)), view)
+
+    def _opt_params(self, flats: tuple, layout: Layout, rank: int) -> dict[str, torch.Tensor]:
+        return opt_params(self, flats, layout, rank)
+
+    @in_group
+    def full_params(
+        self, state: TrainState, *, master: bool = False, requires_grad: bool = False, local: bool = False
+    ) -> Any:
+        """The full parameters (a new tree shaped like the ``init`` input) on every rank.
+
+        Whole tensors in the model's own dtypes, whatever the composition: the
+        parameters one process would hold after the same training. Sharded
+        parameters are gathered one bucket at a time; under
+        ``tensor_parallel`` each split parameter is gathered from its slices
+        over the tensor-parallel group, one parameter at a time (a rank holds
+        the model once, plus one parameter's slices). Under ``amp`` they are
+        the fp32 master weights cast to the dtype each parameter had when
+        ``init`` received it (the model's: fp32 for a model built in fp32;
+        frozen parameters, which have no master, the held values cast), so
+        they compute beside fp32 inputs as the model did.
+
+        ``master=True`` gives the weights the optimizer updates, in their
+        own dtype (amp's fp32 masters; with ``amp(..., master_dtype=bf16)``
+        the held bf16 parameters; frozen parameters, which have none, as
+        held, in the masters' dtype). ``local=True`` gives the parameters
+        this rank's model computes with, as the step holds them: under
+        ``tensor_parallel`` its own slices of the split parameters (cut as
+        ``state.spec.slices`` says), not gathered over the tensor-parallel
+        group; under ``amp`` in its dtype (bf16; the norms it keeps in fp32
+        in fp32); sharded parameters still gathered whole over the
+        data-parallel ranks.
+        ``requires_grad=True`` marks the trainable parameters (not the
+        frozen ones), so that ``other_step.init(step.full_params(state,
+        requires_grad=True))`` builds a state that trains the same ones.
+
+        Collective: every rank must call it, in the same order as its other
+        collective calls; called on some ranks only, it fails after
+        ``ZEROFN_TIMEOUT_S`` with ``zerofn.collectives.CollectiveTimeoutError``
+        (to save on one rank, call it on every rank and write on rank 0 only).
+        """
+        self.check_state(state)
+        spec = state.spec
+        split = not local and spec.partition[1] > 1 and bool(spec.slices)
+        # the group the slices are gathered over, asked first: it raises where they cannot be made whole
+        group = next(e.partition_group() for e in self.extensions if e.partition_group is not None) if split else None
+        dtypes = dict(zip(spec.layout.names, spec.dtypes)) if spec.dtypes and not (master or local) else {}
+        # The masters are the most precise values: read where the held parameters are not in the model's dtype.
+        cast = any(dtypes.get(s.name, b.dtype) != b.dtype for b in spec.layout.buckets for s in b.slots)
+        masters = self.precision.masters(state.opt_state) if master or cast else None
+        leaves, treedef = T.tree_flatten(
+            self.storage.full_params(state, functools.partial(run_model, self, state.run), masters)
+        )
+        # ``leaves`` holds the only reference to each tensor: one replaced (cast, joined) is freed at once;
+        # so are the masters read from files
+        del masters
+        for i, (name, t) in enumerate(zip(spec.layout.names, leaves)):
+            want = dtypes.get(name, t.dtype)
+            if t.is_floating_point() and want != t.dtype:
+                leaves[i] = t.to(want)
+        if split:
+            _join_slices(spec, leaves, group)
+        if requires_grad:  # trainable as they were, for init, which reads trainability from requires_grad
+            trainable = {s.name for b in spec.layout.buckets for s in b.slots}
+            for name, t in zip(spec.layout.names, leaves):
+                if name in trainable:
+                    t.requires_grad_(True)
+        return T.tree_unflatten(treedef, leaves)
+
+    @in_group
+    def state_dict(self, state: TrainState, *, master: bool = False, local: bool = False) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict`` from the state: every parameter name (tied ones under each of
+        their names) and every persistent buffer, for ``model.load_state_dict(..., strict=True)``.
+
+        Collective, like :meth:`full_params`; ``master`` and ``local`` as there (whole parameters in the
+        model's dtypes by default, which a freshly built model loads; ``local=True``: this rank's slices
+        under ``tensor_parallel``, which its split model loads).
+        """
+        full = self.full_params(state, master=master, local=local)
+        return run_model(self, state.run).state_dict_of(full, state.buffers)
+
+    @in_group
+    def apply(self, state: TrainState, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward on the current parameters, without gradients (evaluation, generation).
+
+        Runs the model that ``loss_fn`` calls (through ``zf.functional``) on
+        the state's parameters as the storage holds them: under
+        ``shard_params`` it gathers one unit at a time, so it runs models
+        larger than one rank. Collective: call it on every rank, in the same
+        order as the other collective calls.
+        """
+        self.check_state(state)
+        model = functools.partial(run_model, self, state.run)
+        with contextlib.ExitStack() as stack:
+            if state.buffers:
+                stack.callback(model().bind_buffers(state.buffers))
+            stack.enter_context(self.precision.autocast(device_of(state.spec.layout)))
+            return self.storage.forward(state, model, args, kwargs)
+
+    @in_group
+    def check_state(self, state: Any) -> None:
+        """Raise, saying what to do, unless ``state`` is a live state this step made (its chain, this world size)."""
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"{self.name}(state, batch): state is a {type(state).__name__}, expected the TrainState made by "
+                f"this step's init: state = step.init(apply.params)"
+            )
+        spec = state.spec  # raises DonatedStateError on a donated state
+        world = C.world_size()
+        if spec.chain != self.name or spec.world_size != world:
+            raise ValueError(
+                f"{self.name}(state, batch): state was made by {spec.chain} on world size {spec.world_size}, "
+                f"but this step is {self.name} on world size {world}. Build the state with this step's init: "
+                f"state = step.init(params), or carry the parameters over: "
+                f"state = step.init(other_step.full_params(old_state, requires_grad=True)), or save and load a "
+                f"checkpoint (zf.checkpoint), which carries the optimizer state too."
+            )
+
+    # ------------------------------------------------------------ the step
+
+    @in_group
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        """One micro-step: ``(new_state, metrics)``; the input state is donated (see ``train_step``).
+
+        Collective: every rank calls it once per micro-batch, in the same
+        order, with micro-batches of the same shapes. A rank that does not
+        call it makes the others fail with
+        ``zerofn.collectives.CollectiveTimeoutError`` after
+        ``ZEROFN_TIMEOUT_S`` (default 600 s).
+        """
+        self.check_state(state)
+        also = tuple(g for e in self.extensions if e.groups is not None for g in e.groups())
+        with C.counting(also=also) as counter:
+            if not self.donate:  # the copy reads state.params, which waits for a publish in flight
+                kept = state.inflight.fault  # a check not read yet goes on with the copy
+                state = T.tree_map(lambda t: counters.clone(t) if isinstance(t, torch.Tensor) else t, state)
+                state.inflight.fault = kept
+            new_state, metrics = call(self, state, batch)
+        metrics["comm_bytes"] = counter.bytes
+        if self.donate:
+            state._donate()
+        return new_state, metrics
+
+
+# ---------------------------------------------------------------- a split model's parameters made whole
+
+
+def _join_slices(spec: StateSpec, leaves: list, group: Any) -> None:
+    """Replace, in place in ``leaves`` (``layout.names``' order), each parameter that is a slice of a whole one
+    (``spec.slices``) by the whole one, gathered over ``group`` (the ranks holding the model's parts), one
+    parameter at a time."""
+    where = {name: i for i, name in enumerate(spec.layout.names)}
+    rules = [(name, int(d), int(p), int(n), int(i)) for name, d, p, n, i in spec.slices if name in where]
+    if not rules:
+        return
+    count = C.world_size(group=group)
+    device = leaves[where[rules[0][0]]].device
+    mine = torch.tensor([rule[4] for rule in rules], dtype=torch.int64, device=device)
+    every = torch.empty(count * len(rules), dtype=torch.int64, device=device)
+    C.all_gather(every, mine, group=group)
+    indices = every.view(count, len(rules)).tolist()  # which slice of each parameter each rank holds
+    for k, (name, dim, parts, n, _) in enumerate(rules):
+        t = leaves[where[name]]
+        out = torch.empty((count, t.numel()), dtype=t.dtype, device=t.device)
+        C.all_gather(out.view(-1), t.detach().contiguous().view(-1), group=group)
+        pieces: dict[int, torch.Tensor] = {}
+        for g in range(count):  # ranks sharing a slice (shared key/value heads) gave the same one
+            pieces.setdefault(indices[g][k], out[g].view(t.shape))
+        leaves[where[name]] = join_slices(pieces, dim, parts, n)
+        del out, pieces
+
+
+# ---------------------------------------------------------------- building and transforming steps
+
+
+def train_step(
+    loss_fn: Callable,
+    optimizer: O.GradientTransformation,
+    accumulate_steps: int = 1,
+    *,
+    donate: bool = True,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    group: Any = None,
+) -> Step:
+    """Build a Step from a loss function and an optimizer.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch)`` returning a scalar loss tensor,
+            a ``zf.Mean(total, count)`` (a mean over items whose number differs
+            between ranks or micro-steps: the step divides by the global count,
+            see ``zerofn.losses``), or either as ``(loss, aux_dict)``; scalar aux
+            values are averaged over ranks into the metrics.
+        optimizer: a ``zf.optim`` GradientTransformation, e.g. ``zf.optim.adamw(3e-4)``.
+        accumulate_steps: apply the update on every K-th call; the result
+            equals one step on the K micro-batches concatenated.
+        donate: reuse the input state's buffers for the new state (default);
+            the input state then raises if used again. ``False`` copies it
+            first and leaves it untouched.
+        bucket_bytes: gradient bucket size for the reduction during backward.
+        group: the torch ``ProcessGroup`` the step runs on (its ranks are the
+            step's world: gradients are averaged over them, states are
+            sharded over them); None (default): the current group when a
+            method is called, the one ``zf.collectives.group_scope`` made
+            current, else the default group. Every method that communicates
+            (``init``, the call, ``full_params``, ``state_dict``, ``apply``)
+            runs in it; ``zf.checkpoint.load`` too.
+
+    Returns:
+        A :class:`Step`: ``state = step.init(params)``, ``state, metrics =
+        step(state, batch)``, ``step.full_params(state)``. ``metrics`` has
+        ``loss`` (mean over ranks), ``grad_norm`` (global, before clipping),
+        ``comm_bytes`` (this rank's collective traffic), ``skipped`` (a
+        non-finite loss or gradient: no update), ``count`` (a ``zf.Mean``'s
+        count over the ranks and the update's micro-steps so far; its
+        ``loss`` is their mean) and the aux values. Under N
+        ranks gradients are averaged across ranks (DDP semantics).
+
+    Raises:
+        TypeError / ValueError: a non-callable loss_fn, a bad optimizer, or
+            ``accumulate_steps`` < 1.
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"train_step: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(
+            f"train_step: optimizer must be a zf.optim GradientTransformation (init, update), got "
+            f"{type(optimizer).__name__}. For example zf.optim.adamw(lr=3e-4)."
+        )
+    if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
+        raise ValueError(f"train_step: accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
+    return Step(loss_fn, optimizer, accumulate_steps, donate, bucket_bytes, group)
+
+
+StepTransform = Callable[..., Step]
+
+
+def transform(fn: Callable[..., Step]) -> StepTransform:
+    """Make ``fn(step, /, *args, **options)`` a transform in zerofn's calling convention.
+
+    The result takes the step positionally and options after it; called
+    without a step it returns a decorator; a step that is not a
+    :class:`Step` raises a TypeError naming the transform.
+
+    Example:
+        >>> import torch, zerofn as zf
+        >>> from zerofn.step import transform
+        >>> @transform
+        ... def slower(step, /, *, factor=2):
+        ...     return step.replace(accumulate_steps=step.accumulate_steps * factor)
+        >>> base = zf.train_step(lambda p, b: p["w"].sum(), zf.optim.sgd(0.1))
+        >>> slower(base).accumulate_steps, slower(factor=3)(base).accumulate_steps
+        (2, 3)
+    """
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(step: Step | None = None, /, *args: Any, **options: Any) -> Any:
+        if step is None:
+            return lambda s: wrapper(s, *args, **options)
+        if not isinstance(step, Step):
+            raise TypeError(
+                f"{name} expects a Step from zf.train_step, got {type(step).__name__}. "
+                f"Build one first: {name}(zf.train_step(loss_fn, optimizer))."
+            )
+        return fn(step, *args, **options)
+
+    return wrapper
+
+
+def reapply(step: Step, name: str, have: Any, want: Any, what: str) -> bool:
+    """Whether applying transform ``name`` again is a no-op; raises when it would change the step.
+
+    A transform whose effect ``step`` already has (``have``, its settings as
+    the step holds them; None when it has none) is applied again with
+    ``want``: the same settings return True (the caller returns the step
+    unchanged), different ones raise a ValueError naming both.
+    """
+    if have is None:
+        return False
+    if have == want:
+        return True
+    raise ValueError(
+        f"{name}: {step.name} already {what}: {have!r}; applying {name} again with {want!r} would change it. "
+        f"Apply {name} once (to change its settings, rebuild the step from zf.train_step)."
+    )
