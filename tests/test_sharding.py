@@ -1,5 +1,5 @@
-"""Placements (zerofn.sharding): cutting and joining over one and two axes, against the rules tensor
-parallelism records today (zerofn.state.cut_slice) and torch's DTensor where it has the same placement."""
+"""Placements (zerofn.sharding): cutting and joining over one and two axes, against the slice rule
+checkpoints recorded before placements and torch's DTensor where it has the same placement."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from zerofn.sharding import Replicate, Shard, cut, join, parse, pieces, whole_shape
-from zerofn.state import cut_slice
+
+
+def cut_slice(whole, rule):
+    """The rule checkpoints recorded before placements: ``whole`` cut in ``parts`` equal chunks along
+    ``dim``, each cut in ``count`` and the ``index``-th of each put side by side."""
+    dim, parts, n, i = rule
+    return torch.cat([p.chunk(n, dim)[i] for p in whole.chunk(parts, dim)], dim)
 
 
 @pytest.mark.parametrize("dim,parts,share,size", [(0, 1, 1, 2), (1, 1, 1, 4), (0, 3, 1, 2), (0, 1, 2, 4), (1, 2, 2, 4)])

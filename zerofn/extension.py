@@ -12,8 +12,6 @@ optional:
 - ``around``: ``around(model, state)`` -> a context manager entered around
   forward and backward, outermost first; ``model()`` returns the
   ``zf.functional`` apply the loss calls (found on first use).
-- ``entries``: ``(key, init)`` pairs; a fresh state carries ``init()``
-  under ``state.extra[key]``.
 - ``check``: ``check(step)`` runs when ``step.init`` is called, before
   anything is built, for settings that depend on transforms applied later.
 - ``prepare``: ``prepare(split, functional, where) -> split`` rewrites the
@@ -22,27 +20,21 @@ optional:
   them, and the module to match (``quantize`` holds a frozen weight as its
   quantized parts); ``functional`` is the ``zf.functional`` the params came
   from (None for a plain tree), ``where`` names the caller in errors.
-- ``partition``: ``partition() -> (index, count)``: the params this rank's
-  step holds are part ``index`` of a model split over ``count`` groups of
-  ranks (``tensor_parallel``'s slices); recorded in ``state.spec``.
 - ``prepare_first``: its ``prepare`` runs before the other extensions'
   (in the order of application otherwise): it changes what the model's
   layers are (``tensor_parallel`` splits them), which the others' read.
-- ``slices``: ``slices() -> ((name, dim, parts, count, index), ...)``: the
-  parameters that are slices of whole ones and how (recorded in
-  ``state.spec``; checkpoints reassemble them to load on another split).
-- ``partition_group``: ``partition_group() -> group``: the ranks that hold
-  the ``count`` parts of this rank's model (its tensor-parallel group),
-  over which ``step.full_params`` gathers each slice into the whole
-  parameter; it raises, saying why, when the parts cannot be made whole.
-- ``groups``: ``groups() -> (group, ...)``: process groups other than
-  the step's that its collectives run on (a tensor-parallel group); their
-  traffic counts in ``metrics["comm_bytes"]``.
+- ``reports``: its forward reports checks made on the device
+  (:func:`zerofn.step.report`): every update's statistics then carry
+  whether one failed, so that every rank skips alike.
 - ``updates_late``: ``updates_late(device_type) -> bool``, whether its
   optimizer wrapper may leave the update running after the step returns
   when the parameters compute on ``device_type`` (the tensors it writes
   marked with :func:`zerofn.state.arriving`); the module a state adopts
   then waits for them before its parameters are read.
+
+What a parallelism does on an axis of the step's mesh (the parameters it
+cuts, the groups it uses) is no extension: it is a
+:class:`zerofn.sharding.Claim` on the step (:meth:`zerofn.step.Step.claim`).
 
 Its ``name`` is its piece of the step's name, and ``options`` what it was
 asked for: a transform applied to a step that already has its extension
@@ -84,16 +76,10 @@ class Extension:
         options: the transform's settings (compared when it is applied again).
         wrap_optimizer: optimizer -> optimizer, or None.
         around: ``(model, state) -> context manager`` around forward and backward, or None.
-        entries: ``(key, init)`` pairs for ``state.extra``.
         check: ``step -> None``, raises when the finished step cannot honour the extension.
         prepare: ``(split, functional, where) -> split``: the parameters ``init`` holds, rewritten.
         updates_late: ``device_type -> bool``: the optimizer wrapper may still be writing after the
             step returns, for parameters on that device type (None: never).
-        partition: ``() -> (index, count)``: which part of a split model this rank's state holds.
-        partition_group: ``() -> group``: the ranks holding the parts of this rank's model (``full_params``
-            gathers the slices over it).
-        groups: ``() -> (group, ...)``: other process groups its collectives use, counted in comm_bytes.
-        slices: ``() -> ((name, dim, parts, count, index), ...)``: its parameters that are slices of whole ones.
         prepare_first: its ``prepare`` runs before the other extensions'.
         reports: its forward reports checks made on the device (:func:`zerofn.step.report`): every
             update's statistics then carry whether one failed, so that every rank skips alike.
@@ -103,13 +89,8 @@ class Extension:
     options: Any = None
     wrap_optimizer: Callable | None = None
     around: Callable | None = None
-    entries: tuple[tuple[str, Callable[[], Any]], ...] = ()
     check: Callable | None = None
     prepare: Callable | None = None
     updates_late: Callable[[str], bool] | None = None
-    partition: Callable[[], tuple[int, int]] | None = None
-    partition_group: Callable[[], Any] | None = None
-    groups: Callable[[], tuple] | None = None
-    slices: Callable[[], tuple] | None = None
     prepare_first: bool = False
     reports: bool = False

@@ -35,12 +35,13 @@ Example:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["Placement", "Replicate", "Shard", "cut", "join", "parse", "piece", "pieces", "whole_shape"]
+__all__ = ["Claim", "Placement", "Replicate", "Shard", "cut", "join", "parse", "piece", "pieces", "whole_shape"]
 
 
 @dataclass(frozen=True)
@@ -157,3 +158,28 @@ def whole_shape(local: Sequence[int], placements: Sequence[Placement], sizes: Se
         if isinstance(p, Shard):
             shape[p.dim] *= n
     return tuple(shape)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A parallelism's part of the step: the axis of the step's mesh it works on, and what it cuts there.
+
+    A transform claims its axis with :meth:`zerofn.step.Step.claim`; the step refuses a second claim of an
+    axis by another transform. The core reads, after ``init`` prepared the model:
+
+    Attributes:
+        axis: the mesh axis (``"tp"``, ``"dp_shard"``, ...).
+        by: the claiming transform's name.
+        placements: ``() -> {parameter name: Placement}``: the parameters it cuts along its axis (absent:
+            replicated along it), as the model ``init`` prepared last holds them; None: it cuts none.
+        whole: ``() -> None``, raising with what to do instead where its pieces cannot be joined into the
+            whole parameter (``full_params``); None: they always can.
+        groups: ``() -> (group, ...)``: groups beside the mesh's axes that its collectives use (counted in
+            ``metrics["comm_bytes"]``); None: none.
+    """
+
+    axis: str
+    by: str
+    placements: Callable[[], Mapping[str, Placement]] | None = None
+    whole: Callable[[], None] | None = None
+    groups: Callable[[], tuple[Any, ...]] | None = None

@@ -48,8 +48,6 @@ __all__ = [
     "arriving",
     "block_until_ready",
     "collecting",
-    "cut_slice",
-    "join_slices",
 ]
 
 
@@ -191,33 +189,15 @@ class StateSpec:
     # The model's state_dict entries: (name, "param" or "buffer", the name the state holds it
     # under), when the params came from zf.functional; checkpoints export by these names.
     model: tuple = ()
-    # (index, count): this state holds part `index` of a model split over `count` groups of ranks
-    # (tensor parallelism's slices), each group training its part; (0, 1): the whole model.
-    partition: tuple[int, int] = (0, 1)
-    # (name, dim, parts, count, index) for each parameter that is a slice of a whole one: the whole one
-    # cut in `parts` equal chunks along `dim`, each cut in `count` and the `index`-th of each put side by side
-    slices: tuple = ()
+    # The step's mesh as this rank sees it: (axis, size, this rank's coordinate) for each axis, outermost
+    # first (zerofn.mesh); empty: no mesh (the step's group alone).
+    mesh: tuple = ()
+    # (name, placements) for each parameter a parallelism cuts, one zerofn.sharding placement per axis of
+    # `mesh`: how the parameter this rank holds is cut from the whole one. Absent: whole on every rank.
+    placements: tuple = ()
     # The dtype of each params leaf (in ``layout.names``' order) as the model has it: as ``init`` received it,
     # before the precision part cast it (amp holds bf16); what ``full_params`` returns. Empty: as held.
     dtypes: tuple = ()
-
-
-def cut_slice(whole: torch.Tensor, rule: tuple[int, int, int, int]) -> torch.Tensor:
-    """The slice ``rule = (dim, parts, count, index)`` of ``whole`` (as :attr:`StateSpec.slices` records it):
-    ``whole`` cut in ``parts`` equal chunks along ``dim``, each cut in ``count``, and the ``index``-th of each
-    put side by side. A view when ``parts`` is 1."""
-    dim, parts, n, i = rule
-    if parts == 1:
-        return whole.chunk(n, dim)[i]
-    return torch.cat([p.chunk(n, dim)[i] for p in whole.chunk(parts, dim)], dim)
-
-
-def join_slices(pieces: Mapping[int, torch.Tensor], dim: int, parts: int, n: int) -> torch.Tensor:
-    """The whole tensor from its ``n`` slices (index -> slice), the inverse of :func:`cut_slice`."""
-    if parts == 1:
-        return torch.cat([pieces[i] for i in range(n)], dim)
-    chunks = [[pieces[i].chunk(parts, dim)[k] for i in range(n)] for k in range(parts)]
-    return torch.cat([torch.cat(c, dim) for c in chunks], dim)
 
 
 class DonatedStateError(RuntimeError):

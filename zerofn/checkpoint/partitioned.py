@@ -88,11 +88,21 @@ def _from_slices(count: int, index: int, slices: Any) -> Cuts:
 
 
 def of_spec(spec: Any) -> tuple[int, Cuts] | None:
-    """(part index, cuts) of the parameters a state holds, from its spec (None: the whole model)."""
-    index, count = spec.partition
-    if count == 1:
+    """(part index, cuts) of the parameters a state holds, from its spec (None: the whole model). The parts
+    are numbered row-major over the axes that cut some parameter."""
+    cutting = [
+        k for k in range(len(spec.mesh)) if any(not isinstance(ps[k], sharding.Replicate) for _, ps in spec.placements)
+    ]
+    if not cutting:
         return None
-    return index, _from_slices(count, index, spec.slices)
+    axes = tuple(spec.mesh[k][0] for k in cutting)
+    sizes = tuple(spec.mesh[k][1] for k in cutting)
+    coords = tuple(spec.mesh[k][2] for k in cutting)
+    index = 0
+    for size, c in zip(sizes, coords):
+        index = index * size + c
+    placements = {name: tuple(ps[k] for k in cutting) for name, ps in spec.placements}
+    return index, Cuts(axes, sizes, coords, placements)
 
 
 def view(path: str, parts: dict[int, Cuts], first: Saved, mine: tuple[int, Cuts] | None) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import contextvars
 import json
+import math
 import os
 import shutil
 import threading
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from zerofn import collectives as C
-from zerofn import keys
+from zerofn import keys, mesh
 from zerofn._io import FileTensor, fsync_dir, write_json
 from zerofn._safetensors import BLOCK, DTYPES, Writer, checksum_file
 from zerofn.checkpoint._format import (
@@ -153,9 +154,9 @@ def save(
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"checkpoint.save: keep must be an int >= 1 or None, got {keep!r}")
     state.inflight.check()  # a check the device made and no one read yet (a bad batch): raised before writing
-    index, count = state.spec.partition
-    if count > 1 and not _IN_PART.get():
-        return _save_partition(state, path, index, count, keep=keep, group=group, frozen=frozen)
+    part = of_spec(state.spec)
+    if part is not None and not _IN_PART.get():
+        return _save_partition(state, path, part, keep=keep, group=group, frozen=frozen)
     if frozen not in (True, False, ONCE) or not isinstance(frozen, (bool, str)):
         raise ValueError(f"checkpoint.save: frozen must be True, False or {ONCE!r}, got {frozen!r}")
     wait_saves()
@@ -207,18 +208,22 @@ _IN_PART: contextvars.ContextVar[bool] = contextvars.ContextVar("zerofn_saving_a
 
 
 def _save_partition(
-    state: TrainState, path: Any, index: int, count: int, *, keep: int | None, group: Any, frozen: bool | str
+    state: TrainState, path: Any, part: tuple, *, keep: int | None, group: Any, frozen: bool | str
 ) -> SaveHandle:
-    """A state holding part ``index`` of a model split over ``count`` groups of ranks (tensor parallelism):
-    each group saves its part as a checkpoint of its own, ``path/part{index}``, on its group; once all
-    have, the world's rank 0 writes ``partitions.json`` (each part's slices) and renames the directory into
-    place. Blocking; collective over the world."""
+    """A state holding one part of a model cut over the axes of a mesh (``part``: its index and cuts, from
+    the state's spec): each part's ranks (the mesh's data-parallel group) save it as a checkpoint of its
+    own, ``path/part{index}``; once all have, the world's rank 0 writes ``partitions.json`` (the cutting
+    axes, and each part's coordinates and placements) and renames the directory into place. Blocking;
+    collective over the world."""
+    index, cuts = part
     world = dist.group.WORLD
+    if group is None:  # the mesh the state was made on, made already (zerofn.mesh keeps each shape's groups)
+        group = mesh.make(**{axis: size for axis, size, _ in state.spec.mesh}).data_group
     if C.world_size(group=group) != state.spec.world_size:
         raise CheckpointError(
-            f"checkpoint.save: this state holds part {index} of a model split over {count} groups of ranks; "
-            f"each group saves its part, so pass the step's group: save(state, path, group=step.group) "
-            f"(the group given has {C.world_size(group=group)} ranks, the state's {state.spec.world_size})"
+            f"checkpoint.save: this state holds part {index} of a model cut over the mesh axes {list(cuts.axes)}; "
+            f"each part's data-parallel ranks save it, {state.spec.world_size} of them, but the group given has "
+            f"{C.world_size(group=group)}: leave group= out"
         )
     if frozen is False:
         raise CheckpointError(
@@ -237,14 +242,13 @@ def _save_partition(
         handle = save(state, os.path.join(partial, f"part{index}"), blocking=True, group=group, frozen=frozen)
     finally:
         _IN_PART.reset(token)
-    _, cuts = of_spec(state.spec)
     every = C.gather_objects((index, record(cuts)), group=world)
     if dist.get_rank() == 0:
         write_json(
             os.path.join(partial, PARTITIONS),
             {
                 "format": FORMAT,
-                "count": count,
+                "count": math.prod(cuts.sizes),
                 "mesh": {"axes": list(cuts.axes), "sizes": list(cuts.sizes)},
                 "parts": {str(i): part for i, part in every},
                 "model_count": int(state.count),

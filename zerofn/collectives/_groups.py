@@ -338,17 +338,18 @@ def rank(group: Any = None) -> int:
 def data_rank(step: Any = None) -> int:
     """The data-parallel rank of this process for ``step``: which micro-batch it feeds.
 
-    ``step`` runs on a group (``step.group``: the world by default; its data-parallel group under
-    ``tensor_parallel``, whose ranks ``t, t + size, ...`` make this the global rank ``// size``, so the
-    ranks of one tensor-parallel group feed the same micro-batch); its rank there. Without a step, the rank
-    in the current group.
+    A step laid out on a mesh (``step.mesh``, once a parallelism claims an axis) reads it there: the rank's
+    place on the mesh's data-parallel axes, so that the ranks of one tensor-parallel group (or any group
+    of ranks that split one model) feed the same micro-batch. Otherwise ``step`` runs on a group
+    (``step.group``: the world by default); its rank there. Without a step, the rank in the current group.
 
     Example:
         >>> import zerofn as zf
         >>> zf.collectives.data_rank()  # one process
         0
     """
-    return rank(getattr(step, "group", None))
+    mesh = getattr(step, "mesh", None)
+    return mesh.data_rank if mesh is not None else rank(getattr(step, "group", None))
 
 
 # ---------------------------------------------------------------- the control group

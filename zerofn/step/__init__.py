@@ -12,7 +12,12 @@ each owning one concern and its piece of the step's name, and one chain:
   the optimizer's master weights and the loss scale;
 - ``extensions`` (:class:`zerofn.extension.Extension`): what further
   transforms add (optimizer wrappers, contexts around forward and backward,
-  entries of the state), in the order they were applied.
+  checks), in the order they were applied;
+- ``mesh`` and ``claims``: the ranks as a named mesh
+  (:class:`zerofn.mesh.Mesh`) once a parallelism lays them out, and the
+  axis each such transform works on with the parameters it cuts there
+  (:class:`zerofn.sharding.Claim`, recorded as placements in the state's
+  spec).
 
 A transform ``Step -> Step`` replaces a part or extends the chain; the core
 names no transform. One call runs six phases (the sink; forward and

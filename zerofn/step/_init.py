@@ -3,7 +3,7 @@
 The parameters are split into trainable and frozen ones, cast by the precision part, prepared by the
 extensions (those that change the model's layers first), labelled by the optimizer, compared across
 ranks and handed to the storage part, which lays them out in buckets; the optimizer, bound to what this
-rank updates, builds its state; the extensions add their entries. The run's cache
+rank updates, builds its state. The run's cache
 (:class:`~zerofn.state.RunCache`) starts here, with the bound optimizer in it. See ``Step.init``.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from zerofn import collectives as C
-from zerofn import counters, keys
+from zerofn import counters, keys, sharding
 from zerofn import optim as O
 from zerofn.functional import ADOPTED_HELP, owner_of
 from zerofn.optim.bucket_view import names_view
@@ -63,8 +63,6 @@ def init_state(step: Any, params: Any, keep_module: bool, structure_only: bool) 
         opt_params(step, held.params, held.layout, rank)
     )
     extra = dict(held.extra)
-    for e in step.extensions:
-        extra.update((key, init()) for key, init in e.entries)
     # The model's buffers are state too; the module keeps the same tensors (or, with
     # keep_module, its own), and every step binds the state's into the module.
     buffers = functional.buffers() if functional is not None else {}
@@ -91,8 +89,7 @@ def init_state(step: Any, params: Any, keep_module: bool, structure_only: bool) 
             held.layout,
             split.treedef,
             functional.state_dict_names() if functional else (),
-            next((e.partition() for e in step.extensions if e.partition is not None), (0, 1)),
-            tuple(x for e in step.extensions if e.slices is not None for x in e.slices()),
+            *_placements(step),
             tuple(given.get(k, v.dtype) for k, v in split.named.items()),  # what prepare made: as held
         ),
         run=run,
@@ -113,3 +110,19 @@ def opt_params(step: Any, flats: tuple, layout: Layout, rank: int) -> dict[str, 
 def device_of(layout: Layout) -> str:
     """The device the layout's trainable buckets live on ("cpu" without any)."""
     return layout.buckets[0].device if layout.buckets else "cpu"
+
+
+def _placements(step: Any) -> tuple[tuple, tuple]:
+    """(the step's mesh as this rank sees it, each cut parameter's placements on its axes), for the spec."""
+    mesh = step.mesh
+    if mesh is None:
+        return (), ()
+    axes = tuple(mesh.sizes)
+    cuts: dict[str, list] = {}
+    for c in step.claims:
+        for name, p in (c.placements() if c.placements is not None else {}).items():
+            cuts.setdefault(name, [sharding.Replicate()] * len(axes))[axes.index(c.axis)] = p
+    return (
+        tuple((a, mesh.size(a), mesh.coordinate(a)) for a in axes),
+        tuple((name, tuple(ps)) for name, ps in sorted(cuts.items())),
+    )

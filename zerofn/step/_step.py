@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from zerofn import alloc, counters
+from zerofn import alloc, counters, sharding
 from zerofn import collectives as C
 from zerofn import optim as O
 from zerofn import tree as T
@@ -28,7 +28,7 @@ from zerofn.functional import Functional
 from zerofn.optim.bucket_view import param_view
 from zerofn.precision import Precision
 from zerofn.reduction import Reduction
-from zerofn.state import Layout, StateSpec, TrainState, join_slices
+from zerofn.state import Layout, StateSpec, TrainState
 from zerofn.step._call import call
 from zerofn.step._derived import run_model
 from zerofn.step._init import device_of, init_state, opt_params
@@ -74,6 +74,8 @@ class Step:
     storage: Storage = Storage()
     precision: Precision = Precision()
     extensions: tuple[Extension, ...] = ()
+    mesh: Any = None  # a zerofn.mesh.Mesh once a parallelism lays the ranks out on axes; ``group`` its data axes
+    claims: tuple[sharding.Claim, ...] = ()  # the axes of ``mesh`` the transforms work on, in order
 
     # ------------------------------------------------------------ composition
 
@@ -104,6 +106,43 @@ class Step:
     def extension(self, name: str) -> Extension | None:
         """The extension named ``name``, if the step has it."""
         return next((e for e in self.extensions if e.name == name), None)
+
+    def claim(self, claim: sharding.Claim, mesh: Any) -> Step:
+        """A copy on ``mesh`` (a :class:`zerofn.mesh.Mesh`) whose transforms include ``claim`` on one of its
+        axes (replacing the claimant's earlier claim), running on the mesh's data-parallel group.
+
+        Raises:
+            ValueError: another transform claimed the axis already, or the step runs on another mesh.
+        """
+        other = next((c for c in self.claims if c.axis == claim.axis and c.by != claim.by), None)
+        if other is not None:
+            raise ValueError(
+                f"{claim.by}: the mesh axis {claim.axis!r} is {other.by}'s already; each axis is one parallelism's. "
+                "Apply one of them, or give each its own axis."
+            )
+        if self.mesh is not None and mesh is not self.mesh and self.mesh.sizes != mesh.sizes:
+            raise ValueError(
+                f"{claim.by}: this step runs on the mesh {self.mesh!r} and {claim.by} needs {mesh!r}; the "
+                "parallelisms of one step share one mesh: give every axis's size to each transform alike."
+            )
+        if self.group is not None and self.mesh is None and self.group is not mesh.data_group:
+            raise ValueError(
+                f"{claim.by}: this step already runs on a group of its own (train_step(..., group=)); {claim.by} "
+                "runs it on its mesh's data-parallel group. Leave group= out."
+            )
+        claims = tuple(c for c in self.claims if c.by != claim.by) + (claim,)
+        return self.replace(mesh=mesh, claims=claims, group=mesh.data_group)
+
+    def groups(self) -> tuple:
+        """The groups beside the step's own that its collectives run on: its claimed axes' and those the
+        claims name (their traffic counts in ``metrics["comm_bytes"]``)."""
+        out: dict[int, Any] = {}
+        for c in self.claims:
+            more = c.groups() if c.groups is not None else ()
+            for g in (self.mesh.group(c.axis), *more):
+                if g is not None and g is not self.group:
+                    out.setdefault(id(g), g)
+        return tuple(out.values())
 
     @property
     def effective_optimizer(self) -> O.GradientTransformation:
@@ -212,9 +251,11 @@ class Step:
         """
         self.check_state(state)
         spec = state.spec
-        split = not local and spec.partition[1] > 1 and bool(spec.slices)
-        # the group the slices are gathered over, asked first: it raises where they cannot be made whole
-        group = next(e.partition_group() for e in self.extensions if e.partition_group is not None) if split else None
+        split = not local and bool(spec.placements)
+        if split:  # asked first: a claim raises where its pieces cannot be made whole
+            for c in self.claims:
+                if c.whole is not None:
+                    c.whole()
         dtypes = dict(zip(spec.layout.names, spec.dtypes)) if spec.dtypes and not (master or local) else {}
         # The masters are the most precise values: read where the held parameters are not in the model's dtype.
         cast = any(dtypes.get(s.name, b.dtype) != b.dtype for b in spec.layout.buckets for s in b.slots)
@@ -230,7 +271,7 @@ class Step:
             if t.is_floating_point() and want != t.dtype:
                 leaves[i] = t.to(want)
         if split:
-            _join_slices(spec, leaves, group)
+            _join_pieces(self.mesh, spec, leaves)
         if requires_grad:  # trainable as they were, for init, which reads trainability from requires_grad
             trainable = {s.name for b in spec.layout.buckets for s in b.slots}
             for name, t in zip(spec.layout.names, leaves):
@@ -300,7 +341,7 @@ class Step:
         ``ZEROFN_TIMEOUT_S`` (default 600 s).
         """
         self.check_state(state)
-        also = tuple(g for e in self.extensions if e.groups is not None for g in e.groups())
+        also = self.groups()
         with C.counting(also=also) as counter:
             if not self.donate:  # the copy reads state.params, which waits for a publish in flight
                 kept = state.inflight.fault  # a check not read yet goes on with the copy
@@ -316,29 +357,25 @@ class Step:
 # ---------------------------------------------------------------- a split model's parameters made whole
 
 
-def _join_slices(spec: StateSpec, leaves: list, group: Any) -> None:
-    """Replace, in place in ``leaves`` (``layout.names``' order), each parameter that is a slice of a whole one
-    (``spec.slices``) by the whole one, gathered over ``group`` (the ranks holding the model's parts), one
-    parameter at a time."""
+def _join_pieces(mesh: Any, spec: StateSpec, leaves: list) -> None:
+    """Replace, in place in ``leaves`` (``layout.names``' order), each parameter a parallelism cuts
+    (``spec.placements``) by the whole one: gathered over each cutting axis's group, the innermost first
+    (the inverse of the cuts, outermost first), one parameter at a time."""
     where = {name: i for i, name in enumerate(spec.layout.names)}
-    rules = [(name, int(d), int(p), int(n), int(i)) for name, d, p, n, i in spec.slices if name in where]
-    if not rules:
-        return
-    count = C.world_size(group=group)
-    device = leaves[where[rules[0][0]]].device
-    mine = torch.tensor([rule[4] for rule in rules], dtype=torch.int64, device=device)
-    every = torch.empty(count * len(rules), dtype=torch.int64, device=device)
-    C.all_gather(every, mine, group=group)
-    indices = every.view(count, len(rules)).tolist()  # which slice of each parameter each rank holds
-    for k, (name, dim, parts, n, _) in enumerate(rules):
-        t = leaves[where[name]]
-        out = torch.empty((count, t.numel()), dtype=t.dtype, device=t.device)
-        C.all_gather(out.view(-1), t.detach().contiguous().view(-1), group=group)
-        pieces: dict[int, torch.Tensor] = {}
-        for g in range(count):  # ranks sharing a slice (shared key/value heads) gave the same one
-            pieces.setdefault(indices[g][k], out[g].view(t.shape))
-        leaves[where[name]] = join_slices(pieces, dim, parts, n)
-        del out, pieces
+    for name, placements in spec.placements:
+        if name not in where:
+            continue
+        t = leaves[where[name]].detach()
+        for (axis, size, _), p in reversed(list(zip(spec.mesh, placements))):
+            n = sharding.piece(p, size, 0)[1]
+            if n == 1:
+                continue
+            out = torch.empty((size, t.numel()), dtype=t.dtype, device=t.device)
+            C.all_gather(out.view(-1), t.contiguous().view(-1), group=mesh.group(axis))
+            by_piece = {sharding.piece(p, size, c)[0]: out[c].view(t.shape) for c in range(size)}
+            t = sharding.join({(i,): by_piece[i] for i in range(n)}, (p,), (size,))
+            del out, by_piece
+        leaves[where[name]] = t
 
 
 # ---------------------------------------------------------------- building and transforming steps
