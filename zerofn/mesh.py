@@ -36,7 +36,8 @@ one data-parallel axis is above 1. :attr:`Mesh.device_mesh` wraps them as a
 ``DeviceMesh`` with named dims through ``DeviceMesh.from_group`` (a list of
 groups plus the mesh tensor, the N-D form of torch 2.4+), which makes no
 group of its own: ``mesh.device_mesh["tp"].get_group()`` is the very group
-``mesh.group("tp")`` is. ``init_device_mesh`` is not used because it would
+``mesh.group("tp")`` is (:meth:`Mesh.device_submesh` keeps each axis's slice,
+made once). ``init_device_mesh`` is not used because it would
 create groups zerofn did not make, outside zerofn's timeouts and error
 translation.
 
@@ -121,6 +122,7 @@ class Mesh:
     device_type: str
     device_mesh: Any = field(repr=False)
     _made: _Made = field(repr=False)
+    _submeshes: dict[str, Any] = field(repr=False)  # axis -> device_mesh[axis], sliced once
 
     def __repr__(self) -> str:
         return f"Mesh({', '.join(f'{a}={n}' for a, n in zip(self.axes, self.shape))})"
@@ -208,6 +210,17 @@ class Mesh:
             made.splits[(axis, n)] = mine
         return made.splits[(axis, n)]
 
+    def device_submesh(self, axis: str) -> Any:
+        """``device_mesh[axis]``: the 1-D ``DeviceMesh`` over ``axis`` (a ``DTensor`` placed on one axis
+        lives on it), sliced once when the mesh is made (slicing makes a new one, reading its ranks on the
+        host, each time). None in a world of one.
+
+        Raises:
+            ValueError: the mesh has no such axis.
+        """
+        self.group(axis)  # an axis the mesh has
+        return self._submeshes.get(axis)
+
     def on(self, device_type: str) -> Mesh:
         """This mesh with its :attr:`device_mesh` on ``device_type``: the same groups (no collective)."""
         return make(device_type=device_type, **self.sizes)
@@ -251,9 +264,9 @@ def make(*, device_type: str | None = None, **sizes: int) -> Mesh:
         for n in reversed(shape):
             coordinates.append(rank % n)
             rank //= n
-        made.meshes[device_type] = Mesh(
-            axes, shape, tuple(reversed(coordinates)), device_type, _device_mesh(axes, shape, made, device_type), made
-        )
+        whole = _device_mesh(axes, shape, made, device_type)
+        submeshes = {} if whole is None else {a: whole[a] for a in axes}
+        made.meshes[device_type] = Mesh(axes, shape, tuple(reversed(coordinates)), device_type, whole, made, submeshes)
     return made.meshes[device_type]
 
 
