@@ -74,9 +74,9 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 from zerofn.transforms import shard_params, tensor_parallel  # noqa: E402
-from zerofn.transforms.tensor_parallel import mesh  # noqa: E402
 
 import zerofn as zf  # noqa: E402
+import zerofn.mesh  # noqa: E402
 
 
 def build_model(args):
@@ -108,7 +108,7 @@ def main(argv=None) -> None:
     if world != 2:
         raise SystemExit(f"bench_generate.py: run it on 2 ranks (torchrun --nproc_per_node 2), not {world}")
     prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(1))
-    tensor_group = mesh(2).tensor_group
+    tensor_group = zerofn.mesh.make(tp=2).group("tp")
     systems, n, figures = {}, 0, {}
     for name in args.systems:
         if name == "shard_params, once" and "shard_params, per call" in systems:

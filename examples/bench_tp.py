@@ -77,9 +77,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from zerofn.transforms import shard_params, tensor_parallel  # noqa: E402
-from zerofn.transforms.tensor_parallel import mesh  # noqa: E402
 
 import zerofn as zf  # noqa: E402
+import zerofn.mesh  # noqa: E402
 from zerofn.bench.gpt import MarkovCorpus  # noqa: E402
 
 
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
     corpus = MarkovCorpus(vocab=args.vocab, seed=0)
     n_batches = (args.rounds + 1) * args.steps + 1  # every round's loop, then the tracked step
     data = corpus.sample(n_batches * args.global_batch, args.seq_len + 1, seed=1)
-    tensor_group = mesh(args.tp).tensor_group
+    tensor_group = zerofn.mesh.make(tp=args.tp).group("tp")
 
     systems, figures, n, feeds = {}, {}, 0, {}
     for name in (DP, TP):

@@ -4,7 +4,7 @@ transform knows it by name.
     front-ends, tools   zerofn.deepspeed, zerofn.launch, zerofn.plan, zerofn.bench, metrics, memory, testing
     persistence         zerofn.checkpoint
     transforms          zerofn.transforms
-    core                step and its parts, state, functional, collectives, optim, roles, keys, placement
+    core                step and its parts, state, functional, collectives, mesh, optim, roles, keys, placement
     leaves              tree, _io, _safetensors
 
 ``zerofn/__init__.py`` is the public facade: it may import any layer, and no module below the tools
@@ -38,6 +38,7 @@ LAYERS = {  # bottom first
         "zerofn.functional",
         "zerofn.closure",
         "zerofn.collectives",
+        "zerofn.mesh",
         "zerofn.optim",
         "zerofn.roles",
         "zerofn.keys",

@@ -58,7 +58,7 @@ def _generate(size: int) -> dict:
 
     step = tensor_parallel(zf.train_step(loss_fn, zf.optim.adamw(1e-3)), size)
     state = step.init(apply.params)
-    group = mesh(size).tensor_group
+    group = mesh(size).group("tp")
     counted = _Counted(step, group)
     got = zf.generate(counted, state, PROMPTS, attention_mask=MASK, max_new_tokens=NEW, pad_token_id=0)
     with zf.collectives.counting(group=group) as whole:  # the whole call, apart (counters nested alike clash)

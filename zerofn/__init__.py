@@ -5,7 +5,7 @@ Public names only; see the modules for the details.
 
 import importlib as _importlib
 
-from zerofn import checkpoint, collectives, memory, metrics, optim, testing, tree
+from zerofn import checkpoint, collectives, memory, mesh, metrics, optim, testing, tree
 from zerofn.collectives import CollectiveError, CollectiveTimeoutError
 from zerofn.functional import Functional, functional
 from zerofn.generation import generate
@@ -31,6 +31,7 @@ __all__ = [
     "functional",
     "generate",
     "memory",
+    "mesh",
     "metrics",
     "moe",
     "optim",
