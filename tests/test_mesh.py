@@ -158,3 +158,10 @@ def test_each_axis_holds_torchtitans_ranks_and_its_device_mesh_is_the_same_group
             assert extra[0]["halves"] == [[0, 1], [2, 3]][rank // 2]
             assert "dp_shard x tp = 2 x 4 = 8 != world_size 4" in extra[1]["refused"], extra
             assert "tp = 3 does not divide world_size 4" in extra[2]["refused"], extra
+
+
+def test_a_second_axis_joins_a_mesh_beside_the_first():
+    m = mesh.make(tp=1)
+    both = m.with_axes(cp=1)
+    assert both.sizes == {"dp_shard": 1, "cp": 1, "tp": 1}
+    assert both.with_axes(cp=1) is both  # made once per shape

@@ -221,6 +221,13 @@ class Mesh:
         self.group(axis)  # an axis the mesh has
         return self._submeshes.get(axis)
 
+    def with_axes(self, **sizes: int) -> Mesh:
+        """The mesh with these axes added (or resized) beside this one's other axes, its data-parallel ones
+        filled again from what is left (:func:`make`): how a second parallelism joins a step's mesh, e.g.
+        ``step.mesh.with_axes(cp=2)`` on a ``tp`` mesh."""
+        kept = {a: n for a, n in self.sizes.items() if a not in DATA_AXES}
+        return make(device_type=self.device_type, **{**kept, **sizes})
+
     def on(self, device_type: str) -> Mesh:
         """This mesh with its :attr:`device_mesh` on ``device_type``: the same groups (no collective)."""
         return make(device_type=device_type, **self.sizes)

@@ -62,11 +62,16 @@ gradient (an all-reduce over them, on a sub-split of the mesh's ``tp`` axis:
 With ``sequence_parallel=True`` the residual stream between the regions is
 split over the sequence (Megatron-SP, ``_sequence``).
 
-Checkpoints save one part per tensor-parallel rank and load on any split
-(:mod:`zerofn.checkpoint.partitioned`, from ``state.spec.slices``), and
+The transform claims the mesh's ``tp`` axis (a
+:class:`zerofn.sharding.Claim`): the step then runs on the mesh's
+data-parallel group, and each split parameter's placement on ``tp``
+(``Shard(dim)``; a fused q/k/v ``Shard(dim, parts=3)``; shared key/value
+heads ``Shard(dim, share=k)``) is recorded in ``state.spec.placements``.
+From the placements alone, checkpoints save one part per tensor-parallel
+rank and load on any split (:mod:`zerofn.checkpoint.partitioned`), and
 ``step.full_params`` / ``step.state_dict`` gather the slices whole over the
-tensor-parallel group (``partition_group``), one parameter at a time;
-``local=True`` gives this rank's slices.
+``tp`` axis, one parameter at a time; ``local=True`` gives this rank's
+slices.
 
 The package, one job a module: ``_plan`` (the kinds, :func:`derive_plan`
 and the Llama, LoRA and GPT-2 ``Conv1D`` plans), ``_layers`` (the split
@@ -76,7 +81,7 @@ layer classes and how a parameter is cut: ``split_layer``, ``rule``,
 ``_sequence`` (sequence parallelism), ``_check`` (the batch check and the
 rest of what a step enters around forward and backward), ``_prepare``
 (``init``: the plan checked, the layers split) and this module (the
-transform and its extension's hooks). The groups are the mesh's; the
+transform, its extension and its claim). The groups are the mesh's; the
 package keeps none of its own.
 
 Not yet: counting the cross-entropy's own all-reduces (torch's
@@ -105,6 +110,7 @@ from zerofn.transforms.tensor_parallel._prepare import prepare
 
 from zerofn.extension import Extension
 from zerofn.mesh import Mesh, make, world_size
+from zerofn.sharding import Claim, Shard
 from zerofn.step import Step, reapply, transform
 
 __all__ = [
@@ -184,11 +190,6 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
     have = step.extension("tensor_parallel")
     if reapply(step, "tensor_parallel", have and have.options, options, "splits the model's layers"):
         return step
-    if step.group is not None and step.group is not m.data_group:
-        raise ValueError(
-            "tensor_parallel: this step already runs on a group of its own (train_step(..., group=)); "
-            "tensor_parallel runs it on its data-parallel group. Leave group= out."
-        )
     prepared: dict = {}  # "layers": the split layers of the model this step's init prepared last (path -> layer)
     out = step.extend(
         Extension(
@@ -196,33 +197,38 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
             options,
             prepare=lambda split, f, where: prepare(options.plan, sequence_parallel, m, split, f, where, prepared),
             around=lambda model, state: Around(m, model),
-            partition=(lambda: (m.coordinate("tp"), tp)) if tp > 1 else None,
-            partition_group=(lambda: _whole_group(prepared, m)) if tp > 1 else None,
-            groups=(lambda: (m.group("tp"), *_replica_groups(prepared))) if tp > 1 else None,
-            slices=(lambda: _slices(prepared)) if tp > 1 else None,
             prepare_first=True,  # quantize, applied before or after, then holds each rank's slices
             reports=True,  # the batch check (_check), made on the device
         )
     )
-    return out.replace(group=m.data_group) if m.data_group is not None else out
+    claim = Claim(
+        "tp",
+        "tensor_parallel",
+        placements=lambda: _placements(prepared, tp),
+        whole=lambda: _check_whole(prepared),
+        groups=lambda: _replica_groups(prepared),
+    )
+    return out.claim(claim, m)
 
 
-def _slices(prepared: dict) -> tuple:
-    """(name, dim, parts, count, index) of every split parameter: how each is cut from the whole one."""
-    out = []
+def _placements(prepared: dict, tp: int) -> dict[str, Shard]:
+    """Each split parameter's placement on the ``tp`` axis: how it is cut from the whole one (a fused q/k/v
+    in blocks; key/value heads fewer than the ranks shared by consecutive ranks)."""
+    out = {}
     for path, layer in prepared.get("layers", {}).items():
-        how, (n, r, conv) = layer.__dict__["_zf_how"], layer.__dict__["_zf_slices"]
+        how, (n, _, conv) = layer.__dict__["_zf_how"], layer.__dict__["_zf_slices"]
         prefix = f"{path}." if path else ""
         for pname in ("weight", "bias"):
             cut = rule(how, pname, conv)
             if layer._parameters.get(pname) is not None and cut is not None:
-                out.append((prefix + pname, *cut, n, r))
-    return tuple(out)
+                dim, parts = cut
+                out[prefix + pname] = Shard(dim, parts, tp // n)
+    return out
 
 
-def _whole_group(prepared: dict, m: Mesh) -> Any:
-    """The tensor-parallel group, over which ``step.full_params`` gathers the split parameters whole; raises
-    where a split layer's weight is held quantized (each rank quantized its own slice: their codes and scales
+def _check_whole(prepared: dict) -> None:
+    """Raises where a split layer's weight is held quantized, before ``step.full_params`` gathers the split
+    parameters whole (each rank quantized its own slice: their codes and scales
     do not join into those of the whole weight)."""
     quantized = [p for p, layer in prepared.get("layers", {}).items() if hasattr(layer, "_zf_quantized")]
     if quantized:
@@ -233,7 +239,6 @@ def _whole_group(prepared: dict, m: Mesh) -> Any:
             "step.full_params(state, local=True) (or step.state_dict(state, local=True)) and dequantize them "
             "there: zerofn.transforms.quantize.dequantized(params, apply.module)."
         )
-    return m.group("tp")
 
 
 def _replica_groups(prepared: dict) -> tuple:

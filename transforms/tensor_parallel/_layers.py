@@ -40,7 +40,7 @@ from zerofn.transforms.tensor_parallel._plan import (
 )
 
 from zerofn.mesh import Mesh
-from zerofn.state import cut_slice
+from zerofn.sharding import Shard, cut
 
 _CLASSES: dict[tuple[type, str], type] = {}  # (a layer's class, its kind) -> the split class made for them
 
@@ -133,8 +133,8 @@ def rule(how: str, pname: str, conv: bool) -> tuple[int, int] | None:
 
 def slice_param(t: torch.Tensor, how: str, pname: str, n: int, r: int, conv: bool = False) -> torch.Tensor:
     """Rank ``r``'s slice (of ``n``) of a split layer's parameter ``pname``, as :func:`rule` says."""
-    cut = rule(how, pname, conv)
-    return t if cut is None else cut_slice(t, (*cut, n, r))
+    how_cut = rule(how, pname, conv)
+    return t if how_cut is None else cut(t, (Shard(*how_cut),), (n,), (r,))
 
 
 def sum_gradients(sub: nn.Module, group: Any) -> None:

@@ -236,7 +236,7 @@ class Step:
         held, in the masters' dtype). ``local=True`` gives the parameters
         this rank's model computes with, as the step holds them: under
         ``tensor_parallel`` its own slices of the split parameters (cut as
-        ``state.spec.slices`` says), not gathered over the tensor-parallel
+        ``state.spec.placements`` say), not gathered over the tensor-parallel
         group; under ``amp`` in its dtype (bf16; the norms it keeps in fp32
         in fp32); sharded parameters still gathered whole over the
         data-parallel ranks.
