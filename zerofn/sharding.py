@@ -135,19 +135,20 @@ def join(
 ) -> torch.Tensor:
     """The whole tensor from the pieces ``held`` by coordinates (at least those :func:`pieces` names), the
     inverse of :func:`cut`."""
-    axes = len(sizes)
+    return _rebuild(held, tuple(placements), tuple(sizes), ())
 
-    def rebuild(prefix: tuple[int, ...]) -> torch.Tensor:
-        k = len(prefix)
-        if k == axes:
-            return held[prefix]
-        p, size = placements[k], sizes[k]
-        _, n = piece(p, size, 0)
-        share = size // n
-        # the innermost axes were cut last: join them first, then this one
-        return _join1([rebuild(prefix + (i * share,)) for i in range(n)], p)
 
-    return rebuild(())
+def _rebuild(held: Mapping, placements: tuple, sizes: tuple, prefix: tuple[int, ...]) -> torch.Tensor:
+    """The tensor after the cuts of the axes before ``len(prefix)`` only, at ``prefix``: the innermost axes
+    were cut last, so they are joined first. A function of the module, not a closure calling itself: such a
+    closure is a reference cycle, which would keep every piece alive until the garbage collector ran."""
+    k = len(prefix)
+    if k == len(sizes):
+        return held[prefix]
+    p, size = placements[k], sizes[k]
+    _, n = piece(p, size, 0)
+    share = size // n
+    return _join1([_rebuild(held, placements, sizes, prefix + (i * share,)) for i in range(n)], p)
 
 
 def whole_shape(local: Sequence[int], placements: Sequence[Placement], sizes: Sequence[int]) -> tuple[int, ...]:

@@ -361,11 +361,13 @@ def _join_pieces(mesh: Any, spec: StateSpec, leaves: list) -> None:
     """Replace, in place in ``leaves`` (``layout.names``' order), each parameter a parallelism cuts
     (``spec.placements``) by the whole one: gathered over each cutting axis's group, the innermost first
     (the inverse of the cuts, outermost first), one parameter at a time."""
-    where = {name: i for i, name in enumerate(spec.layout.names)}
-    for name, placements in spec.placements:
-        if name not in where:
+    cut = dict(spec.placements)
+    # in the layout's order: a bucket's parameters are views of one flat tensor, freed once all are replaced
+    for i, name in enumerate(spec.layout.names):
+        if name not in cut:
             continue
-        t = leaves[where[name]].detach()
+        placements = cut[name]
+        t = leaves[i].detach()
         for (axis, size, _), p in reversed(list(zip(spec.mesh, placements))):
             n = sharding.piece(p, size, 0)[1]
             if n == 1:
@@ -375,7 +377,7 @@ def _join_pieces(mesh: Any, spec: StateSpec, leaves: list) -> None:
             by_piece = {sharding.piece(p, size, c)[0]: out[c].view(t.shape) for c in range(size)}
             t = sharding.join({(i,): by_piece[i] for i in range(n)}, (p,), (size,))
             del out, by_piece
-        leaves[where[name]] = t
+        leaves[i] = t
 
 
 # ---------------------------------------------------------------- building and transforming steps
