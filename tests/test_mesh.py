@@ -165,3 +165,19 @@ def test_a_second_axis_joins_a_mesh_beside_the_first():
     both = m.with_axes(cp=1)
     assert both.sizes == {"dp_shard": 1, "cp": 1, "tp": 1}
     assert both.with_axes(cp=1) is both  # made once per shape
+
+
+def test_the_transforms_claim_their_axes_and_an_axis_is_one_parallelisms():
+    from zerofn.transforms import shard_grads, shard_params, tensor_parallel
+
+    import zerofn as zf
+    from zerofn.sharding import Claim
+
+    step = zf.train_step(lambda p, b: p["w"].sum(), zf.optim.sgd(0.1))
+    zero = shard_params(shard_grads(step))
+    assert [(c.axis, c.by) for c in zero.claims] == [("dp_shard", "zero")] and zero.mesh is None
+    both = tensor_parallel(zero, 1)
+    assert [(c.axis, c.by) for c in both.claims] == [("dp_shard", "zero"), ("tp", "tensor_parallel")]
+    assert both.mesh.sizes == {"dp_shard": 1, "tp": 1} and both.group is both.mesh.data_group
+    with pytest.raises(ValueError, match="'tp' is tensor_parallel's already"):
+        both.claim(Claim("tp", "another"), both.mesh)

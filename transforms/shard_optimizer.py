@@ -35,6 +35,7 @@ import torch
 
 from zerofn import collectives as C
 from zerofn.reduction import Reduction
+from zerofn.sharding import Claim
 from zerofn.state import Bucket
 from zerofn.step import Step, transform
 
@@ -100,4 +101,5 @@ def shard_optimizer(step: Step, /) -> Step:
     """
     if step.reduction.shards_optimizer:
         return step
-    return step.replace(reduction=ShardedReduction())
+    # the three ZeRO stages shard over the data-parallel axis, the step's group: one claim for all three
+    return step.claim(Claim("dp_shard", "zero")).replace(reduction=ShardedReduction())

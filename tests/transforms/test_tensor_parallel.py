@@ -273,8 +273,8 @@ def _refusals() -> dict:
     fresh = zf.functional(_llama(2))  # the refused init above left its model as it was; a fresh one all the same
     tp = tensor_parallel(zf.train_step(_loss_fn(fresh), zf.optim.adamw(1e-3)), 2)
     state = tp.init(fresh.params)
-    try:  # a split model's state saved on the world's group would mix the parts: it must name its own
-        zf.checkpoint.save(state, "/nonexistent/never/written")
+    try:  # a split model's state saved on the world's group would mix the parts: its own is the mesh's
+        zf.checkpoint.save(state, "/nonexistent/never/written", group=torch.distributed.group.WORLD)
         out["save"] = None
     except zf.checkpoint.CheckpointError as e:
         out["save"] = str(e)
@@ -296,7 +296,8 @@ def test_bad_sizes_plans_and_batches_are_refused(ranks):
         assert "holds 3 key/value heads, which 4 ranks can neither split whole nor share" in out["kv"], out["kv"]
         assert "cannot plan Sequential" in out["plan"], out["plan"]
         assert "fed different batches" in out["batch"] and out["skipped"], out
-        assert "each group saves its part, so pass the step's group" in out["save"], out["save"]
+        assert "each part's data-parallel ranks save it, 2 of them, but the group given has 4" in out["save"]
+        assert "leave group= out" in out["save"], out["save"]
 
 
 def _meta_case(directory: str) -> bool:

@@ -107,9 +107,11 @@ class Step:
         """The extension named ``name``, if the step has it."""
         return next((e for e in self.extensions if e.name == name), None)
 
-    def claim(self, claim: sharding.Claim, mesh: Any) -> Step:
-        """A copy on ``mesh`` (a :class:`zerofn.mesh.Mesh`) whose transforms include ``claim`` on one of its
-        axes (replacing the claimant's earlier claim), running on the mesh's data-parallel group.
+    def claim(self, claim: sharding.Claim, mesh: Any = None) -> Step:
+        """A copy whose transforms include ``claim`` on one of the mesh's axes (replacing the claimant's
+        earlier claim). With ``mesh`` (a :class:`zerofn.mesh.Mesh`), the copy runs on it, on its
+        data-parallel group; without, on the step's mesh and group as they are (the ZeRO stages claim the
+        data-parallel ``dp_shard`` axis, which is the step's group).
 
         Raises:
             ValueError: another transform claimed the axis already, or the step runs on another mesh.
@@ -120,17 +122,19 @@ class Step:
                 f"{claim.by}: the mesh axis {claim.axis!r} is {other.by}'s already; each axis is one parallelism's. "
                 "Apply one of them, or give each its own axis."
             )
-        if self.mesh is not None and mesh is not self.mesh and self.mesh.sizes != mesh.sizes:
+        if mesh is not None and self.mesh is not None and mesh is not self.mesh and self.mesh.sizes != mesh.sizes:
             raise ValueError(
                 f"{claim.by}: this step runs on the mesh {self.mesh!r} and {claim.by} needs {mesh!r}; the "
                 "parallelisms of one step share one mesh: give every axis's size to each transform alike."
             )
-        if self.group is not None and self.mesh is None and self.group is not mesh.data_group:
+        if mesh is not None and self.group is not None and self.mesh is None and self.group is not mesh.data_group:
             raise ValueError(
                 f"{claim.by}: this step already runs on a group of its own (train_step(..., group=)); {claim.by} "
                 "runs it on its mesh's data-parallel group. Leave group= out."
             )
         claims = tuple(c for c in self.claims if c.by != claim.by) + (claim,)
+        if mesh is None:
+            return self.replace(claims=claims)
         return self.replace(mesh=mesh, claims=claims, group=mesh.data_group)
 
     def groups(self) -> tuple:
@@ -139,7 +143,8 @@ class Step:
         out: dict[int, Any] = {}
         for c in self.claims:
             more = c.groups() if c.groups is not None else ()
-            for g in (self.mesh.group(c.axis), *more):
+            axis = self.mesh.group(c.axis) if self.mesh is not None and c.axis in self.mesh.axes else None
+            for g in (axis, *more):
                 if g is not None and g is not self.group:
                     out.setdefault(id(g), g)
         return tuple(out.values())
@@ -374,9 +379,9 @@ def _join_pieces(mesh: Any, spec: StateSpec, leaves: list) -> None:
                 continue
             out = torch.empty((size, t.numel()), dtype=t.dtype, device=t.device)
             C.all_gather(out.view(-1), t.contiguous().view(-1), group=mesh.group(axis))
-            by_piece = {sharding.piece(p, size, c)[0]: out[c].view(t.shape) for c in range(size)}
-            t = sharding.join({(i,): by_piece[i] for i in range(n)}, (p,), (size,))
-            del out, by_piece
+            held = {(c,): out[c].view(t.shape) for c in range(size)}  # by coordinate on the axis
+            t = sharding.join(held, (p,), (size,))
+            del out, held
         leaves[i] = t
 
 
