@@ -550,7 +550,7 @@ _CRASH_IN_UPDATE = """
 import os, signal, sys, torch
 sys.path.insert(0, {tests!r})
 import zerofn as zf
-from zerofn.transforms.offload import _nvme
+from zerofn.transforms.offload import _nvme_update
 torch.set_num_threads(1)  # as the tests run (conftest.py): the same rounding as the reference
 from test_checkpoint import _build, _train
 
@@ -559,7 +559,7 @@ step, apply, _ = _build("shard_params+nvme_params", nvme=os.path.join(root, "nvm
 state = _train(step, step.init(apply.params), 0, 2)
 zf.checkpoint.save(state, os.path.join(root, "step_2"))
 state = _train(step, state, 2, 3)
-real, calls = _nvme._write_group, []
+real, calls = _nvme_update._write_group, []
 
 def write_group(*a):  # the next update dies with some of its new files written and others not
     calls.append(1)
@@ -567,7 +567,7 @@ def write_group(*a):  # the next update dies with some of its new files written 
         os.kill(os.getpid(), signal.SIGKILL)
     return real(*a)
 
-_nvme._write_group = write_group
+_nvme_update._write_group = write_group
 _train(step, state, 3, 4)
 """
 

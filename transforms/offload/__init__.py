@@ -59,7 +59,9 @@ Collectives: none of its own.
 The package: this module holds the transform and its checks; ``_host`` the
 host-RAM engine (:class:`HostState`, ``HostEngine``), ``_pending`` the
 updates that run on after a call returns and their worker thread, ``_nvme``
-the NVMe engine (:class:`NvmeState`, :class:`NvmeFiles`).
+the NVMe engine, with ``_nvme_files`` its files (:class:`NvmeState`,
+:class:`NvmeFiles`), ``_nvme_sub_groups`` a bucket's sub-groups and
+``_nvme_update`` the update streamed through the files.
 
 Example:
     >>> import torch, zerofn as zf
