@@ -164,7 +164,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = Fals
 
     ``shard`` may be this rank's own slice of ``full`` (in place, no
     temporary): NCCL documents it, and gloo copies the input into place
-    first (``tests/test_collectives.py`` checks it). Counts bytes(full).
+    first (``tests/core/test_collectives.py`` checks it). Counts bytes(full).
     """
     g = joined(group, "all_gather")
     n = _size(g)

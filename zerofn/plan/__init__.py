@@ -5,7 +5,7 @@ table as zerofn holds it, plus activations and the transients of a step;
 :func:`model_shape` reads a Hugging Face ``config.json`` (:func:`shape_from_dims`
 counts the same from the dimensions); :func:`main` is ``python -m zerofn plan``.
 Nothing here computes with torch: it is arithmetic
-on shapes, checked against real runs in ``tests/test_plan.py`` (an optimizer
+on shapes, checked against real runs in ``tests/plan/test_plan.py`` (an optimizer
 passed as ``estimate(..., optimizer=)`` is initialised once on a two-element
 tensor, to count what its state holds: :func:`optimizer_bytes`).
 

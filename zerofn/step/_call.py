@@ -12,7 +12,7 @@ state in ONE place:
   publishes the parameters (6). An update the device decides to skip runs this phase too, masked there.
 
 Ranks issue the same collectives in the same order: the order of every collective and device operation
-here is part of the step's contract (``tests/test_host_syncs.py`` counts the host's reads).
+here is part of the step's contract (``tests/core/test_host_syncs.py`` counts the host's reads).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Writes the stored checkpoints ``tests/test_stored_checkpoints.py`` loads: for each kind of state, the
+"""Writes the stored checkpoints ``tests/checkpoint/test_stored_checkpoints.py`` loads: for each kind of state, the
 checkpoint after step 3 (``<kind>/step_3``) and ``<kind>/expected.pt`` (the state_dict at the save and the
 losses of the two steps after it). They are kept as written by the zerofn of the commit that added them:
 run this again only to add a kind, and never over the kinds stored already.

@@ -17,7 +17,7 @@ import zerofn as zf
 from zerofn import collectives as C
 from zerofn.deepspeed import DeepSpeedConfig, DeepSpeedRun, batch_sizes, from_deepspeed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---------------------------------------------------------------- DeepSpeed's schedulers, as its code computes them

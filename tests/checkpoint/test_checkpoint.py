@@ -24,7 +24,8 @@ from zerofn import keys
 from zerofn.checkpoint import CheckpointError, IntegrityError
 from zerofn.roles import Inner, Quantity
 
-TESTS = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parent
+TESTS = HERE.parent
 ROOT = TESTS.parent
 
 
@@ -489,7 +490,7 @@ def test_keep_and_latest(tmp_path):
 
 _CRASH = """
 import os, signal, shutil, sys, torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {here!r}]
 import zerofn as zf
 from zerofn import _safetensors as st
 from zerofn.checkpoint import saving as ck
@@ -531,7 +532,7 @@ ck.wait_saves()
 @pytest.mark.parametrize("point", ["writing", "before-manifest", "before-rename", "pruning"])
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, point):
     script = tmp_path / "crash.py"
-    script.write_text(_CRASH.format(tests=str(TESTS)))
+    script.write_text(_CRASH.format(tests=str(TESTS), here=str(HERE)))
     proc = subprocess.run(
         [sys.executable, str(script), point, str(tmp_path)], capture_output=True, text=True, timeout=120
     )
@@ -548,7 +549,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path,
 
 _CRASH_IN_UPDATE = """
 import os, signal, sys, torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {here!r}]
 import zerofn as zf
 from zerofn.transforms.offload import _nvme_update
 torch.set_num_threads(1)  # as the tests run (conftest.py): the same rounding as the reference
@@ -577,7 +578,7 @@ def test_sigkill_during_an_update_with_parameters_on_nvme_resumes_bit_for_bit(tm
     checkpoint whole (its hard links keep the bytes it saw, though the update rewrites both generations'
     names), and a run restarted in the same directory resumes from it bit for bit."""
     script = tmp_path / "crash.py"
-    script.write_text(_CRASH_IN_UPDATE.format(tests=str(TESTS)))
+    script.write_text(_CRASH_IN_UPDATE.format(tests=str(TESTS), here=str(HERE)))
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     zf.checkpoint.verify(tmp_path / "step_2")

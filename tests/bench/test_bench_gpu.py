@@ -13,7 +13,7 @@ import zerofn.transforms
 
 import zerofn as zf
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "bench_gpu.py")
 SMOKE = [
     "--device",

@@ -31,7 +31,7 @@ SEQ, MICRO = 128, 4  # sequences per data-parallel rank
 COMBOS = [(s, mp) for s in (0, 1, 2, 3) for mp in (False, True)]
 # The activation model is GPT's: on a Hugging Face Llama computing on the CPU it counts 13 % (fp32) and 24 % (bf16)
 # below the tracked peak without tensor parallelism (its RMSNorm's fp32 copies, the rotary tables), and more with it
-# (the loss_parallel cross-entropy's temporaries), so the bound here is looser than tests/test_plan.py's 25 %.
+# (the loss_parallel cross-entropy's temporaries), so the bound here is looser than tests/plan/test_plan.py's 25 %.
 ACT_TOL = 0.45
 
 

@@ -15,7 +15,7 @@ from zerofn.transforms import amp, remat
 
 import zerofn as zf
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for  # noqa: E402
 
 CFG = GPTConfig(vocab=512, seq_len=128, dim=256, heads=4, layers=4)  # the bench's GPT

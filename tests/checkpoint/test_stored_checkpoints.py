@@ -18,7 +18,7 @@ from torch import nn
 import zerofn as zf
 from zerofn import collectives as C
 
-STORED = pathlib.Path(__file__).parent / "data" / "checkpoints"
+STORED = pathlib.Path(__file__).parent.parent / "data" / "checkpoints"
 SAVED_AT, AFTER = 3, 2  # the save follows step 3; two more steps are compared
 
 # kind -> (world size, the transforms applied to train_step, in order; "tp" is tensor_parallel(., 2))

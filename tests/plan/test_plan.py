@@ -26,7 +26,7 @@ import zerofn as zf
 from zerofn import plan
 from zerofn.plan import Estimate, compositions, estimate, fmt_bytes, model_shape
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from gpt import GPT, GPTConfig, MarkovCorpus, loss_fn_for  # noqa: E402
 
 # The example's GPT, wider and with longer sequences than train_gpt.py's default (dim 64, 2 layers, vocab 32)

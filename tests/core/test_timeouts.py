@@ -22,7 +22,7 @@ import zerofn as zf
 from zerofn import collectives as C
 from zerofn.collectives import _errors
 
-TESTS = pathlib.Path(__file__).parent
+TESTS = pathlib.Path(__file__).parent.parent
 LIMIT = 2.0  # ZEROFN_TIMEOUT_S in these tests
 SAME_CALLS = "Every rank must make the same collective calls in the same order"
 
