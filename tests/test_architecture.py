@@ -14,6 +14,7 @@ imports it. See docs/design.md ("The house by layers").
 from __future__ import annotations
 
 import ast
+import importlib.util
 import pathlib
 import re
 
@@ -346,3 +347,15 @@ def test_every_package_is_in_the_wheel():
     assert found <= listed, (
         f"packages missing from pyproject.toml's [tool.setuptools] packages: {sorted(found - listed)}"
     )
+
+
+def test_no_test_folder_shadows_a_package():
+    """tests/ is on sys.path while the tests run, so a folder there is a namespace package of its name:
+    one named after a package zerofn may import (tests/deepspeed) makes find_spec find the folder, and
+    code that asks whether that package is installed is told it is."""
+    tests = ROOT.parent / "tests"
+    folders = {d.name for d in tests.iterdir() if d.is_dir()}
+    imported = {"deepspeed", "torch", "transformers", "peft", "zerofn", "optree", "einops", "safetensors", "chex"}
+    assert not folders & imported, folders & imported
+    spec = importlib.util.find_spec("deepspeed")
+    assert spec is None or spec.origin is not None, spec  # a namespace package: a folder, not DeepSpeed

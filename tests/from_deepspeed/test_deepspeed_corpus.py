@@ -4,7 +4,7 @@ trained on 2 gloo ranks against the composition written by hand: bit for bit.
 The styles: a Hugging Face Trainer config with "auto" everywhere (for each ZeRO stage, resolved from the
 Trainer's arguments), BERT pre-training with LAMB (DeepSpeed's bing_bert configs: fp16, no bias correction,
 the trust ratio clamped), Adam without bias correction (BERT fine-tuning), fp16 with every loss-scale key,
-and CPU offload of the optimizer state (bf16 master weights: tests/deepspeed/test_deepspeed_optimizers.py trains that config).
+and CPU offload of the optimizer state (bf16 master weights: tests/from_deepspeed/test_deepspeed_optimizers.py trains that config).
 """
 
 from __future__ import annotations
