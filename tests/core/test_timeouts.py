@@ -156,7 +156,8 @@ def test_torchrun_every_rank_raises_naming_its_call(tmp_path):
     script = tmp_path / "alone.py"
     script.write_text(textwrap.dedent(_TORCHRUN_SCRIPT))
     env = dict(os.environ, ZEROFN_TIMEOUT_S="3", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(TESTS.parent), env.get("PYTHONPATH", "")])
+    here = str(pathlib.Path(__file__).parent)  # this module, which the script imports
+    env["PYTHONPATH"] = os.pathsep.join([here, str(TESTS), str(TESTS.parent), env.get("PYTHONPATH", "")])
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     start = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
