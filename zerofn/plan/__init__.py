@@ -13,8 +13,9 @@ The package, by concern: ``shapes`` (Hugging Face configs: :class:`ModelShape`,
 :func:`model_shape`), ``activations`` (:func:`activation_bytes`), ``lora`` (LoRA adapters
 on a frozen base, quantized or not: :class:`LoraPlan`, :func:`lora_plan`,
 :func:`dequant_bytes`), ``tensor`` (tensor parallelism's split: :class:`TensorParallelPlan`,
-:func:`tensor_parallel_plan`), ``estimates``
-(:class:`Estimate`, :func:`estimate`, :func:`compositions`), ``cli``
+:func:`tensor_parallel_plan`), ``estimates/`` (:class:`Estimate`, :func:`estimate`,
+:func:`compositions`, :func:`optimizer_bytes`; a module a job: the defaults, the optimizer's bytes, the
+record, the refusals, the estimate, the compositions), ``cli``
 (:func:`main`, :func:`parse_size`, :func:`parse_count`), ``text``
 (:func:`plan_text`, :func:`fmt_bytes`) and ``plotting`` (:func:`plot`); every
 name is importable from ``zerofn.plan``.
