@@ -1,5 +1,5 @@
-"""zerofn's defaults the estimate counts with, repeated here so that planning depends on no step or
-transform (tests check they agree), and the pools of buffers they size."""
+"""zerofn's defaults the estimate counts with, repeated here so that it reads no step's or transform's
+defaults (tests check they agree), and the pools of buffers they size."""
 
 from __future__ import annotations
 

@@ -125,9 +125,9 @@ def estimate(
             Needs ``lora_rank``: quantize holds frozen weights only.
         tp: tensor parallelism, ``tensor_parallel(step, tp)``: every block's q, k, v, o and MLP
             projections split over ``tp`` consecutive GPUs (Megatron's column- and row-wise layers,
-            attention's heads whole), and, from a :class:`ModelShape`, an untied embedding and head
-            over the vocabulary when ``tp`` divides it (logits ``vocab / tp`` wide per GPU); everything
-            else (norms, a tied embedding) whole on each; the step runs on the ``gpus x nodes / tp`` data-parallel ranks, over which ``stage`` shards
+            attention's heads whole), and the embedding and an untied head over the vocabulary when
+            ``tp`` divides it (logits ``vocab / tp`` wide per GPU); everything else (norms, a row-wise
+            layer's bias) whole on each; the step runs on the ``gpus x nodes / tp`` data-parallel ranks, over which ``stage`` shards
             what one GPU holds. Each GPU's parameters, gradients and optimizer state are those of its
             ``1 / tp`` of the split layers and of the whole rest; activations split attention's and the
             MLP's intermediates by ``tp`` (the residual stream and the norms' inputs stay whole: no
