@@ -35,13 +35,13 @@ COMBOS = [(s, mp) for s in (0, 1, 2, 3) for mp in (False, True)]
 ACT_TOL = 0.45
 
 
-def _llama() -> nn.Module:
+def _llama(**changes) -> nn.Module:
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = {k: v for k, v in CONFIG.items() if k != "model_type"}
+    cfg = {k: v for k, v in {**CONFIG, **changes}.items() if k != "model_type"}
     return LlamaForCausalLM(LlamaConfig(**cfg)).float()
 
 
@@ -218,3 +218,79 @@ def test_shared_key_value_heads_are_planned_as_held(ranks):
         model_shape(CONFIG), gpus=4, tp=4, stage=0, mixed_precision=False, seq=SEQ, micro_batch=MICRO, device="cpu"
     )
     assert ranks(4).run(_measure_shared) == [e.state] * 4
+
+
+def _held_locally(tp: int) -> list[tuple[int, dict]]:
+    """Untied and tied, each split by tensor_parallel(step, tp): the elements this rank holds
+    (``step.full_params(state, local=True)``) and the placements on ``tp`` its state records for them."""
+    from zerofn.transforms import tensor_parallel
+
+    out = []
+    for tied in (False, True):
+        apply = zf.functional(_llama(tie_word_embeddings=tied))
+        step = tensor_parallel(zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-3)), tp)
+        state = step.init(apply.params)
+        local = step.full_params(state, local=True)  # {name: this rank's piece}, a tied head under its embedding's
+        tp_axis = [axis for axis, _, _ in state.spec.mesh].index("tp")
+        cut = {name: (p[tp_axis],) for name, p in state.spec.placements if name in local}
+        out.append((sum(t.numel() for t in local.values()), cut))
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_planner_counts_what_a_rank_holds_from_placements(ranks, tp):
+    """What the planner counts per GPU is what a rank of a real ``tensor_parallel(step, tp)`` state holds, and
+    the placements it counts from are those the state records: tp 2 splits the key/value heads, tp 4 shares
+    them (2 ranks a head); the embedding and head are split over the vocabulary, untied and tied."""
+    from zerofn.plan.tensor import split_shapes
+
+    for tied, got in zip((False, True), zip(*ranks(tp).run(_held_locally, tp))):
+        shape = model_shape({**CONFIG, "tie_word_embeddings": tied})
+        t = estimate(shape, gpus=tp, tp=tp).tensor_parallel
+        assert [held for held, _ in got] == [t.local] * tp, (tied, t)
+        block, outside, placements = split_shapes(
+            size=tp,
+            hidden=shape.hidden,
+            heads=shape.heads,
+            kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            ffn=shape.ffn,
+            gated=shape.gated,
+            vocab=shape.vocab,
+            tied=shape.tied,
+        )
+        want = {n: p for n, p in placements.items() if n in outside}
+        want |= {f"model.layers.{i}.{n}": p for i in range(shape.layers) for n, p in placements.items() if n in block}
+        assert all(recorded == want for _, recorded in got), (tied, got[0][1], want)
+
+
+def test_local_shape_is_the_shape_cut_gives():
+    """``local_shape`` (what the planner counts) against the pieces ``zerofn.sharding.cut`` makes, on one axis
+    and on two; an uneven cut is refused."""
+    import itertools
+
+    from zerofn.plan import local_params, local_shape
+    from zerofn.sharding import Replicate, Shard, cut
+
+    whole = torch.empty(48, 24)
+    cases = [
+        ((Shard(0),), (4,)),
+        ((Shard(1),), (4,)),
+        ((Shard(0, parts=3),), (4,)),
+        ((Shard(0, share=2),), (4,)),
+        ((Shard(1, parts=3, share=2),), (4,)),
+        ((Replicate(),), (4,)),
+        ((Shard(0), Shard(1)), (2, 3)),
+        ((Shard(0, parts=3), Shard(0, share=2)), (2, 4)),
+        ((Replicate(), Shard(1, share=3)), (2, 6)),
+    ]
+    for placements, sizes in cases:
+        want = local_shape(whole.shape, placements, sizes)
+        for coords in itertools.product(*(range(s) for s in sizes)):
+            assert cut(whole, placements, sizes, coords).shape == want, (placements, sizes, coords)
+    shapes = {"a": (48, 24), "b": (24,)}
+    assert local_params(shapes, {"a": (Shard(0, parts=3),)}, (4,)) == 12 * 24 + 24
+    with pytest.raises(ValueError, match="even pieces"):
+        local_shape((10, 4), (Shard(0),), (4,))
+    with pytest.raises(ValueError, match="even pieces"):
+        local_shape((8, 4), (Shard(0, parts=3),), (2,))

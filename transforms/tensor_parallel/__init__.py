@@ -74,15 +74,18 @@ rank and load on any split (:mod:`zerofn.checkpoint.partitioned`), and
 slices.
 
 The package, one job a module: ``_plan`` (the kinds, :func:`derive_plan`
-and the Llama, LoRA and GPT-2 ``Conv1D`` plans), ``_layers`` (the split
-layer classes and how a parameter is cut: ``split_layer``, ``rule``,
+and the Llama, LoRA and GPT-2 ``Conv1D`` plans, :func:`kv_share`: how many
+ranks share a key/value head), ``_layers`` (the split layer classes and how
+a parameter is cut: ``split_layer``, ``rule``, :func:`placement`,
 ``slice_param``), ``_autograd`` (every autograd collective: ``SumGrad``,
 ``Copy``, ``Reduce``, ``GatherSeq``, ``ReduceScatterSeq``, ``ScatterSeq``),
 ``_sequence`` (sequence parallelism), ``_check`` (the batch check and the
 rest of what a step enters around forward and backward), ``_prepare``
 (``init``: the plan checked, the layers split) and this module (the
 transform, its extension and its claim). The groups are the mesh's; the
-package keeps none of its own.
+package keeps none of its own. The planner (:mod:`zerofn.plan.tensor`)
+states a model's placements from its shapes by the same rules
+(:data:`LLAMA`, :func:`kv_share`, :func:`placement`).
 
 Not yet: counting the cross-entropy's own all-reduces (torch's
 ``loss_parallel``) in ``metrics["comm_bytes"]``, where the layers' are.
@@ -94,7 +97,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerofn.transforms.tensor_parallel._check import Around
-from zerofn.transforms.tensor_parallel._layers import rule
+from zerofn.transforms.tensor_parallel._layers import placement
 from zerofn.transforms.tensor_parallel._plan import (
     COLWISE,
     COLWISE_QKV,
@@ -102,9 +105,11 @@ from zerofn.transforms.tensor_parallel._plan import (
     HEAD,
     INSIDE,
     KINDS,
+    LLAMA,
     ROWWISE,
     SUMMED,
     derive_plan,
+    kv_share,
 )
 from zerofn.transforms.tensor_parallel._prepare import prepare
 
@@ -120,12 +125,15 @@ __all__ = [
     "HEAD",
     "INSIDE",
     "KINDS",
+    "LLAMA",
     "ROWWISE",
     "SUMMED",
     "Mesh",
     "TensorParallelOptions",
     "derive_plan",
+    "kv_share",
     "mesh",
+    "placement",
     "tensor_parallel",
 ]
 
@@ -219,10 +227,9 @@ def _placements(prepared: dict, tp: int) -> dict[str, Shard]:
         how, (n, _, conv) = layer.__dict__["_zf_how"], layer.__dict__["_zf_slices"]
         prefix = f"{path}." if path else ""
         for pname in ("weight", "bias"):
-            cut = rule(how, pname, conv)
-            if layer._parameters.get(pname) is not None and cut is not None:
-                dim, parts = cut
-                out[prefix + pname] = Shard(dim, parts, tp // n)
+            p = placement(how, pname, conv, tp // n)
+            if layer._parameters.get(pname) is not None and p is not None:
+                out[prefix + pname] = p
     return out
 
 

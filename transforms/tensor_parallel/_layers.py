@@ -131,6 +131,14 @@ def rule(how: str, pname: str, conv: bool) -> tuple[int, int] | None:
     return dim, (3 if how == COLWISE_QKV else 1)  # a fused q/k/v: each third split alike, side by side again
 
 
+def placement(how: str, pname: str, conv: bool = False, share: int = 1) -> Shard | None:
+    """A split layer's parameter ``pname``'s placement on the ``tp`` axis, as :func:`rule` cuts it: ``Shard(dim)``
+    (a fused q/k/v: ``parts=3``; a key/value head ``share`` consecutive ranks hold: ``share``), or None (whole
+    on every rank)."""
+    how_cut = rule(how, pname, conv)
+    return None if how_cut is None else Shard(*how_cut, share)
+
+
 def slice_param(t: torch.Tensor, how: str, pname: str, n: int, r: int, conv: bool = False) -> torch.Tensor:
     """Rank ``r``'s slice (of ``n``) of a split layer's parameter ``pname``, as :func:`rule` says."""
     how_cut = rule(how, pname, conv)

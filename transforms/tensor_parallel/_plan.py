@@ -21,7 +21,8 @@ KINDS = (COLWISE, COLWISE_QKV, ROWWISE, EMBEDDING, HEAD, INSIDE, SUMMED)
 COLUMNS = (COLWISE, COLWISE_QKV, HEAD, INSIDE)
 
 
-_LLAMA = {
+# Llama-style models' layers by their paths' ends (Qwen2/3, Mistral too; without a gate, its up and down)
+LLAMA = {
     "self_attn.q_proj": COLWISE,
     "self_attn.k_proj": COLWISE,
     "self_attn.v_proj": COLWISE,
@@ -32,6 +33,18 @@ _LLAMA = {
 }
 
 _GPT2 = {"attn.c_attn": COLWISE_QKV, "attn.c_proj": ROWWISE, "mlp.c_fc": COLWISE, "mlp.c_proj": ROWWISE}
+
+
+def kv_share(heads: int | None, kv_heads: int, size: int) -> int | None:
+    """How many consecutive ranks of ``size`` hold each key/value head (Megatron's grouped-query rule): 1 where
+    ``size`` divides the ``kv_heads`` (each rank holds ``kv_heads / size`` of them); ``size / kv_heads`` where
+    ``size`` is a multiple of them that divides the attention ``heads`` (fewer key/value heads than ranks:
+    each rank holds the one its query heads read); None where it is neither."""
+    if kv_heads % size == 0:
+        return 1
+    if size % kv_heads or (heads and heads % size):
+        return None
+    return size // kv_heads
 
 
 def is_lora(m: nn.Module) -> bool:
@@ -70,7 +83,7 @@ def derive_plan(module: nn.Module, size: int = 1) -> dict[str, str]:
     out = {}
     paths = {id(m): path for path, m in module.named_modules()}
     for path, m in module.named_modules():
-        for suffix, how in _LLAMA.items():
+        for suffix, how in LLAMA.items():
             if (path == suffix or path.endswith("." + suffix)) and isinstance(m, nn.Linear):
                 out[path] = how
             elif (path == suffix or path.endswith("." + suffix)) and is_lora(m):
@@ -111,7 +124,7 @@ def plan_for(given: tuple | None, size: int, module: nn.Module, where: str) -> d
         example = {p: "colwise" for p in linears[:2]}
         raise ValueError(
             f"{where}: tensor_parallel cannot plan {type(module).__name__}: no module path ends in "
-            f"{sorted(_LLAMA)}. Its Linear layers: {linears[:12]}{' ...' if len(linears) > 12 else ''}. Pass "
+            f"{sorted(LLAMA)}. Its Linear layers: {linears[:12]}{' ...' if len(linears) > 12 else ''}. Pass "
             f"plan={{path: 'colwise' | 'rowwise'}}, a column-wise layer followed by the row-wise one that reads "
             f"its output, e.g. {example}"
         )

@@ -20,6 +20,7 @@ from zerofn.transforms.tensor_parallel._plan import (
     SUMMED,
     is_conv1d,
     is_lora,
+    kv_share,
     plan_for,
 )
 from zerofn.transforms.tensor_parallel._sequence import sequence_parallel
@@ -145,15 +146,14 @@ def _check_heads(module: nn.Module, path: str, how: str, size: int, where: str) 
             f"{where}: tensor_parallel({size}): {path!r} holds {heads} attention heads, which {size} ranks "
             f"cannot split whole. Pick a size that divides {heads}."
         )
-    if leaf in ("k_proj", "v_proj") and kv and kv % size:
-        if size % kv or (heads and heads % size):
-            raise ValueError(
-                f"{where}: tensor_parallel({size}): {path!r} holds {kv} key/value heads, which {size} ranks can "
-                f"neither split whole nor share (each rank's query heads must read one key/value head: the size "
-                f"must divide {kv}, or be a multiple of it that divides the {heads} attention heads)."
-            )
-        return size // kv
-    return 1
+    share = kv_share(heads, kv, size) if leaf in ("k_proj", "v_proj") and kv else 1
+    if share is None:
+        raise ValueError(
+            f"{where}: tensor_parallel({size}): {path!r} holds {kv} key/value heads, which {size} ranks can "
+            f"neither split whole nor share (each rank's query heads must read one key/value head: the size "
+            f"must divide {kv}, or be a multiple of it that divides the {heads} attention heads)."
+        )
+    return share
 
 
 def _projection(path: str) -> str:

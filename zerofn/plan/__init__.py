@@ -12,9 +12,12 @@ tensor, to count what its state holds: :func:`optimizer_bytes`).
 The package, by concern: ``shapes`` (Hugging Face configs: :class:`ModelShape`,
 :func:`model_shape`), ``activations`` (:func:`activation_bytes`), ``lora`` (LoRA adapters
 on a frozen base, quantized or not: :class:`LoraPlan`, :func:`lora_plan`,
-:func:`dequant_bytes`), ``tensor`` (tensor parallelism's split: :class:`TensorParallelPlan`,
-:func:`tensor_parallel_plan`), ``estimates``
-(:class:`Estimate`, :func:`estimate`, :func:`compositions`), ``cli``
+:func:`dequant_bytes`), ``local`` (what one GPU holds of parameters a parallelism cuts, from their
+placements: :func:`local_params`, :func:`local_shape`), ``tensor`` (tensor parallelism's split, its
+placements stated by the transform's rules: :class:`TensorParallelPlan`, :func:`tensor_parallel_plan`,
+:func:`split_shapes`), ``estimates/`` (:class:`Estimate`, :func:`estimate`,
+:func:`compositions`, :func:`optimizer_bytes`; a module a job: the defaults, the optimizer's bytes, the
+record, the refusals, the estimate, the compositions), ``cli``
 (:func:`main`, :func:`parse_size`, :func:`parse_count`), ``text``
 (:func:`plan_text`, :func:`fmt_bytes`) and ``plotting`` (:func:`plot`); every
 name is importable from ``zerofn.plan``.
@@ -76,10 +79,11 @@ the step: total = ... + max(activations + gathered units + dequant, update).
 See :mod:`zerofn.plan.lora`.
 
 Tensor parallelism (``estimate(..., tp=t)``, ``tensor_parallel(step, t)``): each GPU holds ``1 / t`` of
-every block's projections (and of an untied embedding and head, over the vocabulary) and the rest (the
-norms) whole, and the step runs on the
-``N / t`` data-parallel ranks: the table above applies to the parameters one GPU holds with N the
-data-parallel ranks. Activations split attention's and the MLP's intermediates by t; the
+every block's projections (and of the embedding and head, over the vocabulary, when t divides it) and the
+rest (the norms) whole, and the step runs on the ``N / t`` data-parallel ranks: the table above applies to
+the parameters one GPU holds with N the data-parallel ranks. What one GPU holds is counted from each split
+parameter's placement on the ``tp`` axis (:func:`split_shapes`, by the transform's own rules), as
+:func:`local_params` counts any parallelism's placements. Activations split attention's and the MLP's intermediates by t; the
 activations' all-reduces, four a block per micro-batch, are ``Estimate.tp_traffic``. See
 :mod:`zerofn.plan.tensor`.
 
@@ -135,10 +139,11 @@ from zerofn.plan.estimates import (
     estimate,
     optimizer_bytes,
 )
+from zerofn.plan.local import local_params, local_shape
 from zerofn.plan.lora import LoraPlan, dequant_bytes, lora_plan
 from zerofn.plan.plotting import plot
 from zerofn.plan.shapes import ModelShape, model_shape, shape_from_dims
-from zerofn.plan.tensor import TensorParallelPlan, tensor_parallel_plan
+from zerofn.plan.tensor import TensorParallelPlan, split_shapes, tensor_parallel_plan
 from zerofn.plan.text import fmt_bytes, format_count, plan_text
 
 __all__ = [
@@ -159,6 +164,8 @@ __all__ = [
     "estimate",
     "fmt_bytes",
     "format_count",
+    "local_params",
+    "local_shape",
     "lora_plan",
     "main",
     "model_shape",
@@ -168,5 +175,6 @@ __all__ = [
     "plan_text",
     "plot",
     "shape_from_dims",
+    "split_shapes",
     "tensor_parallel_plan",
 ]

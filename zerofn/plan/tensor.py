@@ -5,10 +5,16 @@
 attention's q, k and v and the MLP's gate and up column-wise (each GPU holds ``1 / tp`` of their output
 features, biases included), attention's o and the MLP's down row-wise (``1 / tp`` of their input
 features; their biases whole). Attention's heads are split whole, so ``tp`` divides the attention heads
-and the key/value heads. The input embedding and the output head are split over the vocabulary
-(``vocab / tp`` rows each) when they are not tied and ``tp`` divides the vocabulary, and whole
-otherwise. Everything else (the norms, a row-wise layer's bias) is whole on every GPU of a
-tensor-parallel group. The step runs on the data-parallel group of
+and divides the key/value heads or is a multiple of them (fewer key/value heads than ``tp`` are shared:
+``tp / kv_heads`` consecutive GPUs hold each). The input embedding and the output head are split over the
+vocabulary (``vocab / tp`` rows each; tied, they are one parameter) when ``tp`` divides the vocabulary,
+and whole otherwise. Everything else (the norms, a row-wise layer's bias) is whole on every GPU of a
+tensor-parallel group.
+
+The planner states each split parameter's placement on the ``tp`` axis by the transform's own rules
+(:func:`split_shapes`: its Llama plan, its rule for shared key/value heads and its placements) and counts
+what one GPU holds from them with :func:`~zerofn.plan.local.local_params`, as it would any parallelism's
+placements. The step runs on the data-parallel group of
 ``world / tp`` ranks, so the ZeRO stages shard what one GPU holds over those ranks: the ZeRO table of
 :mod:`zerofn.plan` applies to the local parameters with N the data-parallel ranks.
 
@@ -35,11 +41,15 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from zerofn.plan.local import local_params
 from zerofn.plan.lora import projections
+from zerofn.sharding import Placement
+from zerofn.transforms.tensor_parallel import EMBEDDING, HEAD, LLAMA, kv_share, placement
 
-__all__ = ["TensorParallelPlan", "tensor_parallel_plan"]
+__all__ = ["TensorParallelPlan", "split_shapes", "tensor_parallel_plan"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,73 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _numel(shapes: Mapping[str, Sequence[int]], only: Mapping[str, Sequence[Placement]] | None = None) -> int:
+    """The elements of the ``shapes`` (those ``only`` names, when given), whole."""
+    return sum(math.prod(s) for name, s in shapes.items() if only is None or name in only)
+
+
+def split_shapes(
+    *,
+    size: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int | None,
+    ffn: int,
+    gated: bool,
+    biases: tuple[bool, bool, bool] = (False, False, False),
+    vocab: int | None = None,
+    tied: bool = True,
+) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], dict[str, tuple[Placement, ...]]]:
+    """The parameters ``tensor_parallel(step, size)`` cuts, whole, and their placements on the ``tp`` axis,
+    by the transform's own rules, as it states them for a Hugging Face Llama of these shapes.
+
+    Returns ``(block, outside, placements)``: one block's projections' weights and biases (name -> whole
+    shape, named as in the block: ``self_attn.q_proj.weight``, ``mlp.down_proj.bias``), the input embedding
+    and an untied head (``model.embed_tokens.weight``, ``lm_head.weight``; none without ``vocab``), and the
+    placement of each that is cut (name -> ``(Shard,)``: column-wise layers ``Shard(0)``, row-wise weights
+    ``Shard(1)``, key/value heads fewer than ``size`` ``Shard(0, share=size // kv_heads)``, the embedding and
+    the head ``Shard(0)`` when ``size`` divides the vocabulary; a row-wise bias, or a vocabulary that does not
+    divide, has none: whole). ``biases``: (q/k/v, o, the MLP's). A GPT-2 block's fused q/k/v
+    (``Shard(1, parts=3)`` of its ``(in, out)`` weight) holds what its three projections hold here.
+
+    Example:
+        >>> from zerofn.plan.tensor import split_shapes
+        >>> block, outside, placements = split_shapes(size=4, hidden=64, heads=4, kv_heads=2, head_dim=None,
+        ...     ffn=128, gated=True, vocab=256, tied=False)
+        >>> block["self_attn.k_proj.weight"], str(placements["self_attn.k_proj.weight"][0])
+        ((32, 64), 'S(0,share=2)')
+        >>> str(placements["mlp.down_proj.weight"][0]), str(placements["lm_head.weight"][0])
+        ('S(1)', 'S(0)')
+    """
+    kv = kv_share(heads, kv_heads, size)
+    if kv is None:
+        raise ValueError(f"split_shapes: {size} ranks can neither split nor share {kv_heads} key/value heads")
+    linears = projections(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=ffn, gated=gated)
+    paths = [path for path in LLAMA if gated or path != "mlp.gate_proj"]  # q, k, v, o, (gate,) up, down
+    qkv_bias, out_bias, mlp_bias = biases
+    block: dict[str, tuple[int, ...]] = {}
+    placements: dict[str, tuple[Placement, ...]] = {}
+    for path, (i, o) in zip(paths, linears):
+        leaf = path.rpartition(".")[2]
+        bias = mlp_bias if path.startswith("mlp.") else out_bias if leaf == "o_proj" else qkv_bias
+        share = kv if leaf in ("k_proj", "v_proj") else 1
+        for pname, shape in (("weight", (o, i)), ("bias", (o,))):
+            if pname == "weight" or bias:
+                block[f"{path}.{pname}"] = shape
+                p = placement(LLAMA[path], pname, share=share)
+                if p is not None:
+                    placements[f"{path}.{pname}"] = (p,)
+    outside: dict[str, tuple[int, ...]] = {}
+    if vocab:
+        # the embedding and the head split over the vocabulary when it divides (a tied pair: one parameter)
+        for name, how in (("model.embed_tokens.weight", EMBEDDING), ("lm_head.weight", HEAD))[: 1 if tied else 2]:
+            outside[name] = (int(vocab), hidden)
+            if int(vocab) % size == 0:
+                placements[name] = (placement(how, "weight"),)
+    return block, outside, placements
+
+
 def tensor_parallel_plan(
     *,
     size: int,
@@ -118,8 +195,9 @@ def tensor_parallel_plan(
 
     ``biases`` says which projections have biases: (q/k/v, o, the MLP's); ``layer_params`` is one
     block's parameters (norms and biases included), the rest of ``params`` being outside the blocks.
-    ``vocab`` and ``tied``: an untied embedding and head (``vocab x hidden`` each) are split over the
-    vocabulary when ``size`` divides it; tied (or ``vocab`` None), they are counted whole.
+    ``vocab`` and ``tied``: the embedding and an untied head (``vocab x hidden`` each; tied, one) are split
+    over the vocabulary when ``size`` divides it; with ``vocab`` None, they are counted whole. What one GPU
+    holds is counted from the placements :func:`split_shapes` states.
 
     Raises:
         ValueError: ``size`` not an int >= 1, not dividing the GPUs per node, the attention heads, the
@@ -148,11 +226,10 @@ def tensor_parallel_plan(
     heads = int(heads or max(1, hidden // 64))
     kv_heads = int(kv_heads or heads)
     f = int(ffn or 4 * hidden)
-    # key/value heads fewer than tp (a divisor of it) are shared: each GPU holds the one its query heads read
-    shared = kv_heads < size and size % kv_heads == 0 and heads % size == 0
-    for count, what in ((heads, "attention"), (kv_heads, "key/value")):
-        if count % size and not (shared and what == "key/value"):
-            fit = [d for d in _divisors(gpus) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+    share = kv_share(heads, kv_heads, size)  # key/value heads fewer than tp (a divisor of it) are shared
+    for count, what, whole in ((heads, "attention", heads % size == 0), (kv_heads, "key/value", share is not None)):
+        if not whole:
+            fit = [d for d in _divisors(gpus) if heads % d == 0 and kv_share(heads, kv_heads, d) is not None]
             raise ValueError(
                 f"estimate: tp={size} cannot split the model's {count} {what} heads whole nor share them (it has "
                 f"{heads} attention and {kv_heads} key/value heads; tp must divide the attention heads, and divide "
@@ -163,31 +240,37 @@ def tensor_parallel_plan(
             f"estimate: tp={size} does not divide the MLP's width {f}: each GPU holds width / tp of its gate, up "
             f"and down. Pick tp from {[d for d in _divisors(math.gcd(f, gpus)) if heads % d == 0 == kv_heads % d]}."
         )
-    linears = projections(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=f, gated=gated)
-    qkv_bias, _, mlp_bias = biases
-    rows = (3, 6) if gated else (3, 5)  # o and down: row-wise (their weights split, their biases whole)
-    block_split = sum(i * o for i, o in linears)
-    block_split += sum(o for j, (_, o) in enumerate(linears) if j not in rows and (qkv_bias if j < 3 else mlp_bias))
+    block_shapes, outside, placements = split_shapes(
+        size=size,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn=f,
+        gated=gated,
+        biases=biases,
+        vocab=vocab,
+        tied=tied,
+    )
+    block_split = _numel(block_shapes, placements)
     block_params = int(layer_params) if layer_params else block_split
     if block_split > block_params:
         raise ValueError(
             f"estimate: one block's projections hold {block_split} parameters, more than the block's {block_params}; "
             "the shapes (hidden, heads, kv_heads, ffn) disagree with the parameter count"
         )
-    # the embedding and the head split over the vocabulary (a tied pair: one parameter, the same slice)
-    vocab_split = (1 if tied else 2) * int(vocab) * hidden if vocab and int(vocab) % size == 0 else 0
-    split = layers * block_split + vocab_split
-    kv = sum(i * o + (o if qkv_bias else 0) for j, (i, o) in enumerate(linears) if j in (1, 2))
-    extra = kv // kv_heads - kv // size if shared else 0  # a shared key/value head: 1 / kv_heads of k and v
-    block = block_params - block_split + block_split // size + extra
-    local = params - split + split // size + layers * extra
+    # what one GPU holds: the split parameters' pieces, counted from their placements, and the rest whole
+    block = block_params - _numel(block_shapes) + local_params(block_shapes, placements, (size,))
+    vocab_split = _numel(outside, placements)
+    root = params - layers * block_params
+    local = root - _numel(outside) + local_params(outside, placements, (size,)) + layers * block
     allreduce = int(micro_batch or 0) * int(seq or 0) * hidden * activation_bytes
     return TensorParallelPlan(
         size=size,
         data=gpus * nodes // size,
         layers=layers,
         params=params,
-        split=split,
+        split=layers * block_split + vocab_split,
         block_split=block_split,
         block=block,
         local=local,

@@ -1,263 +1,28 @@
-"""The estimate: bytes per GPU, CPU RAM and NVMe of one composition (:func:`estimate`), and of all
-that ``python -m zerofn plan`` tabulates (:func:`compositions`). The arithmetic is described in
-:mod:`zerofn.plan`."""
+"""The estimate: bytes per GPU, CPU RAM and NVMe of one composition (:func:`estimate`). The arithmetic is
+described in :mod:`zerofn.plan`."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from zerofn import optim as O
 from zerofn.plan.activations import activation_bytes
-from zerofn.plan.lora import LoraPlan, lora_plan, projections
-from zerofn.plan.shapes import ModelShape
-from zerofn.plan.tensor import TensorParallelPlan, tensor_parallel_plan
-
-__all__ = [
-    "ADAM_COUNT_BYTES",
-    "BUCKET_BYTES",
-    "NVME_LANDING_BUFFERS",
-    "NVME_SUB_GROUP_BYTES",
-    "NVME_UPDATE_BUFFERS",
-    "PREFETCH",
-    "Estimate",
-    "OptimizerBytes",
-    "compositions",
-    "estimate",
-    "nvme_read_buffers",
-    "optimizer_bytes",
-]
-
-# zerofn's defaults, repeated here so that planning depends on no step or transform (tests check they agree):
-BUCKET_BYTES = 25 * 2**20  # zerofn.step.DEFAULT_BUCKET_BYTES
-NVME_SUB_GROUP_BYTES = 64 * 2**20  # the NVMe update's sub-group (transforms/offload.py)
-# offload("nvme")'s host pools (docs/transforms/offload.md), as many buffers as the transform makes:
-NVME_UPDATE_BUFFERS = 4  # the update's sub-groups: the one read ahead, the one updated, two being written
-NVME_LANDING_BUFFERS = 3  # gradients copied off the GPU on their way to their files: two being written, one landing
-PREFETCH = 1  # ZeRO-3's default prefetch
-ADAM_COUNT_BYTES = 8  # the optimizer's int64 step count
-
-_DEVICES = (None, "cpu", "nvme")
-
-
-def nvme_read_buffers(prefetch: int = PREFETCH) -> int:
-    """The buffers ZeRO-3's parameter shards are read into from their files (``offload(..., params="nvme")``):
-    one per unit read ahead (``prefetch + 2``) or still being gathered (``prefetch + 1``)."""
-    return (prefetch + 2) + (prefetch + 1)
-
-
-QUANTIZE_NEEDS_LORA = (
-    "estimate: quantize={quantize!r} without lora_rank: quantize holds the model's frozen Linear weights "
-    "quantized (NF4 or int8, dequantized per call), and without LoRA adapters every Linear is trainable, so "
-    "nothing would be frozen to quantize. Pass lora_rank= (python -m zerofn plan: --lora-rank R) for QLoRA, or "
-    "leave quantize out to plan full training."
+from zerofn.plan.estimates._checks import check
+from zerofn.plan.estimates._defaults import (
+    BUCKET_BYTES,
+    NVME_LANDING_BUFFERS,
+    NVME_SUB_GROUP_BYTES,
+    NVME_UPDATE_BUFFERS,
+    PREFETCH,
+    nvme_read_buffers,
 )
-
-
-@dataclass(frozen=True)
-class OptimizerBytes:
-    """What an optimizer's state holds, as the planner counts it (:func:`optimizer_bytes`).
-
-    Attributes:
-        per_element: bytes per parameter element of its parameter-shaped state (Adam in fp32: 8, with
-            bf16 moments 4), amp's master weights not included.
-        fixed: bytes of its other tensors (step counts), whatever the model's size.
-    """
-
-    per_element: int
-    fixed: int
-
-
-ADAM = OptimizerBytes(8, ADAM_COUNT_BYTES)  # Adam's two fp32 moments and its step count
-
-
-def optimizer_bytes(optimizer: O.GradientTransformation | None, dtype: torch.dtype = torch.float32) -> OptimizerBytes:
-    """What ``optimizer``'s state holds per parameter element and besides, found by initialising it on one
-    two-element parameter of ``dtype`` (:func:`zerofn.optim.probe_state`; fp32: amp's master weights, or the
-    parameters in full precision, are what it updates; bf16 under ``amp(..., master_dtype=torch.bfloat16)``,
-    where its moments default to bf16). None: Adam with fp32 moments.
-
-    Under ``multi_transform`` the probe's parameter gets one group's transformation (the one its label
-    function gives a 1-D tensor); for groups whose states differ in size, pass the largest group's
-    optimizer to over-count rather than under-count.
-
-    Example:
-        >>> import torch
-        >>> from zerofn import optim
-        >>> from zerofn.plan import optimizer_bytes
-        >>> optimizer_bytes(optim.adamw(1e-3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16))
-        OptimizerBytes(per_element=4, fixed=8)
-    """
-    if optimizer is None:
-        return ADAM
-    if not isinstance(optimizer, O.GradientTransformation):
-        raise TypeError(
-            f"estimate: optimizer must be a zf.optim optimizer such as zf.optim.adamw(3e-4), got "
-            f"{type(optimizer).__name__}"
-        )
-    probe = O.probe_state(optimizer, dtype)
-    fixed = sum(t.numel() * t.dtype.itemsize for t in probe.small if isinstance(t, torch.Tensor))
-    return OptimizerBytes(probe.bytes_per_element, fixed)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Bytes for one composition: per GPU (a rank's accelerator), per rank and per node on the host.
-
-    Attributes:
-        label: the composition, e.g. ``"ZeRO-3 + optimizer on CPU + remat"``.
-        stage: ZeRO stage 0-3 (0: DDP; inference: 0 replicated, 3 sharded).
-        optimizer_offload: where the optimizer state lives: None (the GPU), "cpu" or "nvme".
-        param_offload: where ZeRO-3's parameter shards rest between uses: None (the GPU), "cpu" (CPU RAM)
-            or "nvme" (files, beside an optimizer state on NVMe: ZeRO-Infinity).
-        remat: activations recomputed per block.
-        mixed_precision: bf16/fp16 with fp32 master weights (else fp32).
-        inference: weights only.
-        world_size: GPUs in all; gpus_per_node: GPUs per node.
-        params: parameter bytes on the GPU between steps.
-        grads: gradient bytes on the GPU inside a step (the ZeRO table's share).
-        optimizer: optimizer-state bytes on the GPU (0 when held elsewhere).
-        activations: activation bytes at the step's peak (0 without shapes).
-        gathered: ZeRO-3's gathered units inside a step (0 without layer count).
-        update: the update's transient beyond the gradients (fp32 gradient copy under mixed precision).
-        cpu: host RAM per rank for state and offload's pools of host buffers (0 without offload).
-        nvme: NVMe bytes per rank: every file, both generations of those the update rewrites.
-        state: bytes a TrainState holds per rank between steps, every placement
-            (what ``zf.memory.state_bytes(state)["total"]`` reports: of files, the current generation).
-        traffic: elements moved per rank per step (the ZeRO paper's count: 2 Psi, 3 Psi for ZeRO-3).
-        optimizer_per_param: K, optimizer-state bytes per parameter (fp32 master and Adam's moments: 12;
-            the moments alone in full precision: 8; 0 for inference).
-        state_cpu, state_nvme: the parts of ``state`` in CPU RAM and in files on NVMe (the current
-            generation of each file, as ``state_bytes`` counts them); the rest is on the GPU. See
-            :meth:`by_placement`.
-        frozen: bytes of the frozen base on the GPU between steps (``lora_rank=``: every parameter but the
-            adapters, its projections quantized under ``quantize=``; this rank's shard under ZeRO-3; 0 when
-            the shards rest on the host). ``params`` then counts the adapters only.
-        dequant: the in-step transient of a quantized base: one projection's weight dequantized for its
-            call (the largest's, forward and again in backward; 0 unquantized).
-        lora: the adapters and the frozen base (:class:`~zerofn.plan.LoraPlan`), or None: every parameter
-            trainable.
-        tensor_parallel: the split of ``estimate(..., tp=)`` (:class:`~zerofn.plan.TensorParallelPlan`), or
-            None (tp 1). The columns above are then one GPU's, of the parameters it holds, sharded over
-            the data-parallel ranks (``world_size / tp``), and ``traffic`` counts those over those ranks.
-        tp_traffic: bytes all-reduced on the tensor-parallel group per micro-batch (4 all-reduces of the
-            activations a block, 6 under remat; 0 without ``tp`` or without ``seq`` and ``micro_batch``).
-    """
-
-    label: str
-    stage: int
-    optimizer_offload: str | None
-    param_offload: str | None
-    remat: bool
-    mixed_precision: bool
-    inference: bool
-    world_size: int
-    gpus_per_node: int
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
-    gathered: int
-    update: int
-    cpu: int
-    nvme: int
-    state: int
-    traffic: int
-    optimizer_per_param: int = 0
-    state_cpu: int = 0
-    state_nvme: int = 0
-    frozen: int = 0
-    dequant: int = 0
-    lora: LoraPlan | None = None
-    tensor_parallel: TensorParallelPlan | None = None
-    tp_traffic: int = 0
-
-    @property
-    def model_state(self) -> int:
-        """Parameters + gradients + optimizer state on the GPU: the ZeRO paper's table, per GPU (with the
-        optimizer state in CPU RAM, the gradients are the few buckets backward is landing), and a frozen
-        base on the GPU beside the adapters."""
-        return self.params + self.frozen + self.grads + self.optimizer
-
-    @property
-    def total(self) -> int:
-        """Peak bytes per GPU in a step: model state + max(activations + gathered units + a quantized
-        projection's dequantized weight, update transient)."""
-        return self.model_state + max(self.activations + self.gathered + self.dequant, self.update)
-
-    @property
-    def cpu_per_node(self) -> int:
-        return self.cpu * self.gpus_per_node
-
-    @property
-    def nvme_per_node(self) -> int:
-        return self.nvme * self.gpus_per_node
-
-    def by_placement(self, device: str = "cuda") -> dict[str, int]:
-        """``state`` per placement, as ``zf.memory.state_bytes(state)["by_placement"]`` reports it for a step
-        that computes on ``device`` (``"cpu"``: the GPU's part and the host's are one); placements holding
-        nothing are left out."""
-        out = {device: self.state - self.state_cpu - self.state_nvme}
-        out["cpu"] = out.get("cpu", 0) + self.state_cpu
-        out["nvme"] = self.state_nvme
-        return {k: v for k, v in out.items() if v}
-
-    def fits(self, gpu_memory: float, cpu_memory: float | None = None, nvme: float | None = None) -> bool:
-        """Whether ``total`` fits a GPU and the host needs fit per node (None: not checked)."""
-        return not self.short(gpu_memory, cpu_memory, nvme)
-
-    def short(self, gpu_memory: float | None, cpu_memory: float | None = None, nvme: float | None = None) -> list[str]:
-        """What does not fit: any of ``"GPU"``, ``"CPU"``, ``"NVMe"`` (empty when it fits; None: not checked)."""
-        out = []
-        if gpu_memory is not None and self.total > gpu_memory:
-            out.append("GPU")
-        if cpu_memory is not None and self.cpu_per_node > cpu_memory:
-            out.append("CPU")
-        if nvme is not None and self.nvme_per_node > nvme:
-            out.append("NVMe")
-        return out
-
-    def order(self) -> tuple:
-        """Preference: least traffic, then no offload before CPU before NVMe (the optimizer state on the GPU,
-        in CPU RAM, in CPU RAM with the parameters, on NVMe, on NVMe with the parameters in CPU RAM, on NVMe
-        with the parameters there too), then no remat, then lower stage."""
-        level = {None: 0, "cpu": 1, "nvme": 3}[self.optimizer_offload] + {None: 0, "cpu": 1, "nvme": 2}[
-            self.param_offload
-        ]
-        return (self.traffic, level, self.remat, self.stage)
-
-
-_WHERE = {"cpu": "in CPU RAM", "nvme": "on NVMe"}
-
-
-def _param_placement(param_offload: Any, optimizer_offload: str | None) -> str | None:
-    """``estimate``'s ``param_offload`` as a placement, as ``offload``'s ``params`` is read: None or False (the
-    GPU), "cpu", "nvme", or True (the optimizer state's placement, CPU RAM when it has none)."""
-    if param_offload is None or param_offload is False:
-        return None
-    if param_offload is True:
-        return optimizer_offload or "cpu"
-    if param_offload in ("cpu", "nvme"):
-        return param_offload
-    raise ValueError(f'estimate: param_offload must be None, "cpu" or "nvme" (or True, False), got {param_offload!r}')
-
-
-def _label(stage: int, optimizer_offload: str | None, param_offload: str | None, remat: bool, inference: bool) -> str:
-    if inference:
-        text = "replicated" if stage == 0 else f"ZeRO-{stage}"
-    else:
-        text = "DDP" if stage == 0 else f"ZeRO-{stage}"
-    where = {"cpu": "CPU", "nvme": "NVMe"}
-    if optimizer_offload and param_offload:
-        text += f" + params on {where[param_offload]}, optimizer on {where[optimizer_offload]}"
-    elif optimizer_offload:
-        text += f" + optimizer on {where[optimizer_offload]}"
-    elif param_offload:
-        text += " + params on CPU"
-    return text + (" + remat" if remat else "")
+from zerofn.plan.estimates._optimizer import optimizer_bytes
+from zerofn.plan.estimates._record import Estimate, label
+from zerofn.plan.lora import lora_plan, projections
+from zerofn.plan.shapes import ModelShape
+from zerofn.plan.tensor import tensor_parallel_plan
 
 
 def _block_shape(layers, hidden, heads, kv_heads, shape, ffn, gated, layer_params) -> dict:
@@ -360,9 +125,9 @@ def estimate(
             Needs ``lora_rank``: quantize holds frozen weights only.
         tp: tensor parallelism, ``tensor_parallel(step, tp)``: every block's q, k, v, o and MLP
             projections split over ``tp`` consecutive GPUs (Megatron's column- and row-wise layers,
-            attention's heads whole), and, from a :class:`ModelShape`, an untied embedding and head
-            over the vocabulary when ``tp`` divides it (logits ``vocab / tp`` wide per GPU); everything
-            else (norms, a tied embedding) whole on each; the step runs on the ``gpus x nodes / tp`` data-parallel ranks, over which ``stage`` shards
+            attention's heads whole), and the embedding and an untied head over the vocabulary when
+            ``tp`` divides it (logits ``vocab / tp`` wide per GPU); everything else (norms, a row-wise
+            layer's bias) whole on each; the step runs on the ``gpus x nodes / tp`` data-parallel ranks, over which ``stage`` shards
             what one GPU holds. Each GPU's parameters, gradients and optimizer state are those of its
             ``1 / tp`` of the split layers and of the whole rest; activations split attention's and the
             MLP's intermediates by ``tp`` (the residual stream and the norms' inputs stay whole: no
@@ -410,63 +175,18 @@ def estimate(
         psi = int(round(float(params)))
     if psi <= 0:
         raise ValueError(f"estimate: the parameter count must be positive, got {params!r}")
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"estimate: stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
-    if optimizer_offload not in _DEVICES:
-        raise ValueError(f'estimate: optimizer_offload must be None, "cpu" or "nvme", got {optimizer_offload!r}')
-    param_offload = _param_placement(param_offload, optimizer_offload)
-    if inference and (optimizer_offload or remat):
-        raise ValueError("estimate: inference holds no optimizer state and saves no activations")
-    if inference and param_offload == "nvme":
-        raise ValueError(
-            'estimate: param_offload="nvme" streams the parameter shards from files beside an optimizer state on '
-            'NVMe, which inference does not hold; keep the weights in CPU RAM: stage=3, param_offload="cpu"'
-        )
-    if param_offload and stage != 3:
-        beside = "nvme" if param_offload == "nvme" else optimizer_offload or "cpu"  # what offload takes with it
-        raise ValueError(
-            f"estimate: parameters rest {_WHERE[param_offload]} only under ZeRO-3, which gathers them unit by unit "
-            f'(stage=3): estimate(..., stage=3, optimizer_offload="{beside}", param_offload="{param_offload}")'
-        )
-    if param_offload == "nvme" and optimizer_offload != "nvme":
-        raise ValueError(
-            'estimate: param_offload="nvme" streams the parameter shards from files beside an optimizer state that '
-            "is on NVMe too (it is six times their size under Adam, so when it fits in RAM the parameters do): "
-            'optimizer_offload="nvme", param_offload="nvme" (offload(step, "nvme", path=..., params="nvme")), or '
-            'keep both in RAM: optimizer_offload="cpu", param_offload="cpu" (offload(step, "cpu", params="cpu"))'
-        )
-    if param_offload and not inference and optimizer_offload is None:
-        raise ValueError(
-            "estimate: parameters on the host come with the optimizer state off the GPU, in CPU RAM or on NVMe "
-            '(optimizer_offload="cpu" or "nvme")'
-        )
-    if quantize is not None and lora_rank is None:
-        raise ValueError(QUANTIZE_NEEDS_LORA.format(quantize=quantize))
-    if lora_rank is not None and inference:
-        raise ValueError(
-            f"estimate: lora_rank={lora_rank!r}{f', quantize={quantize!r}' if quantize else ''} plans training "
-            "(adapters with gradients and optimizer state); inference=True counts 2-byte weights only. Leave one "
-            "of the two out."
-        )
-    if lora_rank is not None and not (layers and hidden):
-        raise ValueError(
-            "estimate: lora_rank puts adapters on every block's projections, whose shapes it needs: pass a "
-            "ModelShape (zerofn.plan.model_shape(config)) or layers= and hidden= (with heads=, kv_heads=, ffn=, "
-            "gated= where they differ from GPT's defaults)"
-        )
-    if lora_rank is not None and shape is not None and shape.experts > 1:
-        raise ValueError(
-            f"estimate: lora_rank on a mixture-of-experts model ({shape.experts} experts per block) is not "
-            "modelled: its experts are not one Linear per projection. Plan its dense counterpart, or without "
-            "lora_rank."
-        )
-    if tp != 1 and (lora_rank is not None or inference):
-        what = f"lora_rank={lora_rank!r}" if lora_rank is not None else "inference=True"
-        raise ValueError(
-            f"estimate: tp={tp!r} with {what} is not modelled: tensor_parallel splits the trainable Linear "
-            "layers of a training step (not LoRA's adapters on a frozen base, not weights alone). Leave one of "
-            "the two out."
-        )
+    param_offload = check(
+        stage=stage,
+        optimizer_offload=optimizer_offload,
+        param_offload=param_offload,
+        remat=remat,
+        inference=inference,
+        lora_rank=lora_rank,
+        quantize=quantize,
+        shaped=bool(layers and hidden),
+        experts=shape.experts if shape is not None else 1,
+        tp=tp,
+    )
     gpus, nodes = int(gpus), int(nodes)
     if gpus < 1 or nodes < 1:
         raise ValueError(f"estimate: gpus and nodes must be at least 1, got {gpus} and {nodes}")
@@ -568,9 +288,8 @@ def estimate(
         gathered = root * per_param + min(prefetch + 2, layers) * layer_params * per_param
         root_shard, block_shard, blocks = pb * math.ceil(root / n), pb * math.ceil(layer_params / n), layers
 
-    label = _label(stage, optimizer_offload, param_offload, remat, inference)
     common = dict(
-        label=label,
+        label=label(stage, optimizer_offload, param_offload, remat, inference),
         stage=stage,
         optimizer_offload=optimizer_offload,
         param_offload=param_offload,
@@ -674,47 +393,3 @@ def estimate(
         state_nvme=state_nvme,
         frozen=0 if param_offload else base,
     )
-
-
-def compositions(
-    params: float | ModelShape, *, inference: bool = False, remat: bool | None = None, **kwargs: Any
-) -> list[Estimate]:
-    """Every composition :func:`main` tabulates, in preference order (see ``Estimate.order``).
-
-    Training: DDP and ZeRO-1, 2, 3, each with the optimizer state on the
-    GPU, in CPU RAM or on NVMe, ZeRO-3 with its parameters in CPU RAM too
-    (beside an optimizer state in RAM or on NVMe), and ZeRO-3 with its
-    parameters and optimizer state on NVMe; each with and without remat
-    when ``remat`` is None and the shapes for activations are given. Inference: replicated, ZeRO-3, ZeRO-3 with
-    parameters in CPU RAM.
-
-    Every other keyword goes to :func:`estimate` for each row: ``lora_rank=`` (LoRA adapters of that rank
-    on every block's projections, the rest frozen) and ``quantize=`` (``"nf4"`` or ``"int8"``: the frozen
-    projections held quantized, QLoRA) among them, with :func:`estimate`'s meaning; there the parameters'
-    placement moves the frozen base too (ZeRO-3 with its parameters in CPU RAM or on NVMe); and ``tp=``
-    (tensor parallelism: every row one GPU's share of the split model, sharded over the data-parallel
-    ranks).
-
-    Example:
-        >>> from zerofn.plan import compositions
-        >>> [e.label for e in compositions(1e9, gpus=2)][:4]
-        ['DDP', 'ZeRO-1', 'ZeRO-2', 'DDP + optimizer on CPU']
-    """
-    if inference:
-        rows = [
-            estimate(params, inference=True, stage=s, param_offload=p, **kwargs)
-            for s, p in ((0, None), (3, None), (3, "cpu"))
-        ]
-        return sorted(rows, key=Estimate.order)
-    shaped = isinstance(params, ModelShape) or all(kwargs.get(x) for x in ("layers", "hidden"))
-    has_acts = shaped and bool(kwargs.get("seq")) and bool(kwargs.get("micro_batch"))
-    remats = (False, True) if (remat is None and has_acts) else (bool(remat),)
-    rows = []
-    for r in remats:
-        for stage in (0, 1, 2, 3):
-            for dev in _DEVICES:
-                rows.append(estimate(params, stage=stage, optimizer_offload=dev, remat=r, **kwargs))
-        # ZeRO-3's parameter shards in CPU RAM beside the optimizer state in RAM or on NVMe, or on NVMe beside it
-        for dev, p in (("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme")):
-            rows.append(estimate(params, stage=3, optimizer_offload=dev, param_offload=p, remat=r, **kwargs))
-    return sorted(rows, key=Estimate.order)
