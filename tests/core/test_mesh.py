@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import zerofn as zf
 from zerofn import mesh
 
 # world size -> [(make's sizes, {axis: the groups of ranks along it, rank 0's group first}, data group per rank)]
@@ -137,8 +138,11 @@ def _layouts(world: int) -> list:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_each_axis_holds_torchtitans_ranks_and_its_device_mesh_is_the_same_group(ranks, world):
-    results = ranks(world).run(_layouts, world)
+def test_each_axis_holds_torchtitans_ranks_and_its_device_mesh_is_the_same_group(world):
+    # ranks of their own: the groups of ten layouts stay in these processes, not in the shared pool's, where
+    # later tests' locally made groups over the same ranks would be named alike
+    with zf.RankPool(world) as pool:
+        results = pool.run(_layouts, world)
     for rank, got in enumerate(results):
         for (sizes, groups, data), seen in zip(LAYOUTS[world], got):
             axes = tuple(groups)
