@@ -42,14 +42,6 @@ class Cuts(NamedTuple):
     coords: tuple[int, ...]
     placements: dict[str, tuple[sharding.Placement, ...]]
 
-    def same_as(self, other: Cuts) -> bool:
-        return (self.axes, self.sizes, self.coords, self.placements) == (
-            other.axes,
-            other.sizes,
-            other.coords,
-            other.placements,
-        )
-
 
 def record(cuts: Cuts) -> dict:
     """One part's entry of ``partitions.json``."""
@@ -111,7 +103,7 @@ def view(path: str, parts: dict[int, Cuts], first: Saved, mine: tuple[int, Cuts]
     if mine is None:
         return _parts_view(path, parts, first, None)
     index, wanted = mine
-    if index in parts and parts[index].same_as(wanted):
+    if index in parts and parts[index] == wanted:
         if index == 0:
             return first
         first.close()
