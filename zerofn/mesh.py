@@ -45,11 +45,15 @@ One process with no process group works: every axis has size 1, there are
 no groups (``group(axis)`` is None) and no ``device_mesh`` (None); so does a
 world of one.
 
-Group creation is collective, so meshes are made once per process: the one
+Group creation is collective, so meshes are made once per process: the
 cache below holds each shape's groups, keyed by the axes' sizes and the
 world group's identity (the entry holds that group, so its id is not
 reused), with a ``Mesh`` per device type and the sub-splits of an axis
-(:meth:`Mesh.subgroup`) made for it. No other module keeps groups of its own.
+(:meth:`Mesh.subgroup`) made for it. A group is made once per set of ranks
+and shared by every mesh that has such a line: when a second parallelism
+joins a step's mesh (:meth:`Mesh.with_axes`) outside the axes it has, those
+axes keep their very groups, so what the first parallelism holds stays the
+step's. No other module keeps groups of its own.
 
 Example:
     >>> from zerofn import mesh
@@ -99,6 +103,17 @@ class _Made:
 
 
 _MADE: dict[tuple, _Made] = {}  # ((axis, size), ...), id(world group) -> its groups: made once per process
+_LINES: dict[tuple, tuple] = {}  # id(world group), ranks -> (world group, the group over those ranks)
+
+
+def _line(world: Any, ranks: list[int]) -> Any:
+    """The group over ``ranks`` (global, in order), made the first time any mesh asks for it and shared by
+    every mesh after: an axis keeps its very groups when another joins beside it. Collective the first time
+    (every rank asks for every line in the same order, so every rank makes the same groups)."""
+    key = (id(world), tuple(ranks))
+    if key not in _LINES:
+        _LINES[key] = (world, C.new_group(list(ranks)))
+    return _LINES[key][1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -204,7 +219,7 @@ class Mesh:
                 for line in _lines(self.shape, (self.axes.index(axis),)):
                     for start in range(0, size, n):
                         ranks = line[start : start + n]
-                        g = C.new_group(ranks)
+                        g = _line(made.world, ranks)
                         if made.rank in ranks:
                             mine = g
             made.splits[(axis, n)] = mine
@@ -222,10 +237,11 @@ class Mesh:
         return self._submeshes.get(axis)
 
     def with_axes(self, **sizes: int) -> Mesh:
-        """The mesh with these axes added (or resized) beside this one's other axes, its data-parallel ones
-        filled again from what is left (:func:`make`): how a second parallelism joins a step's mesh, e.g.
-        ``step.mesh.with_axes(cp=2)`` on a ``tp`` mesh."""
-        kept = {a: n for a, n in self.sizes.items() if a not in DATA_AXES}
+        """The mesh with these axes added (or resized) beside this one's other axes, ``dp_shard`` filled
+        again from what is left (:func:`make`): how a second parallelism joins a step's mesh, e.g.
+        ``step.mesh.with_axes(cp=2)`` on a ``tp`` mesh. The axes inside the new one keep their groups (the
+        same objects); those outside it are laid over other ranks."""
+        kept = {a: n for a, n in self.sizes.items() if a != "dp_shard"}
         return make(device_type=self.device_type, **{**kept, **sizes})
 
     def on(self, device_type: str) -> Mesh:
@@ -315,7 +331,7 @@ def _make_groups(axes: tuple[str, ...], shape: tuple[int, ...], world: int, grou
     mine: dict[str, Any] = {}
     for i, axis in enumerate(axes):
         for line in _lines(shape, (i,)):
-            g = C.new_group(line)
+            g = _line(group, line)
             if rank in line:
                 mine[axis] = g
     data = [a for a in DATA_AXES if a in axes]
@@ -323,7 +339,7 @@ def _make_groups(axes: tuple[str, ...], shape: tuple[int, ...], world: int, grou
     mine_data = None
     if len(above) > 1:  # a product of axes: a group of its own
         for line in _lines(shape, tuple(axes.index(a) for a in data)):
-            g = C.new_group(line)
+            g = _line(group, line)
             if rank in line:
                 mine_data = g
     else:  # the one data-parallel axis above 1, or dp_shard's group of one

@@ -134,7 +134,34 @@ def _layouts(world: int) -> list:
                 mesh.make(**sizes)
             except ValueError as e:
                 out.append({"refused": str(e)})
+        out.append(_joins())
     return out
+
+
+def _joins() -> dict:
+    """On 4 ranks: an axis joining outside tp keeps tp's very groups, on a mesh and on a step; one joining
+    inside an axis a transform holds is refused, naming the order that works."""
+    import torch.distributed as dist
+    from zerofn.transforms import tensor_parallel
+
+    from zerofn.sharding import Claim
+
+    m = mesh.make(tp=2)
+    j = m.with_axes(cp=2)
+    step = zf.train_step(lambda p, b: p["w"].sum(), zf.optim.sgd(0.1))
+    tp_first = tensor_parallel(step, 2)
+    both = tp_first.claim(Claim("cp", "context"), tp_first.mesh.with_axes(cp=2))
+    cp_first = step.claim(Claim("cp", "context"), mesh.make(cp=2))
+    try:
+        tensor_parallel(cp_first, 2)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {
+        "joined": (j.sizes, j.group("tp") is m.group("tp"), dist.get_process_group_ranks(j.group("cp"))),
+        "step": (both.mesh is j, both.group is j.data_group, [c.axis for c in both.claims]),
+        "refused": refused,
+    }
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -162,6 +189,11 @@ def test_each_axis_holds_torchtitans_ranks_and_its_device_mesh_is_the_same_group
             assert extra[0]["halves"] == [[0, 1], [2, 3]][rank // 2]
             assert "dp_shard x tp = 2 x 4 = 8 != world_size 4" in extra[1]["refused"], extra
             assert "tp = 3 does not divide world_size 4" in extra[2]["refused"], extra
+            joins = extra[3]
+            assert joins["joined"] == ({"dp_shard": 1, "cp": 2, "tp": 2}, True, [[0, 2], [1, 3]][rank % 2]), joins
+            assert joins["step"] == (True, True, ["tp", "cp"]), joins
+            assert "lays context's axis 'cp' over other ranks" in joins["refused"], joins
+            assert "Apply tensor_parallel before context: axes join from the innermost out" in joins["refused"]
 
 
 def test_a_second_axis_joins_a_mesh_beside_the_first():

@@ -71,7 +71,10 @@ From the placements alone, checkpoints save one part per tensor-parallel
 rank and load on any split (:mod:`zerofn.checkpoint.partitioned`), and
 ``step.full_params`` / ``step.state_dict`` gather the slices whole over the
 ``tp`` axis, one parameter at a time; ``local=True`` gives this rank's
-slices.
+slices. On a step that already has a mesh (another parallelism applied
+first), ``tp`` joins it (``step.mesh.with_axes(tp=size)``), innermost; a
+parallelism applied earlier whose axis that would move is named in the
+error, with the order that works (the innermost axis's transform first).
 
 The package, one job a module: ``_plan`` (the kinds, :func:`derive_plan`
 and the Llama, LoRA and GPT-2 ``Conv1D`` plans, :func:`kv_share`: how many
@@ -147,8 +150,7 @@ def mesh(size: int) -> Mesh:
     Raises:
         ValueError: ``size`` is not a positive int dividing the world size.
     """
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"tensor_parallel: size must be an int >= 1 (ranks per tensor-parallel group), got {size!r}")
+    _check_size(size)
     world = world_size()
     if world % size:
         raise ValueError(
@@ -156,6 +158,11 @@ def mesh(size: int) -> Mesh:
             f"size) ranks. Run on a multiple of {size} ranks, or pick a size that divides {world}."
         )
     return make(tp=size)
+
+
+def _check_size(size: Any) -> None:
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel: size must be an int >= 1 (ranks per tensor-parallel group), got {size!r}")
 
 
 @dataclass(frozen=True)
@@ -192,7 +199,11 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
         not isinstance(plan, dict) or any(v not in KINDS or not isinstance(k, str) for k, v in plan.items())
     ):
         raise ValueError(f"tensor_parallel: plan must be a dict of module path -> one of {list(KINDS)}, got {plan!r}")
-    m = mesh(size)
+    if step.mesh is None:
+        m = mesh(size)
+    else:  # tp joins the step's mesh beside the axes another parallelism laid out
+        _check_size(size)
+        m = step.mesh.with_axes(tp=size)
     tp = m.size("tp")
     options = TensorParallelOptions(size, None if plan is None else tuple(sorted(plan.items())), sequence_parallel)
     have = step.extension("tensor_parallel")

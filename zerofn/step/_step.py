@@ -25,6 +25,7 @@ from zerofn import tree as T
 from zerofn.closure import find_functional
 from zerofn.extension import Extension
 from zerofn.functional import Functional
+from zerofn.mesh import AXES, DATA_AXES
 from zerofn.optim.bucket_view import param_view
 from zerofn.precision import Precision
 from zerofn.reduction import Reduction
@@ -122,11 +123,8 @@ class Step:
                 f"{claim.by}: the mesh axis {claim.axis!r} is {other.by}'s already; each axis is one parallelism's. "
                 "Apply one of them, or give each its own axis."
             )
-        if mesh is not None and self.mesh is not None and mesh is not self.mesh and self.mesh.sizes != mesh.sizes:
-            raise ValueError(
-                f"{claim.by}: this step runs on the mesh {self.mesh!r} and {claim.by} needs {mesh!r}; the "
-                "parallelisms of one step share one mesh: give every axis's size to each transform alike."
-            )
+        if mesh is not None and self.mesh is not None and mesh is not self.mesh:
+            _check_join(self, claim, mesh)
         if mesh is not None and self.group is not None and self.mesh is None and self.group is not mesh.data_group:
             raise ValueError(
                 f"{claim.by}: this step already runs on a group of its own (train_step(..., group=)); {claim.by} "
@@ -360,6 +358,22 @@ class Step:
 
 
 # ---------------------------------------------------------------- a split model's parameters made whole
+
+
+def _check_join(step: Step, claim: sharding.Claim, mesh: Any) -> None:
+    """Raises unless ``mesh`` keeps each axis the step's other parallelisms claimed on the ranks it had (they
+    hold its groups): an axis joins from the inside out, each new one outside those already laid out."""
+    for c in step.claims:
+        if c.by == claim.by or c.axis in DATA_AXES:
+            continue
+        was, now = step.mesh.ranks(c.axis), (mesh.ranks(c.axis) if c.axis in mesh.axes else None)
+        if was != now:
+            raise ValueError(
+                f"{claim.by}: the step's mesh {step.mesh!r} would become {mesh!r}, which lays {c.by}'s axis "
+                f"{c.axis!r} over other ranks (this rank's group {was} -> {now}); {c.by} holds the groups it "
+                f"was applied with. Apply {claim.by} before {c.by}: axes join from the innermost out "
+                f"({', '.join(reversed(AXES))})."
+            )
 
 
 def _join_pieces(mesh: Any, spec: StateSpec, leaves: list) -> None:
