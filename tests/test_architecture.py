@@ -353,8 +353,8 @@ def test_no_test_folder_shadows_a_package():
     """tests/ is on sys.path while the tests run, so a folder there is a namespace package of its name:
     one named after a package zerofn may import (tests/deepspeed) makes find_spec find the folder, and
     code that asks whether that package is installed is told it is."""
-    tests = ROOT.parent / "tests"
-    folders = {d.name for d in tests.iterdir() if d.is_dir()}
+    tests = ROOT.parent / "tests"  # each folder holding a test module is on sys.path too (pytest's prepend mode)
+    folders = {d.name for d in tests.rglob("*") if d.is_dir()}
     imported = {"deepspeed", "torch", "transformers", "peft", "zerofn", "optree", "einops", "safetensors", "chex"}
     assert not folders & imported, folders & imported
     spec = importlib.util.find_spec("deepspeed")

@@ -1,7 +1,7 @@
 """step.full_params and step.state_dict give one process's parameters under every composition: whole tensors,
 in the dtypes the model was built in (amp's bf16 parameters come back as the model's fp32), equal on 2 gloo ranks to the same composition trained on one process over the concatenated batch;
 ``local=True`` gives them as this rank's model holds them (amp's dtype). tensor_parallel's compositions:
-tests/transforms/test_tensor_parallel.py; the README's block with each transform on: tests/test_readme.py."""
+tests/transforms/tensor_parallel/test_tensor_parallel.py; the README's block with each transform on: tests/test_readme.py."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Three parts, each in processes of its own, written to ``DIR/report.json`` and
    by the profiler, then confirmed with ``set_sync_debug_mode("error")``.
    A case that crashes its process is reported and the others run on in a
    new one.
-2. **offload on CUDA**: ``tests/transforms/test_offload_cuda.py`` under
+2. **offload on CUDA**: ``tests/transforms/offload/test_offload_cuda.py`` under
    pytest, when the command runs from a checkout that has it.
 3. **Speed and memory** (:mod:`zerofn.bench.gpu_speed`, one fresh process
    per system): the GPT of about 1.4 B parameters in bf16 (16 x 1024 tokens)
@@ -65,7 +65,7 @@ PAIRS = (
     ("zf-z2-amp-offload", "deepspeed-z2-offload", 0.8),
 )
 MFU_GOAL = 0.55  # of the dense bf16 peak, for zf-amp on the 1.4 B GPT
-OFFLOAD_TEST = os.path.join("tests", "transforms", "test_offload_cuda.py")
+OFFLOAD_TEST = os.path.join("tests", "transforms", "offload", "test_offload_cuda.py")
 
 
 def speed_systems(deepspeed: bool) -> list[str]:

@@ -2,7 +2,7 @@
 each bucket, the update overlapped, started during backward or updated first, all the same numbers, and
 the GPU's in-step peak without the gradient partition and its fp32 copy.
 
-On a machine with a GPU: ``python -m pytest -q tests/transforms/test_offload_cuda.py``."""
+On a machine with a GPU: ``python -m pytest -q tests/transforms/offload/test_offload_cuda.py``."""
 
 from __future__ import annotations
 
