@@ -171,6 +171,20 @@ def _rank_not_a_member():
     return out
 
 
+def _rank_uneven_histories() -> tuple | None:
+    """A group from zf.collectives.new_group checks on its control group, on ranks that hold unequal numbers
+    of groups: torch names a group made by its ranks only from the number each holds."""
+    rank = dist.get_rank()
+    if rank < 2:  # ranks 0 and 1 make a group of their own: from here rank 1 holds one group more than rank 3
+        dist.new_group([0, 1], use_local_synchronization=True)
+    group = C.new_group([1, 3], timeout_s=30)
+    out = None
+    if rank in (1, 3):  # a check on the group's control group (made with the group, by every rank together)
+        hi, lo = C.max_min(torch.tensor([float(rank)]), group=group)
+        out = (float(hi), float(lo))
+    return out
+
+
 @pytest.fixture(scope="module")
 def world(ranks):
     return ranks(4)
@@ -242,3 +256,10 @@ def test_asking_the_rank_joins_no_process_group(monkeypatch):
     assert not dist.is_initialized()
     with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
         C.world_size(group="world")
+
+
+def test_a_groups_control_group_needs_no_equal_histories():
+    # made on its first use by its ranks only, the control group of ranks [1, 3] waited forever: rank 1 named it
+    # after the groups it held, one more than rank 3's. On ranks of their own: the uneven histories stay there.
+    with zf.RankPool(4) as pool:
+        assert pool.run(_rank_uneven_histories, timeout=120) == [None, (3.0, 1.0), None, (3.0, 1.0)]

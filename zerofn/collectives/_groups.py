@@ -302,10 +302,14 @@ def new_group(ranks: list[int], *, backend: str | None = None, timeout_s: float 
         )
     seconds = _timeout_env() if timeout_s is None else float(timeout_s)
     members = sorted(int(r) for r in ranks)
-    g = dist.new_group(members, timeout=datetime.timedelta(seconds=seconds), backend=backend)
+    timeout = datetime.timedelta(seconds=seconds)
+    g = dist.new_group(members, timeout=timeout, backend=backend)
+    # its control group now, while every rank takes part (see control_group)
+    control = dist.new_group(members, timeout=timeout, backend="gloo")
     if isinstance(g, int) and g == _NON_MEMBER:
         return NonMember(members)
     TIMEOUTS[g] = seconds
+    _controls()[group_key(g)] = control
     return g
 
 
@@ -358,26 +362,39 @@ _CONTROL: dict = {}  # group_key(group) -> its control group
 _CONTROL_WORLD: list = [None]  # the default group _CONTROL's groups were made in
 
 
+def _controls() -> dict:
+    """``_CONTROL``, emptied first where the default group was made anew since its groups were made."""
+    world = dist.group.WORLD
+    if _CONTROL_WORLD[0] is not world:
+        _CONTROL.clear()
+        _CONTROL_WORLD[0] = world
+    return _CONTROL
+
+
 def control_group(group: Any):
     """A second gloo group over ``group``'s ranks, for small checks that must not queue behind the data.
 
     Collectives on one group run in the order they were issued: a check at
     the start of a step would otherwise wait for the previous step's
-    parameter all-gathers, which are meant to overlap the forward. Made on
-    its first use, which every rank of ``group`` reaches together (a
-    collective call), and by them only (``use_local_synchronization``: its
-    name comes from its ranks, so the ranks outside it neither take part nor
-    fall out of step in numbering the groups they make).
+    parameter all-gathers, which are meant to overlap the forward.
+
+    A group from :func:`new_group` (every group of a step's mesh) has had
+    its control group since it was made, by every rank together, as torch
+    numbers the groups the whole world makes. The default group's is made
+    on its first use, which every rank reaches together (a collective
+    call). Another group's (one from ``dist.new_group``) is made on its
+    first use by its ranks only (``use_local_synchronization``): torch names
+    such a group from its ranks and the number of groups each of them holds,
+    so its ranks must hold as many groups when they make it; a group made
+    with :func:`new_group` has no such condition.
     """
-    world = dist.group.WORLD
-    if _CONTROL_WORLD[0] is not world:  # first use, or the default group was made anew
-        _CONTROL.clear()
-        _CONTROL_WORLD[0] = world
+    controls = _controls()
     key = group_key(group)
-    if key not in _CONTROL:
+    if key not in controls:
         seconds = TIMEOUTS.get(key) or timeout_s()
-        ranks = list(range(world.size())) if key is DEFAULT_GROUP else dist.get_process_group_ranks(group)
-        _CONTROL[key] = dist.new_group(
-            ranks, backend="gloo", timeout=datetime.timedelta(seconds=seconds), use_local_synchronization=True
+        world = key is DEFAULT_GROUP or group.size() == dist.get_world_size()
+        ranks = list(range(dist.get_world_size())) if key is DEFAULT_GROUP else dist.get_process_group_ranks(group)
+        controls[key] = dist.new_group(
+            ranks, backend="gloo", timeout=datetime.timedelta(seconds=seconds), use_local_synchronization=not world
         )
-    return _CONTROL[key]
+    return controls[key]
