@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -381,6 +382,16 @@ def _join_pieces(mesh: Any, spec: StateSpec, leaves: list) -> None:
     (``spec.placements``) by the whole one: gathered over each cutting axis's group, the innermost first
     (the inverse of the cuts, outermost first), one parameter at a time."""
     cut = dict(spec.placements)
+    sizes = tuple(size for _, size, _ in spec.mesh)
+    # Every gather lands in one buffer, the size of the largest whole parameter: gloo may hold a finished
+    # gather's output for a while after wait() returned, so a buffer per parameter could outlive its join and
+    # stack up beside the next ones (seen: 2.25 of the largest parameter above the model, where one is the bound)
+    scratch: torch.Tensor | None = None
+    wholes = [
+        math.prod(sharding.whole_shape(t.shape, cut[n], sizes)) * t.element_size()
+        for n, t in zip(spec.layout.names, leaves)
+        if n in cut
+    ]
     # in the layout's order: a bucket's parameters are views of one flat tensor, freed once all are replaced
     for i, name in enumerate(spec.layout.names):
         if name not in cut:
@@ -391,10 +402,14 @@ def _join_pieces(mesh: Any, spec: StateSpec, leaves: list) -> None:
             n = sharding.piece(p, size, 0)[1]
             if n == 1:
                 continue
-            out = torch.empty((size, t.numel()), dtype=t.dtype, device=t.device)
+            if scratch is None or scratch.device != t.device:
+                scratch = torch.empty(max(wholes), dtype=torch.uint8, device=t.device)
+            out = scratch[: size * t.numel() * t.element_size()].view(t.dtype).view(size, t.numel())
             C.all_gather(out.view(-1), t.contiguous().view(-1), group=mesh.group(axis))
             held = {(c,): out[c].view(t.shape) for c in range(size)}  # by coordinate on the axis
             t = sharding.join(held, (p,), (size,))
+            if t.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr():
+                t = t.clone()  # the next gather writes over the buffer
             del out, held
         leaves[i] = t
 
