@@ -19,11 +19,12 @@ Every system trains the same GPT on the same data from the same seed, in the
 same ranks; the systems take turns in rounds so that a noisy machine slows
 them alike. Reported per system: the step time of a loop of --steps
 consecutive steps (synchronised only before and after it; the median over
-the rounds) and its ratio to DDP's round by round, the step time with a
-barrier before every step (which leaves out what a step leaves in flight),
-optimizer-state bytes per rank, bytes held between steps and peak live
-tensor bytes during one step (zf.memory.track), the collective traffic of
-one step and the final loss, all measured in this one run.
+the rounds) and its ratio to DDP's round by round, the fastest and slowest
+round's step time, the rounds in which other processes used more than a few
+percent of the machine's CPU (zerofn.bench.harness.BUSY), optimizer-state
+bytes per rank, bytes held between steps and peak live tensor bytes during
+one step (zf.memory.track), the collective traffic of one step and the
+final loss, all measured in this one run.
 """
 
 from __future__ import annotations
@@ -79,14 +80,15 @@ def main(argv=None):
     results = run(cfg)
     print(f"GPT {cfg.parameters():,} parameters, {cfg.world} gloo ranks, batch {cfg.batch} x {cfg.seq_len} per rank")
     print(
-        f"{'system':<46}{'step ms':>9}{'vs DDP':>8}{'barrier ms':>12}{'opt state MiB':>15}{'held MiB':>10}"
-        f"{'peak in step':>14}{'peak MiB':>10}{'traffic MiB':>13}{'loss':>11}"
+        f"{'system':<46}{'step ms':>9}{'vs DDP':>8}{'min ms':>9}{'max ms':>9}{'busy rounds':>13}"
+        f"{'opt state MiB':>15}{'held MiB':>10}{'peak in step':>14}{'peak MiB':>10}{'traffic MiB':>13}{'loss':>11}"
     )
     for m in results.systems:
+        fastest, slowest = m.ms_range
         print(
-            f"{m.name:<46}{m.ms:>9.1f}{m.ratio:>8.3f}{m.barrier_ms:>12.1f}{m.optimizer / 2**20:>15.2f}"
-            f"{m.held / 2**20:>10.2f}{m.peak_in_step / 2**20:>14.2f}{m.peak / 2**20:>10.2f}"
-            f"{m.traffic / 2**20:>13.2f}{m.loss:>11.6f}"
+            f"{m.name:<46}{m.ms:>9.1f}{m.ratio:>8.3f}{fastest:>9.1f}{slowest:>9.1f}{m.busy_rounds:>13}"
+            f"{m.optimizer / 2**20:>15.2f}{m.held / 2**20:>10.2f}{m.peak_in_step / 2**20:>14.2f}"
+            f"{m.peak / 2**20:>10.2f}{m.traffic / 2**20:>13.2f}{m.loss:>11.6f}"
         )
     if args.remat:
         ms = {m.name: m.ms for m in results.systems}

@@ -1,4 +1,4 @@
-"""Where a step's time goes: torch DDP against zerofn's shard_optimizer, phase by phase, on 2 gloo ranks.
+"""Where a step's time goes: torch DDP and FSDP2 against zerofn's stages, phase by phase, on 2 gloo ranks.
 
     python examples/bench_phases.py                       # the benchmark's v512 shape, 40 rounds
     python examples/bench_phases.py --shape v64 --rounds 20 --json phases.json
@@ -10,9 +10,15 @@ each runs ``--steps`` consecutive steps with a barrier before and after the
 loop only. Besides ``ddp`` and ``zf1`` (``shard_optimizer``) there are
 ``zf0`` (zerofn's plain step: an all-reduce instead of the reduce-scatter
 and all-gather), ``ddp-nosync`` (DDP's backward under ``no_sync()``: no
-all-reduce, so what the all-reduce costs DDP is the difference) and
+all-reduce, so what the all-reduce costs DDP is the difference),
 ``ddp-fused`` (DDP with ``torch.optim.AdamW(fused=True)``, the kernel
-zerofn's AdamW runs).
+zerofn's AdamW runs), ``zf2`` (``shard_grads``), ``zf3`` (``shard_params``)
+and ``fsdp2`` (torch's ``fully_shard`` on every block and the root, phased
+as DDP is: forward, backward with its reduce-scatters, optimizer step).
+``shard_params``' own phases are its gathers (``Runner.gather``, the
+launch; the waits are under ``wait for all_gather``) and its agreement
+on the units (``Agreement.agree``, the launch of a 16-byte max-reduce, and
+``Agreement.settled``, the wait for it).
 
 zerofn's phases are timed by wrapping, from outside, the functions of the
 step that do them, where the step's call looks them up (``zerofn.step._call``
@@ -40,6 +46,7 @@ import collections
 import functools
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -51,7 +58,7 @@ from zerofn import collectives as C
 from zerofn.bench import SHAPES, Config
 from zerofn.bench.gpt import GPT, MarkovCorpus, loss_fn_for
 
-SYSTEMS = ("ddp", "zf1", "zf0", "ddp-nosync", "ddp-fused")
+SYSTEMS = ("ddp", "zf1", "zf0", "ddp-nosync", "ddp-fused", "zf2", "zf3", "fsdp2")
 WALL: dict[str, float] = collections.defaultdict(float)
 CPU: dict[str, float] = collections.defaultdict(float)
 CURRENT = ["zf1"]  # the system whose phases the wrappers are timing
@@ -98,6 +105,12 @@ def _patch() -> None:
     _wrap(_call, "gather_stats", "stats all-reduce (loss, gradient norm; blocking)")
     _wrap(O, "update_params", "update")
     _wrap(storage.Storage, "publish", "publish (launch the all-gathers)")
+    from zerofn.transforms.shard_params._agreement import Agreement
+    from zerofn.transforms.shard_params._runner import Runner
+
+    _wrap(Runner, "gather", "  in forward and backward: launch a unit's all-gathers")
+    _wrap(Agreement, "agree", "  in forward and backward: the units' agreement (launch)")
+    _wrap(Agreement, "settled", "  in forward and backward: the units' agreement (wait)")
     wait = C.Handle.wait
 
     def timed_wait(self):
@@ -120,6 +133,13 @@ def _machine_busy() -> float | None:
     return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
 
 
+def _usage() -> tuple[float, int]:
+    """This process's CPU seconds in the kernel (system calls: gloo's socket copies; page faults) and its
+    minor page faults so far (memory the allocator took from the system afresh, zeroed by the kernel)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_stime, ru.ru_minflt
+
+
 def _phases(prefix: str, parts) -> None:
     for label, fn in parts:
         t, c = time.perf_counter(), time.thread_time()
@@ -133,7 +153,16 @@ def _ddp(cfg: Config, name: str):
 
     torch.manual_seed(0)
     model = GPT(cfg.model())
-    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
+    if name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (C.world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+    else:
+        ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
     kind = {"fused": True} if name == "ddp-fused" else {"foreach": True}
     opt = torch.optim.AdamW(model.parameters(), **cfg.adamw().torch_kwargs(), **kind)
 
@@ -155,7 +184,12 @@ def _ddp(cfg: Config, name: str):
             name,
             [
                 ("forward", forward),
-                ("backward (DDP's all-reduce inside)", lambda: backward(box["loss"])),
+                (
+                    "backward (FSDP2's gathers and reduce-scatters inside)"
+                    if name == "fsdp2"
+                    else "backward (DDP's all-reduce inside)",
+                    lambda: backward(box["loss"]),
+                ),
                 ("optimizer.step", opt.step),
                 ("zero_grad", lambda: opt.zero_grad(set_to_none=True)),
             ],
@@ -165,13 +199,13 @@ def _ddp(cfg: Config, name: str):
 
 
 def _zerofn(cfg: Config, name: str):
-    from zerofn.transforms import shard_optimizer
+    from zerofn.transforms import shard_grads, shard_optimizer, shard_params
 
     torch.manual_seed(0)
     apply = zf.functional(GPT(cfg.model()))
     loss_fn = _timed("  forward (inside forward + backward)", loss_fn_for(apply))
     step = zf.train_step(loss_fn, zf.optim.adamw(**cfg.adamw().torch_kwargs()), bucket_bytes=int(cfg.bucket_mb * 2**20))
-    step = shard_optimizer(step) if name == "zf1" else step
+    step = {"zf1": shard_optimizer, "zf2": shard_grads, "zf3": shard_params}.get(name, lambda s: s)(step)
     box = [step.init(apply.params)]
 
     def run(batch):
@@ -193,23 +227,29 @@ def rank_fn(cfg: Config, names: list[str]) -> dict:
     for run in systems.values():
         for _ in range(cfg.warmup):
             run(batch)
-    out = {n: {"loop": [], "proc": [], "busy": [], "phases": []} for n in systems}
+    out = {n: {"loop": [], "proc": [], "kernel": [], "faults": [], "busy": [], "phases": []} for n in systems}
     order = list(systems)
     for r in range(cfg.rounds):
         for n in order[r % len(order) :] + order[: r % len(order)]:
             WALL.clear()
             CPU.clear()
             C.barrier()
-            t0, p0, b0 = time.perf_counter(), time.process_time(), _machine_busy()
+            t0, p0, b0, u0 = time.perf_counter(), time.process_time(), _machine_busy(), _usage()
             for _ in range(cfg.steps):
                 systems[n](batch)
             C.barrier()
-            b1 = _machine_busy()
+            b1, u1 = _machine_busy(), _usage()
             out[n]["loop"].append((time.perf_counter() - t0) / cfg.steps)
             out[n]["proc"].append((time.process_time() - p0) / cfg.steps)
+            out[n]["kernel"].append((u1[0] - u0[0]) / cfg.steps)
+            out[n]["faults"].append((u1[1] - u0[1]) / cfg.steps)
             out[n]["busy"].append(None if b0 is None or b1 is None else (b1 - b0) / cfg.steps)
             out[n]["phases"].append({k: (WALL[k] / cfg.steps, CPU[k] / cfg.steps) for k in WALL})
     return out
+
+
+def _median(figures: dict, key: str, kept: list[int], scale: float = 1.0) -> float:
+    return scale * statistics.median(figures[key][i] for i in kept)
 
 
 def report(per_rank: list[dict], quiet: float) -> str:
@@ -233,11 +273,17 @@ def report(per_rank: list[dict], quiet: float) -> str:
         f"{len(kept)} of {rounds} rounds kept (other processes under {100 * quiet:.0f} % of the machine's CPU "
         "in every system's loop, or all rounds when fewer than 3 were)",
         "",
-        f"{'system':<12}{'loop ms/step':>14}{'vs ' + ref:>10}{'min':>7}{'max':>7}   process CPU ms/step per rank",
+        f"{'system':<12}{'loop ms/step':>14}{'vs ' + ref:>10}{'min':>7}{'max':>7}   process CPU ms/step per rank "
+        "(of it in the kernel; minor page faults per step)",
     ]
     for n in names:
         ratios = [a / b for a, b in zip(loop[n], loop[ref])]
-        cpu = ", ".join(f"{1e3 * statistics.median(p[n]['proc'][i] for i in kept):.1f}" for p in per_rank)
+
+        cpu = ", ".join(
+            f"{_median(p[n], 'proc', kept, 1e3):.1f} ({_median(p[n], 'kernel', kept, 1e3):.1f}; "
+            f"{_median(p[n], 'faults', kept):.0f})"
+            for p in per_rank
+        )
         lines.append(
             f"{n:<12}{statistics.median(loop[n]):>14.1f}{statistics.median(ratios):>10.3f}"
             f"{min(ratios):>7.3f}{max(ratios):>7.3f}   {cpu}"

@@ -52,7 +52,7 @@ def test_bench_py_prints_every_system_with_the_same_fp32_loss():
         "shard_grads(train_step)",
         "shard_params(train_step)",
     } <= set(rows), out
-    # step ms, vs DDP (each system's loop over the reference DDP loop beside it), barrier ms, ...
+    # step ms, vs DDP (each system's loop over the reference DDP loop beside it), the fastest round's step ms, ...
     assert all(r[0] > 0 and r[1] > 0 and r[2] > 0 for r in rows.values()), rows
     losses = {name: r[-1] for name, r in rows.items()}
     assert max(losses.values()) - min(losses.values()) <= 1e-5, losses  # the same math: equal to rounding
@@ -134,14 +134,16 @@ def test_bench_phases_py_breaks_the_step_into_phases():
     out = _run(
         "examples/bench_phases.py",
         *("--shape", "v512", "--dim", "32", "--layers", "1", "--seq-len", "16", "--batch", "2"),
-        *("--rounds", "1", "--steps", "1", "--warmup", "1", "--systems", "ddp", "zf1", "zf0", "ddp-nosync"),
+        *("--rounds", "1", "--steps", "1", "--warmup", "1"),
+        *("--systems", "ddp", "zf1", "zf0", "ddp-nosync", "zf2", "zf3", "fsdp2"),
     )
-    rows = dict(re.findall(r"^(ddp|zf1|zf0|ddp-nosync)\s+([\d.]+)\s", out, re.M))
-    assert set(rows) == {"ddp", "zf1", "zf0", "ddp-nosync"}, out
+    names = "ddp|zf1|zf0|ddp-nosync|zf2|zf3|fsdp2"
+    rows = dict(re.findall(rf"^({names})\s+([\d.]+)\s", out, re.M))
+    assert set(rows) == {"ddp", "zf1", "zf0", "ddp-nosync", "zf2", "zf3", "fsdp2"}, out
     phases = {}  # (system, phase) -> rank 0's wall ms
-    for m in re.finditer(r"^  (ddp|zf1|zf0|ddp-nosync): (.+?)\s{2,}([\d.]+) \(", out, re.M):
+    for m in re.finditer(rf"^  ({names}): (.+?)\s{{2,}}([\d.]+) \(", out, re.M):
         phases[m.group(1), m.group(2).strip()] = float(m.group(3))
-    for system in ("zf1", "zf0"):
+    for system in ("zf1", "zf0", "zf2", "zf3"):
         step, fb = phases[system, "step"], phases[system, "forward + backward"]
         assert 0 < phases[system, "forward (inside forward + backward)"] < fb <= step, out
         assert phases[system, "update"] > 0, out
@@ -152,6 +154,11 @@ def test_bench_phases_py_breaks_the_step_into_phases():
     assert ("zf0", "in backward: launch reduce-scatter") not in phases  # each system's phases are its own
     for system in ("ddp", "ddp-nosync"):
         assert phases[system, "backward (DDP's all-reduce inside)"] > 0, out
+    assert phases["fsdp2", "backward (FSDP2's gathers and reduce-scatters inside)"] > 0, out
+    # shard_params' own phases: its gathers and the units' agreement, in its rows only
+    assert phases["zf3", "in forward and backward: launch a unit's all-gathers"] > 0, out
+    assert ("zf3", "in forward and backward: the units' agreement (launch)") in phases, out
+    assert ("zf2", "in forward and backward: launch a unit's all-gathers") not in phases, out
 
 
 def test_bench_tp_py_trains_tp_2_x_dp_2_as_dp_4_and_counts_the_all_reduces(tmp_path):

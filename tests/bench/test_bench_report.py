@@ -6,7 +6,8 @@ report gives agree with what ZeRO predicts (optimizer state per rank halves
 on two ranks, ZeRO-2 moves as many bytes as DDP, 2 x parameter bytes, and
 ZeRO-3 half as many again, 3 x) and that every fp32 system, DeepSpeed's
 where it is installed, does the same math: the same final loss to rounding.
-The harness's arithmetic (slowest rank, ratios round by round) is checked
+The harness's arithmetic (slowest rank, ratios round by round, the share of
+the CPU other processes used and the busy rounds it marks) is checked
 against figures made up by hand.
 """
 
@@ -42,7 +43,7 @@ def report(tmp_path_factory):
     return out, (out / "report.md").read_text(), proc
 
 
-def _tables(text: str) -> list[tuple[list[str], dict[str, list[str]]]]:
+def _tables(text: str, shapes: int = 2) -> list[tuple[list[str], dict[str, list[str]]]]:
     """Every table of systems in the report (one per model shape): (header, cells by system)."""
     lines = text.splitlines()
     tables = []
@@ -58,7 +59,7 @@ def _tables(text: str) -> list[tuple[list[str], dict[str, list[str]]]]:
             assert len(cells) == len(header), line
             body[cells[0]] = cells[1:]
         tables.append((header, body))
-    assert len(tables) == 2, "one table of systems per model shape"
+    assert len(tables) == shapes, "one table of systems per model shape"
     return tables
 
 
@@ -75,12 +76,17 @@ def test_the_table_has_a_row_of_numbers_per_system(report):
         extra = set(body) - expected  # DeepSpeed's stages, only where it is installed and runs
         assert all(n.startswith("DeepSpeed") for n in extra) and (deepspeed_installed() or not extra), extra
         for name, cells in body.items():
-            for cell in cells:
+            busy = header.index("busy rounds") - 1  # body rows lack the name
+            assert re.fullmatch(r"[01] of 1( †)?|n/a", cells[busy]), (name, cells[busy])  # --quick: one round
+            for cell in cells[:busy] + cells[busy + 1 :]:
                 assert re.fullmatch(r"-?\d+(\.\d+)?", cell), (name, cell)
-        assert body[DDP][header.index("barrier vs DDP") - 1] == "1.00"  # the table's DDP against itself
+        ms, fastest, slowest = (_column(header, body, c) for c in ("step ms", "step ms min", "step ms max"))
+        assert all(fastest[n] == ms[n] == slowest[n] for n in body), body  # one round: its median is itself
         ratio, lo, hi = (_column(header, body, c) for c in ("vs DDP", "vs DDP min", "vs DDP max"))
         assert all(0 < lo[n] <= ratio[n] <= hi[n] for n in body), body  # the median lies in the rounds' range
     assert "torch DDP against the reference, the same system, measured" in text  # the noise floor, in words
+    assert "barrier step" not in text and "started at a barrier" not in text  # one timing only: the loop's
+    assert "median, smallest and largest over every round (1 here)" in text
 
 
 def test_the_figures_agree_with_zero(report):
@@ -163,10 +169,10 @@ def test_deepspeeds_default_gradient_clipping_is_what_moved_its_loss():
     assert max(abs(a - b) for a, b in zip(out["default"], out["ddp"])) > 1e-3, out
 
 
-def _figures(loops, beside, barrier, load=None):
-    out = dict(loops=loops, beside=beside, barrier=barrier, loss=1.0, cores=2)
+def _figures(loops, beside, load=None, load_beside=None):
+    out = dict(loops=loops, beside=beside, loss=1.0, cores=2)
     out.update(params=4, optimizer=8, held=12, peak_in_step=6, traffic=8)
-    return out if load is None else dict(out, load=load)
+    return out if load is None else dict(out, load=load, load_beside=load_beside)
 
 
 def test_step_times_are_the_slowest_ranks_against_the_reference_beside_them():
@@ -175,17 +181,18 @@ def test_step_times_are_the_slowest_ranks_against_the_reference_beside_them():
     ours = composition_name("shard_optimizer")
     # Seconds per step of each round's loop, and of the reference loop run beside it, per rank.
     rank0 = {
-        DDP: _figures([0.100, 0.200, 0.100], [0.100, 0.190, 0.100], 0.08),
-        ours: _figures([0.090, 0.150, 0.120], [0.110, 0.200, 0.100], 0.07),
+        DDP: _figures([0.100, 0.200, 0.100], [0.100, 0.190, 0.100]),
+        ours: _figures([0.090, 0.150, 0.120], [0.110, 0.200, 0.100]),
     }
     rank1 = {
-        DDP: _figures([0.110, 0.100, 0.100], [0.100, 0.200, 0.105], 0.09),
-        ours: _figures([0.080, 0.210, 0.100], [0.100, 0.150, 0.100], 0.06),
+        DDP: _figures([0.110, 0.100, 0.100], [0.100, 0.200, 0.105]),
+        ours: _figures([0.080, 0.210, 0.100], [0.100, 0.150, 0.100]),
     }
     results = gather_results(Config(systems=(DDP, ours), rounds=3), [(rank0, {}, 1.0), (rank1, {}, 1.0)])
     ddp, zero1 = results.systems
     assert zero1.round_ms == pytest.approx((90.0, 210.0, 120.0))  # each loop's slowest rank
     assert zero1.ms == pytest.approx(120.0)  # the median of the rounds
+    assert zero1.ms_range == pytest.approx((90.0, 210.0)) and ddp.ms_range == pytest.approx((100.0, 200.0))
     # against the reference beside each loop (slowest ranks 110, 200, 100): 90/110, 210/200, 120/100
     assert zero1.ratio == pytest.approx(210 / 200)  # the median of the rounds' ratios, not 120 / 110
     assert zero1.ratio_range == pytest.approx((90 / 110, 1.2))
@@ -193,22 +200,70 @@ def test_step_times_are_the_slowest_ranks_against_the_reference_beside_them():
     assert ddp.ratio == pytest.approx(1.0) and ddp.ratio_range == pytest.approx((100 / 105, 1.1))
     ratios = [a / b for a, b in zip((90 / 110, 210 / 200, 120 / 100), (1.1, 1.0, 100 / 105))]
     assert zero1.against(ddp) == pytest.approx((sorted(ratios)[1], min(ratios), max(ratios)))
-    assert zero1.barrier_ms == pytest.approx(70.0) and zero1.barrier_ratio == pytest.approx(70 / 90)
-    assert ddp.barrier_ratio == 1.0
     assert results.others_cpu is None  # no CPU readings
+    assert zero1.round_others == (None, None, None) and zero1.busy_rounds == 0
 
 
 def test_the_machines_other_load_is_its_busy_time_less_the_ranks():
     from zerofn.bench.harness import Config, gather_results
 
-    # Two loops of 0.4 s. In the first the machine (2 cores) was busy 0.8 s and the ranks 0.3 s each:
-    # others took 0.2 s of 2 x 0.4 s, 25 %. In the second the ranks were all of it.
+    # One round: the system's loop and the reference's beside it, 0.4 s each. In the system's the machine
+    # (2 cores) was busy 0.8 s and the ranks 0.3 s each: others took 0.2 s of 2 x 0.4 s, 25 %. In the
+    # reference's the ranks were all of it.
     def rank():
-        load = [(0.4, 0.3, 0.8), (0.4, 0.35, 0.7)]
-        return {DDP: _figures([0.1], [0.1], 0.1, load)}, {}, 1.0
+        return {DDP: _figures([0.1], [0.1], [(0.4, 0.3, 0.8)], [(0.4, 0.35, 0.7)])}, {}, 1.0
 
     results = gather_results(Config(systems=(DDP,), rounds=1, steps=4), [rank(), rank()])
-    assert results.others_cpu == pytest.approx((0.125, 0.25))  # (median, largest) over the loops
+    assert results.others_cpu == pytest.approx((0.125, 0.25))  # (median, largest) over every loop
+    assert results.systems[0].round_others == pytest.approx((0.25,))  # the system's own loop only
+    assert results.systems[0].busy_rounds == 1
+
+
+def _busy_results():
+    """Six rounds of three systems: busy in 4 of them, in 3, and none read, by hand."""
+    from zerofn.bench.harness import BUSY, Config, Measured, Results
+
+    ours, zero = composition_name("shard_optimizer"), "torch ZeroRedundancyOptimizer"
+    above, below = 2 * BUSY, BUSY / 2
+
+    def measured(name, others):
+        ms = (100.0, 120.0, 90.0, 110.0, 105.0, 95.0)
+        return Measured(name, 102.5, 1.0, 4, 8, 16, 6, 8, 3.5, (0.9, 1.1), ms, (1.0,) * 6, others)
+
+    systems = [
+        measured(DDP, (above, above, None, below, above, above)),  # 4 of the 5 rounds read: mostly busy
+        measured(ours, (above, BUSY, below, above, above, below)),  # 3 of 6 (BUSY itself is not above it)
+        measured(zero, (None,) * 6),  # /proc/stat unread
+    ]
+    return Results(Config(systems=(DDP, ours, zero), rounds=6), systems, others_cpu=None)
+
+
+def test_a_round_is_busy_above_the_threshold():
+    from zerofn.bench.report import busy
+
+    ddp, ours, zero = _busy_results().systems
+    assert (ddp.busy_rounds, ours.busy_rounds, zero.busy_rounds) == (4, 3, 0)
+    assert busy(ddp) == "4 of 5 †"  # more than half of the rounds read were busy
+    assert busy(ours) == "3 of 6"  # half is not more than half
+    assert busy(zero) == "n/a"
+
+
+def test_the_report_marks_systems_timed_mostly_on_a_busy_machine():
+    from zerofn.bench.harness import BUSY
+    from zerofn.bench.report import markdown
+
+    results = _busy_results()
+    ddp, ours, zero = (m.name for m in results.systems)
+    text = markdown(results, "python -m zerofn.bench", None)
+    [(header, body)] = _tables(text, shapes=1)
+    cells = {name: row[header.index("busy rounds") - 1] for name, row in body.items()}
+    assert cells == {ddp: "4 of 5 †", ours: "3 of 6", zero: "n/a"}
+    ms, fastest, slowest = (_column(header, body, c) for c in ("step ms", "step ms min", "step ms max"))
+    assert (ms[ours], fastest[ours], slowest[ours]) == (102.5, 90.0, 120.0)  # the median and the rounds' range
+    assert f"more than {100 * BUSY:g} % of the machine's CPU time" in text  # the threshold used
+    assert "over every round (6 here), busy ones included" in text
+    note = next(line for line in text.splitlines() if "† More than half" in line)
+    assert f"`{ddp}`" in note and ours not in note and zero not in note
 
 
 def test_the_plots_are_pngs_linked_from_the_report(report):

@@ -22,12 +22,13 @@ zerofn compositions: ``train_step``, ``shard_optimizer``, ``shard_grads`` and
 Per system and shape the report gives the step time of a loop of
 consecutive steps (synchronised only before and after it: what a training
 loop waits for) and its ratio to DDP's, round by round (the systems take
-turns within each round, so the ratios come from one run; their range says
-how noisy it was), the step time with a barrier before every step as a
-second figure, the bytes each rank holds between steps (parameters,
-optimizer state, the rest) and its peak during a step, the collective
-traffic of one step, and the final loss. See :mod:`zerofn.bench.report` for
-how each figure is made; the plots need matplotlib (``zerofn[plot]``).
+turns within each round, so the ratios come from one run), each the median
+over the rounds with the smallest and largest beside it, the rounds in
+which other processes used more than a few percent of the machine's CPU,
+the bytes each rank holds between steps (parameters, optimizer state, the
+rest) and its peak during a step, the collective traffic of one step, and
+the final loss. See :mod:`zerofn.bench.report` for how each figure is made;
+the plots need matplotlib (``zerofn[plot]``).
 
 The modules: :mod:`~zerofn.bench.gpt` (the model and corpus),
 :mod:`~zerofn.bench.systems` (the systems and the traffic counting),

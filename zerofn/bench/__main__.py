@@ -10,7 +10,7 @@ import shlex
 import sys
 
 from zerofn.bench.harness import QUICK, SHAPES, Config, Results, run_all
-from zerofn.bench.report import write
+from zerofn.bench.report import busy, write
 from zerofn.bench.systems import ALL, DEEPSPEED, SYSTEMS, deepspeed_installed
 
 
@@ -51,11 +51,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--rounds", type=int, help=f"rounds of timed steps (default {defaults.rounds})")
     p.add_argument("--warmup", type=int, help=f"untimed steps per system first (default {defaults.warmup})")
-    p.add_argument(
-        "--barrier-steps",
-        type=int,
-        help=f"steps per system per round each timed from a barrier, the second figure (default {defaults.barrier_steps})",
-    )
     p.add_argument("--threads", type=int, default=defaults.threads, help="intra-op threads per rank")
     p.add_argument("--bucket-mb", type=float, default=defaults.bucket_mb, help="gradient bucket size (MiB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -85,7 +80,6 @@ def configs(args: argparse.Namespace) -> list[Config]:
             "steps",
             "rounds",
             "warmup",
-            "barrier_steps",
         ):
             if getattr(args, key) is not None:
                 sizes[key] = getattr(args, key)
@@ -107,13 +101,13 @@ def summary(results: Results) -> str:
     c = results.config
     lines = [
         f"GPT {c.parameters():,} parameters, vocabulary {c.vocab}, sequences of {c.seq_len}",
-        f"{'system':<46}{'step ms':>9}{'vs DDP':>8}{'barrier ms':>12}{'held MiB':>10}{'peak MiB':>10}"
+        f"{'system':<46}{'step ms':>9}{'vs DDP':>8}{'busy rounds':>13}{'held MiB':>10}{'peak MiB':>10}"
         f"{'traffic MiB':>13}{'loss':>11}",
     ]
     for m in results.systems:
         ratio = "n/a" if m.ratio is None else f"{m.ratio:.2f}"
         lines.append(
-            f"{m.name:<46}{m.ms:>9.1f}{ratio:>8}{m.barrier_ms:>12.1f}{m.held / 2**20:>10.2f}"
+            f"{m.name:<46}{m.ms:>9.1f}{ratio:>8}{busy(m):>13}{m.held / 2**20:>10.2f}"
             f"{m.peak / 2**20:>10.2f}{m.traffic / 2**20:>13.2f}{m.loss:>11.6f}"
         )
     lines += [f"{name}: not measured ({why})" for name, why in results.skipped.items()]

@@ -10,31 +10,28 @@ next system), so that a machine that slows down for a while slows them alike
 and the ratios between systems come from one run. :func:`run` gathers what
 the ranks measured into one :class:`Measured` per system.
 
-A system's turn in a round is timed twice:
-
-- **loop**: ``steps`` consecutive steps, as a training loop runs them, with
-  a barrier before the first and after the last and nothing in between: the
-  wall time over ``steps``. What a step leaves in flight (zerofn's publish
-  all-gather, which the next forward waits for) is paid inside the loop,
-  where a user pays it. This is the step time the report gives. Right
-  before it (or, every other turn, right after it) the *reference*, a
-  second torch DDP built like the one in the table, runs a loop of its
-  own; a system's ratio is its loop over the reference loop beside it, so
-  that a machine whose load changes from second to second moves both alike.
-  The reference trains steps of its own: every system in the table trains
-  the same number of steps.
-- **barrier per step**: ``barrier_steps`` steps more, each started at a
-  barrier and timed alone. gloo's barrier waits for the work still in
-  flight, so this leaves out what a step overlaps with the next one; kept as
-  a second figure to show the difference.
+A system's turn in a round is one timed loop: ``steps`` consecutive steps,
+as a training loop runs them, with a barrier before the first and after the
+last and nothing in between; the round's step time is the loop's wall time
+over ``steps``. What a step leaves in flight (zerofn's publish all-gather,
+which the next forward waits for) is paid inside the loop, where a user pays
+it. Right before the loop (or, every other turn, right after it) the
+*reference*, a second torch DDP built like the one in the table, runs a loop
+of its own; a system's ratio is its loop over the reference loop beside it,
+so that a machine whose load changes from second to second moves both
+alike. The reference trains steps of its own: every system in the table
+trains the same number of steps. A system's figures are the median over the
+rounds, with the smallest and the largest beside it.
 
 The loss is the last step's, as a tensor, averaged over the ranks after the
 timed steps, so that no step waits for it.
 
 How busy the machine was: during every loop the ranks read the CPU time the
 whole machine spent busy (``/proc/stat``, where there is one) and their own
-(``time.process_time``); what is left is other processes', reported as a
-share of the machine's CPU time (:attr:`Results.others_cpu`).
+(``time.process_time``); what is left is other processes', as a share of the
+machine's CPU time: per round and system for the system's loop
+(:attr:`Measured.round_others`; a round above :data:`BUSY` counts as busy),
+and over every loop of the run (:attr:`Results.others_cpu`).
 
 Memory is measured with ``zf.memory.track``, which counts every live tensor
 storage made inside a block (on the CPU too); see :mod:`zerofn.memory`.
@@ -43,7 +40,6 @@ storage made inside a block (on the CPU too); see :mod:`zerofn.memory`.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import statistics
 import time
@@ -57,7 +53,7 @@ from zerofn import collectives as C
 from zerofn.bench.gpt import GPT, GPTConfig, MarkovCorpus
 from zerofn.bench.systems import DDP, DEEPSPEED, SYSTEMS, AdamWConfig, build
 
-__all__ = ["QUICK", "SHAPES", "Config", "Measured", "Results", "bench_rank", "gather_results", "run", "run_all"]
+__all__ = ["BUSY", "QUICK", "SHAPES", "Config", "Measured", "Results", "bench_rank", "gather_results", "run", "run_all"]
 
 
 @dataclass(frozen=True)
@@ -85,7 +81,6 @@ class Config:
     weight_decay: float = 0.1
     steps: int = 4  # consecutive steps per system per round, timed as one loop (beside a loop of the reference)
     rounds: int = 6  # short rounds: a busy spell of the machine falls on every system alike
-    barrier_steps: int = 2  # per system per round, each timed alone from a barrier (the second figure)
     warmup: int = 3
     threads: int = 1  # intra-op threads per rank
     bucket_mb: float = 25.0  # gradient bucket size of zerofn and DDP
@@ -111,7 +106,11 @@ class Config:
 
 
 # --quick: a tiny model and one short round, for CI and for trying the harness out (the sizes of each shape).
-QUICK = dict(dim=32, layers=2, heads=4, seq_len=16, batch=2, steps=2, rounds=1, warmup=1, barrier_steps=1)
+QUICK = dict(dim=32, layers=2, heads=4, seq_len=16, batch=2, steps=2, rounds=1, warmup=1)
+
+# A round is busy for a system when other processes used more than this share of the machine's CPU time
+# during the system's loop: a few percent.
+BUSY = 0.05
 
 # The model shapes the report compares on: Config fields over the defaults. The first is the defaults'
 # (3.19 M parameters); the second (3.45 M) has a larger vocabulary with an output head of its own, longer
@@ -141,9 +140,9 @@ class Measured:
         ratio_range: the smallest and the largest of the rounds' ratios.
         round_ms: each round's loop step time (ms).
         round_ratios: each round's ratio to the reference: ratios to any other system, round by round.
-        barrier_ms: the step time with a barrier before every step: the slowest rank's median over
-            those steps.
-        barrier_ratio: ``barrier_ms`` over the table's torch DDP's (None without it).
+        round_others: per round, the share (0 to 1) of the machine's CPU time that processes other than
+            the ranks used during this system's loop; None for a round where ``/proc/stat`` could not be
+            read. A round above :data:`BUSY` is busy (:attr:`busy_rounds`).
     """
 
     name: str
@@ -158,14 +157,24 @@ class Measured:
     ratio_range: tuple[float, float] | None = None
     round_ms: tuple[float, ...] = ()
     round_ratios: tuple[float, ...] = ()
-    barrier_ms: float = 0.0
-    barrier_ratio: float | None = None
+    round_others: tuple[float | None, ...] = ()
 
     def against(self, other: Measured) -> tuple[float, float, float]:
         """This system's loop step time over ``other``'s, round by round, each through the reference loop
         beside it: (median, smallest, largest)."""
         ratios = [a / b for a, b in zip(self.round_ratios, other.round_ratios)]
         return statistics.median(ratios), min(ratios), max(ratios)
+
+    @property
+    def ms_range(self) -> tuple[float, float] | None:
+        """The smallest and the largest of the rounds' loop step times (None when no round was timed)."""
+        return (min(self.round_ms), max(self.round_ms)) if self.round_ms else None
+
+    @property
+    def busy_rounds(self) -> int:
+        """The rounds in which other processes used more than :data:`BUSY` of the machine's CPU time during
+        this system's loop (rounds without a reading are not counted)."""
+        return sum(share > BUSY for share in self.round_others if share is not None)
 
     @property
     def peak(self) -> int:
@@ -255,8 +264,9 @@ def bench_rank(cfg: Config) -> tuple[dict[str, dict], dict[str, str]]:
     reference = warmed_up(DDP) if systems else None
     loops: dict[str, list[float]] = {name: [] for name in systems}  # per round: the loop's time per step
     beside: dict[str, list[float]] = {name: [] for name in systems}  # per round: the reference's, beside it
-    load: dict[str, list[tuple]] = {name: [] for name in systems}  # per loop: (wall, own CPU, machine busy) s
-    single: dict[str, list[float]] = {name: [] for name in systems}  # steps timed one by one, at a barrier
+    # per round: (wall, own CPU, machine busy) in seconds, of the system's loop and of the reference's beside it
+    load: dict[str, list[tuple]] = {name: [] for name in systems}
+    load_beside: dict[str, list[tuple]] = {name: [] for name in systems}
     last: dict[str, torch.Tensor] = {}
 
     def loop(name: str, system) -> float:
@@ -266,8 +276,11 @@ def bench_rank(cfg: Config) -> tuple[dict[str, dict], dict[str, str]]:
             out = system.step(batch)
         C.barrier()  # gloo's barrier also waits for what the last step left in flight
         wall, after = time.perf_counter() - t0, _machine_busy()
-        load[name].append((wall, time.process_time() - own, None if busy is None or after is None else after - busy))
-        if system is not reference:
+        reading = (wall, time.process_time() - own, None if busy is None or after is None else after - busy)
+        if system is reference:
+            load_beside[name].append(reading)
+        else:
+            load[name].append(reading)
             last[name] = out
         return wall / cfg.steps
 
@@ -282,17 +295,16 @@ def bench_rank(cfg: Config) -> tuple[dict[str, dict], dict[str, str]]:
                 else:
                     loops[name].append(loop(name, system))
                     beside[name].append(loop(name, reference))
-                for _ in range(cfg.barrier_steps):
-                    C.barrier()
-                    t0 = time.perf_counter()
-                    last[name] = system.step(batch)
-                    single[name].append(time.perf_counter() - t0)
                 bar.update()
     for name in systems:
         loss = float(C.all_reduce(last[name].detach().float().clone(), "mean"))
-        barrier = statistics.median(single[name]) if single[name] else math.nan
         figures[name].update(
-            loops=loops[name], beside=beside[name], load=load[name], barrier=barrier, loss=loss, cores=os.cpu_count()
+            loops=loops[name],
+            beside=beside[name],
+            load=load[name],
+            load_beside=load_beside[name],
+            loss=loss,
+            cores=os.cpu_count(),
         )
     return figures, skipped
 
@@ -334,10 +346,9 @@ def gather_results(cfg: Config, per_rank: list[tuple[dict[str, dict], dict[str, 
     skipped systems, seconds), as :func:`bench_rank` measures them (with the seconds it took)."""
     figures = [f for f, _, _ in per_rank]
     names = [n for n in cfg.systems if n in figures[0]]
-    # A loop's time is its slowest rank's; a step timed alone, likewise (the median).
+    # A loop's time is its slowest rank's.
     rounds = {n: [1e3 * max(ts) for ts in zip(*(f[n]["loops"] for f in figures))] for n in names}
     beside = {n: [1e3 * max(ts) for ts in zip(*(f[n]["beside"] for f in figures))] for n in names}
-    barrier = {n: 1e3 * max(f[n]["barrier"] for f in figures) for n in names}
 
     def ratios(n):
         rs = [a / b for a, b in zip(rounds[n], beside[n])]
@@ -358,8 +369,7 @@ def gather_results(cfg: Config, per_rank: list[tuple[dict[str, dict], dict[str, 
                 ratio_range=None if ratio is None else ratio[1],
                 round_ms=tuple(rounds[n]),
                 round_ratios=() if ratio is None else ratio[2],
-                barrier_ms=barrier[n],
-                barrier_ratio=barrier[n] / barrier[DDP] if DDP in barrier else None,
+                round_others=tuple(_others_share(loop, figures[0][n]["cores"]) for loop in _loops(figures, n, "load")),
             )
         )
     return Results(
@@ -371,18 +381,39 @@ def gather_results(cfg: Config, per_rank: list[tuple[dict[str, dict], dict[str, 
     )
 
 
+def _loops(figures: list[dict], name: str, key: str) -> list[tuple[tuple, ...] | None]:
+    """The readings of ``name``'s loops under ``key`` (``"load"``: the system's, ``"load_beside"``: the
+    reference's), one tuple of every rank's (wall, own CPU, machine busy) per loop; one ``None`` per round
+    where the ranks recorded none."""
+    loads = [f[name].get(key) for f in figures]
+    if any(x is None for x in loads):
+        return [None] * len(figures[0][name]["loops"])
+    return list(zip(*loads))
+
+
+def _others_share(per_rank: tuple[tuple, ...] | None, cores: int) -> float | None:
+    """The share of the machine's CPU time (``cores`` over the loop's wall time) that processes other than
+    the ranks used during one loop, from every rank's (wall, own CPU, machine busy) of it; None without a
+    machine reading."""
+    if per_rank is None or per_rank[0][2] is None:
+        return None
+    busy = per_rank[0][2]  # every rank read the same machine; rank 0's reading
+    wall = max(w for w, _, _ in per_rank)
+    own = sum(c for _, c, _ in per_rank)
+    # /proc/stat counts whole clock ticks: over a loop only a few ticks long the difference can exceed what
+    # the cores could spend in the loop's wall time
+    return min(1.0, max(0.0, busy - own) / (cores * wall))
+
+
 def _others_cpu(figures: list[dict], names: list[str]) -> tuple[float, float] | None:
-    """The median and largest share of the machine's CPU time that other processes used in a loop."""
-    shares = []
-    for n in names:
-        loads = [f[n].get("load") for f in figures]
-        if any(x is None for x in loads):
-            return None
-        for per_rank in zip(*loads):  # one loop: (wall, own CPU, machine busy) on every rank
-            busy = per_rank[0][2]  # every rank read the same machine; rank 0's reading
-            if busy is None:
-                return None
-            wall = max(w for w, _, _ in per_rank)
-            own = sum(c for _, c, _ in per_rank)
-            shares.append(max(0.0, busy - own) / (figures[0][n]["cores"] * wall))
+    """The median and largest share of the machine's CPU time that other processes used in a loop, over every
+    loop of the run: the systems' and the reference's beside them."""
+    shares = [
+        _others_share(loop, figures[0][n]["cores"])
+        for n in names
+        for key in ("load", "load_beside")
+        for loop in _loops(figures, n, key)
+    ]
+    if any(s is None for s in shares):
+        return None
     return (statistics.median(shares), max(shares)) if shares else None

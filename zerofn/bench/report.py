@@ -8,9 +8,9 @@ the markdown says that the plots were not made.
 
 Example:
     >>> from zerofn.bench.harness import Config, Measured, Results
-    >>> r = Results(Config(systems=("torch DDP",)), [Measured("torch DDP", 250.0, 1.0, 4, 8, 12, 6, 8, 3.5)])
-    >>> table(r).splitlines()[2].split(" | ")[:3]
-    ['| torch DDP', '250.0', '1.00']
+    >>> m = Measured("torch DDP", 250.0, 1.0, 4, 8, 12, 6, 8, 3.5, round_ms=(240.0, 250.0, 270.0))
+    >>> table(Results(Config(systems=("torch DDP",)), [m])).splitlines()[2].split(" | ")[:5]
+    ['| torch DDP', '250.0', '240.0', '270.0', '1.00']
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import sys
 import torch
 
 import zerofn
-from zerofn.bench.harness import Results
+from zerofn.bench.harness import BUSY, Measured, Results
 from zerofn.bench.systems import DDP, DEEPSPEED, FSDP2, ZERO, composition_name
 
-__all__ = ["PAIRS", "PLOTS", "machine", "markdown", "pairs", "plot", "shape", "table", "write"]
+__all__ = ["PAIRS", "PLOTS", "busy", "machine", "markdown", "pairs", "plot", "shape", "table", "write"]
 
 # file name stem -> what it shows (one file per model shape: <stem>_<k>.png)
 PLOTS = {
@@ -86,6 +86,25 @@ def _r(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"{ratio:.2f}"
 
 
+def _ms(ms: float | None) -> str:
+    return "n/a" if ms is None else f"{ms:.1f}"
+
+
+def _mostly_busy(m: Measured) -> bool:
+    """Whether more than half of the rounds with a reading of the machine were busy for this system."""
+    read = sum(share is not None for share in m.round_others)
+    return read > 0 and m.busy_rounds > read / 2
+
+
+def busy(m: Measured) -> str:
+    """The busy rounds of a system, in words: ``"1 of 6"`` (rounds with a reading of the machine), ``"n/a"``
+    where there was none; marked ``†`` when more than half of them were busy."""
+    read = sum(share is not None for share in m.round_others)
+    if not read:
+        return "n/a"
+    return f"{m.busy_rounds} of {read}" + (" †" if _mostly_busy(m) else "")
+
+
 def shape(results: Results) -> str:
     """The model and optimizer of a run, in words."""
     c = results.config
@@ -106,9 +125,12 @@ def table(results: Results) -> str:
     header = [
         "system",
         "step ms",
+        "step ms min",
+        "step ms max",
         "vs DDP",
         "vs DDP min",
         "vs DDP max",
+        "busy rounds",
         f"params {unit}",
         f"optimizer {unit}",
         f"other held {unit}",
@@ -117,24 +139,24 @@ def table(results: Results) -> str:
         f"traffic {unit}/step",
         "traffic / Ψ",
         "loss",
-        "barrier step ms",
-        "barrier vs DDP",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     for m in results.systems:
         lo, hi = m.ratio_range or (None, None)
+        fastest, slowest = m.ms_range or (None, None)
         cells = [
             m.name,
             f"{m.ms:.1f}",
+            _ms(fastest),
+            _ms(slowest),
             _r(m.ratio),
             _r(lo),
             _r(hi),
+            busy(m),
             *(f"{b / scale:.2f}" for b in (m.params, m.optimizer, m.other_held, m.peak_in_step, m.peak)),
             f"{m.traffic / scale:.2f}",
             f"{m.traffic / psi:.2f}",
             f"{m.loss:.6f}",
-            f"{m.barrier_ms:.1f}",
-            _r(m.barrier_ratio),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -152,6 +174,28 @@ def pairs(results: Results) -> str:
     if not rows:
         return ""
     return "\n".join(["| zerofn | against | step time ratio | min | max |", "|---|---|---:|---:|---:|", *rows])
+
+
+def _busy_rounds(results: Results) -> str:
+    """Which threshold made a round busy, what the medians are over, and which systems were mostly timed on
+    a busy machine, in words."""
+    medians = (
+        "Step times and ratios are the median, smallest and largest over every round "
+        f"({results.config.rounds} here), busy ones included."
+    )
+    if not any(share is not None for m in results.systems for share in m.round_others):
+        return f"**busy rounds** is n/a: the machine's CPU time could not be read (no `/proc/stat`). {medians}"
+    words = [
+        f"A round is busy for a system when other processes used more than {100 * BUSY:g} % of the machine's "
+        f"CPU time during its loop (**busy rounds**). {medians}"
+    ]
+    mostly = [f"`{m.name}`" for m in results.systems if _mostly_busy(m)]
+    if mostly:
+        words.append(
+            f"† More than half of the rounds were busy for {', '.join(mostly)}: "
+            f"{'its' if len(mostly) == 1 else 'their'} figures were measured on a loaded machine."
+        )
+    return "\n\n".join(words)
 
 
 def _loss_spread(results: Results) -> str:
@@ -226,11 +270,11 @@ def markdown(
         f"| timing | {_n(c.warmup, 'warm-up step')}, then {_n(c.rounds, 'round')}; in each round every system "
         f"in turn (each round starting one system later) runs a loop of {_n(c.steps, 'consecutive step')}, "
         "timed as a whole, beside a loop of the reference (a second torch DDP) run just before or just after "
-        f"it, and then {_n(c.barrier_steps, 'step')} more each started at a barrier |",
+        "it |",
         "",
     ]
     for k, run in enumerate(runs):
-        lines += [f"## {k + 1}. {shape(run)}", "", table(run), ""]
+        lines += [f"## {k + 1}. {shape(run)}", "", table(run), "", _busy_rounds(run), ""]
         if run.skipped:
             lines += ["Not measured here:", ""] + [f"- {name}: {why}" for name, why in run.skipped.items()] + [""]
         against = pairs(run)
@@ -249,21 +293,22 @@ def markdown(
         "",
         "- **step ms**: what a training loop waits for. In each round a system runs its steps back to back, "
         "with a barrier before the first and after the last (gloo's barrier also waits for the collectives "
-        "still in flight) and nothing in between; the loop's wall time over its steps, the slowest rank's, "
-        "is the round's figure, and **step ms** is the median over the rounds. **vs DDP** is the median over "
+        "still in flight, such as zerofn's publish all-gather of stages 1 and 2, which the next forward "
+        "waits for) and nothing in between; the loop's wall time over its steps, the slowest rank's, "
+        "is the round's figure. **step ms** is the median over the rounds, **step ms min** and **max** the "
+        "smallest and largest round. **vs DDP** is the median over "
         "the rounds of the round's figure over the reference's beside it: a second torch DDP, built like the "
         "one in the table, whose loop runs right before the system's (every other turn right after it), so "
         "that both see the machine in the same state; torch DDP's own row is DDP against that second DDP, "
-        "the noise floor. **min** and **max** are the smallest and largest of those ratios, which say how "
-        "noisy the machine was. The zerofn-against-peer ratios are the rounds' ratios of ratios. The share of "
-        "the "
-        "machine's CPU time that other processes took during the loops is read from `/proc/stat` less the "
-        "ranks' own CPU time: on a shared machine every figure moves with it.",
-        "- **barrier step ms**, **barrier vs DDP**: the same systems timed step by step, each step started at "
-        "a barrier: each rank's median over those steps, the slowest rank's, and its ratio to DDP's. The "
-        "barrier waits for the work a step leaves in flight (zerofn's publish all-gather of stages 1 and 2, "
-        "which the next forward waits for), so this figure leaves that work out and the loop's is the one "
-        "to read. DDP's all-reduce runs inside its backward and is in both.",
+        "the noise floor. **vs DDP min** and **max** are the smallest and largest of those ratios, which say "
+        "how noisy the machine was. The zerofn-against-peer ratios are the rounds' ratios of ratios.",
+        "- **busy rounds**: the rounds in which processes other than the ranks used more than "
+        f"{100 * BUSY:g} % of the machine's CPU time during the system's loop: the CPU time the whole machine "
+        "spent busy (`/proc/stat`) less the ranks' own, over what all its cores could spend in the loop's "
+        "wall time. `/proc/stat` counts whole clock ticks (10 ms on most Linux machines), so the share in a "
+        "loop only a few ticks long is rough (and capped at 100 %). The medians include the busy rounds; on a "
+        "shared machine every figure moves with them, so a system marked † (more than half of its rounds "
+        "busy) was timed mostly on a loaded machine.",
         "- **params**, **optimizer**: bytes of the distinct tensor storages held between steps, counted from "
         "the state: `zf.memory.state_bytes` for zerofn; the parameters and the optimizer's state tensors "
         "(a DTensor's local shard) for the others. Gradients are not held between steps by any system "
