@@ -235,9 +235,7 @@ class Runner:
         self.agreement.agree(Point.END, None)  # every rank's forward ends here, having run the same units
         return out
 
-    def close(self, raising: bool = False) -> None:
-        """Release every unit and end the agreement in flight; ``raising``: raise if it finds the ranks
-        were at different points (the model call and its backward ended without an error)."""
+    def close(self) -> None:
         self.phase = Phase.CLOSED  # the model has its own parameters back
         self.unwatch()
         for h in self.input_hooks:
@@ -245,13 +243,11 @@ class Runner:
         self.input_hooks = []
         for unit in self.units:
             self._release(unit, final=True)
+        # A forward that raised left its last agreement in flight: end it alike.
+        with contextlib.suppress(RuntimeError):
+            self.agreement.settled()
         self.copies = {}
         self.read_ahead.close()
-        if raising:  # the last agreement in flight: ranks that took different paths raise here together
-            self.agreement.settled()
-        else:  # a forward or backward that raised left its last agreement in flight: end it alike
-            with contextlib.suppress(RuntimeError):
-                self.agreement.settled()
 
     # ---------------------------------------------------------- gather and release
 
@@ -475,33 +471,11 @@ class Runner:
         if self.backward_queue is None or self.queue_inner != inner:  # the step's backward after an inner grad
             self.backward_queue = list(dict.fromkeys(reversed(self.forward_order)))
             self.queue_inner = inner
-        needed = unit.remaining or unit.spec.frozen
-        if unit in self.backward_queue:  # backward reaches the unit (its first output's gradient)
-            # What backward is expected to gather next: the queue, the forward's order reversed less the units
-            # it reached, the same on every rank (the forward's end agreed on every unit it ran).
-            ahead = [u for u in self.backward_queue if u.fulls and u.needed_in_backward]
+        if unit in self.backward_queue:
             self.backward_queue.remove(unit)
-            if needed and unit.fulls and not inner:
-                self._reached(unit, ahead)
-                return
-        if needed:
+        if unit.remaining or unit.spec.frozen:
             self._ensure_backward(unit)
         self._prefetch([u for u in self.backward_queue if u.needed_in_backward], unit, agree=True)
-
-    def _reached(self, unit: LiveUnit, ahead: list[LiveUnit]) -> None:
-        """Backward reached ``unit``: every rank issues the gathers the expected order has next (its head
-        and ``prefetch`` after it), whichever unit it reached, so the agreement on the unit stays in flight
-        and is checked at the next point (or when the step's model call ends, before the update): no round
-        trip per unit. A point that gathers nothing (the units are gathered or on their way) agrees on nothing. A rank that reached another unit than the expected waits for the agreement here,
-        and ranks that reached different units raise together."""
-        issue = [u for u in ahead[: 1 + self.prefetch] if u.idle]
-        if issue or unit.idle:  # a point that issues a collective: agreed on
-            self.agreement.agree(Point.BACKWARD, unit, wait=False)
-            for u in issue:
-                self.gather(u)
-            if not ahead or unit is not ahead[0]:
-                self.agreement.settled()
-        self.ensure(unit)
 
     def _grad_in(self, unit: LiveUnit) -> Callable[[torch.Tensor], None]:
         def on_grad(leaf: torch.Tensor) -> None:

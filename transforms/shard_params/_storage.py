@@ -103,13 +103,11 @@ class UnitStorage(Storage):
     def bind(self, state: TrainState, sink: GradSink, model: Callable, extra: dict):
         runner = self.runner(state, model(), sink)
         token = ACTIVE_RUN.set(runner)
-        ended = False
         try:
             yield runner.placeholders()
-            ended = True
         finally:
             ACTIVE_RUN.reset(token)
-            runner.close(raising=ended)  # before the update: ranks that diverged in backward raise here
+            runner.close()
             if runner.forward_order:
                 extra[ORDER] = counters.new_like(u.index for u in dict.fromkeys(runner.forward_order))
 

@@ -247,10 +247,8 @@ def test_peak_memory_is_shards_plus_a_few_blocks(ranks, prefetch):
         assert r["peak"] <= bound, (prefetch, rank, r)
         # traffic: gathers in forward and backward, one reduce-scatter: 3 x (padded) parameter bytes, less
         # the backward gather of the forward's last block (kept gathered for backward, which starts with it),
-        # plus 32 bytes of unit-order agreement per gather in forward and at the forward's end, one per point of
-        # backward that issues gathers (the first issues `prefetch` of them at once), and the step's statistics
-        backward_points = r["units"] - 1 - max(0, prefetch - 1)
-        scalars = (r["units"] + 1 + backward_points) * 32 + stats_bytes(r["trainable"], world)
+        # plus 32 bytes of unit-order agreement per gather and at the forward's end, and the step's statistics
+        scalars = (2 * r["units"] - 1) * 32 + 32 + stats_bytes(r["trainable"], world)
         steady = 3 * r["padded"] - r["last_block"] + scalars
         assert r["comm"] == (steady + 2 * 16, steady)  # the first call also agrees on the batch shapes
 
