@@ -57,6 +57,7 @@ import zerofn as zf
 from zerofn import collectives as C
 from zerofn.bench import SHAPES, Config
 from zerofn.bench.gpt import GPT, MarkovCorpus, loss_fn_for
+from zerofn.bench.systems import fully_sharded
 
 SYSTEMS = ("ddp", "zf1", "zf0", "ddp-nosync", "ddp-fused", "zf2", "zf3", "fsdp2")
 WALL: dict[str, float] = collections.defaultdict(float)
@@ -153,14 +154,8 @@ def _ddp(cfg: Config, name: str):
 
     torch.manual_seed(0)
     model = GPT(cfg.model())
-    if name == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (C.world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        ddp = fully_shard(model, mesh=mesh)
+    if name == "fsdp2":  # as python -m zerofn.bench runs it
+        ddp = fully_sharded(model)
     else:
         ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
     kind = {"fused": True} if name == "ddp-fused" else {"foreach": True}
@@ -278,7 +273,6 @@ def report(per_rank: list[dict], quiet: float) -> str:
     ]
     for n in names:
         ratios = [a / b for a, b in zip(loop[n], loop[ref])]
-
         cpu = ", ".join(
             f"{_median(p[n], 'proc', kept, 1e3):.1f} ({_median(p[n], 'kernel', kept, 1e3):.1f}; "
             f"{_median(p[n], 'faults', kept):.0f})"

@@ -68,6 +68,7 @@ __all__ = [
     "counting",
     "deepspeed_config",
     "deepspeed_installed",
+    "fully_sharded",
 ]
 
 
@@ -262,6 +263,19 @@ def _count_on_twin(make: Callable[[], System], step: Callable, batch: torch.Tens
     return c.bytes
 
 
+def fully_sharded(model: GPT) -> torch.nn.Module:
+    """``model`` under torch FSDP2 as the benchmark runs it: ``fully_shard`` on every block, then on the root,
+    over a 1-D CPU mesh of the world."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def _torch(
     kind: str,
     cfg: GPTConfig,
@@ -272,7 +286,6 @@ def _torch(
     counted: bool = False,
 ) -> System:
     """torch DDP (``"ddp"``), ZeroRedundancyOptimizer (``"zero"``), FSDP2 (``"fsdp2"``), or DDP with checkpoint."""
-    import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.checkpoint import checkpoint
@@ -284,13 +297,7 @@ def _torch(
         for block in model.blocks:
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     if kind == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
+        wrapped = fully_sharded(model)
     else:
         wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_bytes / 2**20)
         if counted:  # torch's own all-reduce hook: the same reduction, issued through dist.all_reduce
