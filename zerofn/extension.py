@@ -12,6 +12,9 @@ optional:
 - ``around``: ``around(model, state)`` -> a context manager entered around
   forward and backward, outermost first; ``model()`` returns the
   ``zf.functional`` apply the loss calls (found on first use).
+- ``feed``: ``feed(batch)`` -> what ``loss_fn`` is given in place of the
+  rank's micro-batch, called inside the ``around`` contexts
+  (``context_parallel`` gives each rank its slice of the sequence).
 - ``check``: ``check(step)`` runs when ``step.init`` is called, before
   anything is built, for settings that depend on transforms applied later.
 - ``prepare``: ``prepare(split, functional, where) -> split`` rewrites the
@@ -76,6 +79,7 @@ class Extension:
         options: the transform's settings (compared when it is applied again).
         wrap_optimizer: optimizer -> optimizer, or None.
         around: ``(model, state) -> context manager`` around forward and backward, or None.
+        feed: ``batch -> batch``: what ``loss_fn`` is given in place of the rank's micro-batch, or None.
         check: ``step -> None``, raises when the finished step cannot honour the extension.
         prepare: ``(split, functional, where) -> split``: the parameters ``init`` holds, rewritten.
         updates_late: ``device_type -> bool``: the optimizer wrapper may still be writing after the
@@ -89,6 +93,7 @@ class Extension:
     options: Any = None
     wrap_optimizer: Callable | None = None
     around: Callable | None = None
+    feed: Callable | None = None
     check: Callable | None = None
     prepare: Callable | None = None
     updates_late: Callable[[str], bool] | None = None

@@ -99,6 +99,7 @@ class _Made:
     groups: dict[str, Any]  # axis -> this rank's group along it (none in a world of one)
     data: Any  # this rank's group over the data-parallel axes' product
     splits: dict[tuple[str, int], Any] = field(default_factory=dict)  # (axis, n) -> this rank's sub-split
+    products: dict[tuple[str, ...], Any] = field(default_factory=dict)  # axes -> this rank's group over them
     meshes: dict[str, Mesh] = field(default_factory=dict)  # device type -> its Mesh
 
 
@@ -199,6 +200,34 @@ class Mesh:
     def data_group(self) -> Any:
         """This rank's group over the data-parallel axes' product (None in a world of one)."""
         return self._made.data
+
+    def group_over(self, *axes: str) -> Any:
+        """This rank's group over the product of ``axes`` (row-major, in the mesh's order): the data-parallel
+        axes with context parallelism's ``cp``, over which a step whose ranks split each micro-batch's
+        sequence reduces its gradients. One axis gives that axis's group, the data-parallel axes
+        :attr:`data_group`. Collective the first time per set of axes (every rank makes every such group, in
+        the same order); kept with the mesh's groups after. None in a world of one.
+
+        Raises:
+            ValueError: an axis the mesh does not have.
+        """
+        for a in axes:
+            self.group(a)  # an axis the mesh has
+        mine = tuple(a for a in self.axes if a in axes)
+        if len(mine) == 1:
+            return self.group(mine[0])
+        if set(mine) == {a for a in DATA_AXES if a in self.axes}:
+            return self.data_group
+        made = self._made
+        if mine not in made.products:
+            found = None
+            if made.world is not None:
+                for line in _lines(self.shape, tuple(self.axes.index(a) for a in mine)):
+                    g = _line(made.world, line)
+                    if made.rank in line:
+                        found = g
+            made.products[mine] = found
+        return made.products[mine]
 
     def subgroup(self, axis: str, n: int) -> Any:
         """This rank's group of ``n`` consecutive coordinates along ``axis`` (``n`` divides its size): the

@@ -177,6 +177,11 @@ class Claim:
             whole parameter (``full_params``); None: they always can.
         groups: ``() -> (group, ...)``: groups beside the mesh's axes that its collectives use (counted in
             ``metrics["comm_bytes"]``); None: none.
+        reduces: the axis's ranks hold the same parameters and each computes a part of every micro-batch's
+            loss (context parallelism's slices of the sequence): the step runs on the group over the
+            data-parallel axes and this one, reducing gradients (and sharding ZeRO's buckets) over it. Its
+            ranks feed one micro-batch all the same (``zf.collectives.data_rank`` reads the data-parallel
+            axes only).
     """
 
     axis: str
@@ -184,3 +189,4 @@ class Claim:
     placements: Callable[[], Mapping[str, Placement]] | None = None
     whole: Callable[[], None] | None = None
     groups: Callable[[], tuple[Any, ...]] | None = None
+    reduces: bool = False

@@ -69,6 +69,7 @@ from zerofn.collectives._ops import (
     all_gather_tree,
     all_reduce,
     all_reduce_tree,
+    all_to_all,
     any_of,
     barrier,
     broadcast_object,
@@ -76,6 +77,7 @@ from zerofn.collectives._ops import (
     max_min,
     reduce_scatter,
     reduce_scatter_tree,
+    ring_shift,
 )
 from zerofn.collectives._timeouts import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
 from zerofn.collectives._timeouts import TIMEOUT_ENV as TIMEOUT_ENV
@@ -105,6 +107,8 @@ __all__ = [
     "max_min",
     "reduce_scatter",
     "all_gather",
+    "all_to_all",
+    "ring_shift",
     "barrier",
     "gather_objects",
     "broadcast_object",

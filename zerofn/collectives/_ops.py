@@ -1,7 +1,7 @@
 """The operations: tensor collectives, the small checks on the control group, objects, and trees.
 
 :func:`all_reduce`, :func:`reduce_scatter` (as one exchange on two gloo
-ranks) and :func:`all_gather` on tensors; :func:`any_of` and
+ranks), :func:`all_gather`, :func:`all_to_all` and :func:`ring_shift` on tensors; :func:`any_of` and
 :func:`max_min`, small agreement checks that travel on the control group;
 :func:`barrier`, :func:`gather_objects` and :func:`broadcast_object`; and
 the same three tensor collectives leaf by leaf over trees. Each is the
@@ -177,6 +177,63 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = Fals
     with named("all_gather", tensor_bytes(full), group=g) as started:
         work = _all_gather_single(full, shard, async_op=True, group=g)
     h = Handle(work, full, None, "all_gather", tensor_bytes(full), started, g)
+    return h if async_op else h.wait()
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False, group: Any = None):
+    """Send ``inp``'s ``j``-th of N equal blocks along dim 0 to rank ``j`` of ``group`` (default: the current
+    group) and receive rank ``j``'s ``r``-th block into ``out``'s ``j``-th (this rank is ``r``).
+
+    ``out`` and ``inp`` have the same shape, dim 0 a multiple of N: the exchange context parallelism's
+    Ulysses makes between sequence slices and head slices. Counts bytes(inp), what this rank sends and
+    receives (its own block included, as the all-gather counts its own shard).
+    """
+    g = joined(group, "all_to_all")
+    n = _size(g)
+    if out.shape != inp.shape or inp.shape[0] % n:
+        raise ValueError(
+            f"all_to_all: out {list(out.shape)} and inp {list(inp.shape)} must have one shape whose dim 0 is a "
+            f"multiple of the {n} ranks (one block per rank); pad dim 0 to a multiple of {n}"
+        )
+    if n == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return done(out) if async_op else out
+    count("all_to_all", tensor_bytes(inp), g)
+    with named("all_to_all", tensor_bytes(inp), group=g) as started:
+        work = dist.all_to_all_single(out, inp, group=g, async_op=True)
+    h = Handle(work, out, None, "all_to_all", tensor_bytes(inp), started, g)
+    return h if async_op else h.wait()
+
+
+def ring_shift(recv: torch.Tensor, send: torch.Tensor, *, shift: int = 1, async_op: bool = False, group: Any = None):
+    """Send ``send`` to the rank ``shift`` places after this one in ``group`` (default: the current group;
+    around the ring) and receive the tensor of the rank ``shift`` places before it into ``recv``.
+
+    One exchange (an all-to-all whose other blocks are empty), so a ring of any size is one collective on
+    gloo and NCCL alike: ring attention passes key/value blocks this way. ``recv`` and ``send`` have one
+    shape and must not share memory. Counts bytes(send).
+    """
+    g = joined(group, "ring_shift")
+    n = _size(g)
+    if recv.shape != send.shape or recv.dtype != send.dtype:
+        raise ValueError(
+            f"ring_shift: recv {list(recv.shape)} {recv.dtype} and send {list(send.shape)} {send.dtype} must have "
+            "one shape and dtype (every rank passes a block of the same size)"
+        )
+    if n == 1 or shift % n == 0:
+        recv.copy_(send)
+        return done(recv) if async_op else recv
+    if _overlap(recv, send):
+        raise ValueError("ring_shift: recv and send share memory; receive into a buffer of its own")
+    me, k = g.rank(), send.numel()
+    to, frm = (me + shift) % n, (me - shift) % n
+    ins = [k if j == to else 0 for j in range(n)]
+    outs = [k if j == frm else 0 for j in range(n)]
+    count("ring_shift", tensor_bytes(send), g)
+    with named("ring_shift", tensor_bytes(send), group=g) as started:
+        work = dist.all_to_all_single(recv.view(-1), send.reshape(-1), outs, ins, group=g, async_op=True)
+    h = Handle(work, recv, None, "ring_shift", tensor_bytes(send), started, g)
     return h if async_op else h.wait()
 
 

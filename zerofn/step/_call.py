@@ -308,6 +308,9 @@ def forward_backward(step: Any, state: TrainState, batch: Any, sink: GradSink, s
         # so a recompute in backward (checkpointing in the model) sees them too.
         token = BINDING.set(stack)
         stack.callback(BINDING.reset, token)
+        for e in step.extensions:
+            if e.feed is not None:
+                batch = e.feed(batch)
         with step.precision.autocast(device_of(state.spec.layout)):
             out = step.loss_fn(params, batch)
         loss, aux, mean = split_loss(step.name, out)

@@ -126,7 +126,12 @@ class Step:
             )
         if mesh is not None and self.mesh is not None and mesh is not self.mesh:
             _check_join(self, claim, mesh)
-        if mesh is not None and self.group is not None and self.mesh is None and self.group is not mesh.data_group:
+        if (
+            mesh is not None
+            and self.group is not None
+            and self.mesh is None
+            and self.group is not step_group(mesh, (claim,))
+        ):
             raise ValueError(
                 f"{claim.by}: this step already runs on a group of its own (train_step(..., group=)); {claim.by} "
                 "runs it on its mesh's data-parallel group. Leave group= out."
@@ -134,7 +139,7 @@ class Step:
         claims = tuple(c for c in self.claims if c.by != claim.by) + (claim,)
         if mesh is None:
             return self.replace(claims=claims)
-        return self.replace(mesh=mesh, claims=claims, group=mesh.data_group)
+        return self.replace(mesh=mesh, claims=claims, group=step_group(mesh, claims))
 
     def groups(self) -> tuple:
         """The groups beside the step's own that its collectives run on: its claimed axes' and those the
@@ -359,6 +364,15 @@ class Step:
 
 
 # ---------------------------------------------------------------- a split model's parameters made whole
+
+
+def step_group(mesh: Any, claims: tuple) -> Any:
+    """The group a step on ``mesh`` runs on: the data-parallel axes', with the axes of claims that reduce
+    over theirs (:attr:`zerofn.sharding.Claim.reduces`: context parallelism's ``cp``)."""
+    reducing = [c.axis for c in claims if c.reduces and c.axis in mesh.axes]
+    if not reducing:
+        return mesh.data_group
+    return mesh.group_over(*(a for a in DATA_AXES if a in mesh.axes), *reducing)
 
 
 def _check_join(step: Step, claim: sharding.Claim, mesh: Any) -> None:
