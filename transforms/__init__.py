@@ -15,6 +15,7 @@ composes them from a DeepSpeed ``ds_config.json``.
 """
 
 from zerofn.transforms.amp import amp
+from zerofn.transforms.context_parallel import context_parallel
 from zerofn.transforms.offload import offload
 from zerofn.transforms.quantize import quantize
 from zerofn.transforms.remat import remat
@@ -23,4 +24,14 @@ from zerofn.transforms.shard_optimizer import shard_optimizer
 from zerofn.transforms.shard_params import shard_params
 from zerofn.transforms.tensor_parallel import tensor_parallel
 
-__all__ = ["amp", "offload", "quantize", "remat", "shard_grads", "shard_optimizer", "shard_params", "tensor_parallel"]
+__all__ = [
+    "amp",
+    "context_parallel",
+    "offload",
+    "quantize",
+    "remat",
+    "shard_grads",
+    "shard_optimizer",
+    "shard_params",
+    "tensor_parallel",
+]

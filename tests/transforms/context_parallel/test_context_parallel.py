@@ -1,0 +1,194 @@
+"""context_parallel: a Hugging Face Llama (grouped-query attention) and a Qwen3 whose sequence is split over
+cp ranks train as one process over the whole sequence, with Ulysses and ring attention, padding, zf.Mean,
+under shard_params over dp x cp and beside tensor_parallel; comm_bytes is Ulysses' formula; bad sequences,
+sizes and batches are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import TINY_DECODER, rank_slice, tiny_llama
+from torch import nn
+from zerofn.transforms import amp, context_parallel, remat, shard_grads, shard_optimizer, shard_params, tensor_parallel
+
+import zerofn as zf
+
+pytest.importorskip("transformers")
+
+STEPS, BATCH, SEQ = 4, 4, 16
+
+
+def _model(kind: str) -> nn.Module:
+    if kind == "llama":
+        return tiny_llama(max_position_embeddings=256)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(**TINY_DECODER, head_dim=16, max_position_embeddings=256)).float()
+
+
+def _batch(i: int, pad: bool, seq: int = SEQ) -> dict:
+    g = torch.Generator().manual_seed(100 + i)
+    ids = torch.randint(0, 64, (BATCH, seq), generator=g)
+    mask = torch.ones(BATCH, seq, dtype=torch.long)
+    if pad:  # right padding on two rows, left padding on one (its first real token unscored: no label before it)
+        mask[0, -5:] = 0
+        mask[2, -1:] = 0
+        mask[1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    if pad:
+        labels[1, 3] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _shifted(batch: dict) -> torch.Tensor:
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    labels = batch["labels"]
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+
+
+def _loss_fn(apply, loss: str):
+    def model_loss(params, batch):  # the model's own loss, from the labels it is given
+        return apply(params, **batch).loss
+
+    def mean_loss(params, batch):  # a loss of its own over this rank's tokens: zf.Mean
+        out = apply(params, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        labels = _shifted(batch)
+        logits = out.logits
+        if hasattr(logits, "full_tensor"):  # tensor_parallel's vocabulary-split logits
+            logits = logits.full_tensor()
+        total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+        return zf.Mean(total, (labels != -100).sum())
+
+    return model_loss if loss == "model" else mean_loss
+
+
+COMPOSE = {
+    "plain": lambda s: s,
+    "shard_optimizer": shard_optimizer,
+    "shard_grads": shard_grads,
+    "shard_params": shard_params,
+    "remat": lambda s: remat(shard_params(s)),
+    "amp": lambda s: amp(s, torch.bfloat16),
+}
+
+
+def _train(case: tuple) -> dict:
+    """``case``: (model, cp, method, tp, composition, loss, pad); cp 0: one process over the whole batch."""
+    kind, cp, method, tp, compose, loss, pad = case
+    apply = zf.functional(_model(kind))
+    step = COMPOSE[compose](zf.train_step(_loss_fn(apply, loss), zf.optim.adamw(1e-3, eps=1e-4, weight_decay=0.1)))
+    if tp:
+        step = tensor_parallel(step, tp)
+    if cp:
+        step = context_parallel(step, cp, method=method)
+    state = step.init(apply.params)
+    here, data = zf.collectives.data_rank(step), (step.mesh.data_size if step.mesh is not None else 1)
+    losses = []
+    with zf.collectives.counting(step.group, also=step.groups()) as c:
+        for i in range(STEPS):
+            state, m = step(state, rank_slice(_batch(i, pad), here, data))
+            losses.append(float(m["loss"]))
+    return {"params": step.full_params(state), "losses": losses, "comm": int(m["comm_bytes"]), "name": step.name}
+
+
+def _cases(cases: list) -> dict:
+    return {c: _train(c) for c in cases}
+
+
+REFS: dict = {}
+
+
+def _reference(kind: str, loss: str, pad: bool, compose: str = "plain") -> dict:
+    key = (kind, loss, pad, compose)
+    if key not in REFS:
+        REFS[key] = _train((kind, 0, None, 0, compose, loss, pad))
+    return REFS[key]
+
+
+def _check(results: list, case: tuple, tol: float = 1e-5) -> None:
+    kind, _, _, _, compose, loss, pad = case
+    ref = _reference(kind, loss, pad, "amp" if compose == "amp" else "plain")
+    for r in results:
+        got = r[case]
+        assert got["name"].startswith("context_parallel("), got["name"]
+        worst = max(float((got["params"][k] - ref["params"][k]).abs().max()) for k in ref["params"])
+        assert worst <= tol, (case, worst)
+        assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) <= tol, (
+            case,
+            got["losses"],
+            ref["losses"],
+        )
+
+
+def test_cp2_trains_as_one_process_over_the_whole_sequence(ranks):
+    cases = [
+        ("llama", 2, "ulysses", 0, "plain", "model", False),
+        ("llama", 2, "ulysses", 0, "plain", "model", True),  # padding: the model's loss counts every token once
+        ("llama", 2, "ulysses", 0, "plain", "mean", True),  # a loss of its own: zf.Mean over this rank's tokens
+        ("qwen3", 2, "ulysses", 0, "plain", "model", True),
+        ("llama", 2, "ulysses", 0, "shard_params", "model", True),  # ZeRO-3 over the cp ranks
+        ("llama", 2, "ulysses", 0, "remat", "mean", True),
+        ("llama", 2, "ulysses", 0, "amp", "model", False),
+    ]
+    results = ranks(2).run(_cases, cases)
+    for case in cases:
+        _check(results, case, 2e-2 if case[4] == "amp" else 1e-5)
+    # Ulysses' traffic: per attention layer, q, k, v and the output each cross once in forward and once in
+    # backward, this rank's tokens of each (key/value heads as many as the model has: 2, which 2 ranks split);
+    # plus the step's statistics all-reduce (cp ranks are the step's group: 2 ranks, trainable names counted)
+    rows, tokens, layers = BATCH, SEQ // 2, 2
+    q = rows * tokens * 4 * 16 * 4  # 4 heads of 16, fp32
+    kv = rows * tokens * 2 * 16 * 4
+    per_layer = 2 * (q + 2 * kv + q)
+    grads = sum(p.numel() for p in results[0][cases[0]]["params"].values()) * 4
+    assert results[0][cases[0]]["comm"] >= layers * per_layer + 2 * grads
+    assert results[0][cases[0]]["comm"] - layers * per_layer - 2 * grads < 4096, results[0][cases[0]]["comm"]
+
+
+def _refusals() -> dict:
+    out = {}
+    apply = zf.functional(_model("llama"))
+    step = context_parallel(zf.train_step(_loss_fn(apply, "model"), zf.optim.adamw(1e-3)), 2, method="ring")
+    state = step.init(apply.params)
+    for key, fn in {
+        "length": lambda: step(state, _batch(0, False, seq=14)),
+        "tuple": lambda: step(state, (torch.zeros(2, 16, dtype=torch.long),)),
+        "size": lambda: context_parallel(zf.train_step(_loss_fn(apply, "model"), zf.optim.adamw(1e-3)), 3),
+        "method": lambda: context_parallel(
+            zf.train_step(_loss_fn(apply, "model"), zf.optim.adamw(1e-3)), 2, method="x"
+        ),
+        "labels": lambda: _labels_read(apply),
+        "plain": lambda: context_parallel(zf.train_step(lambda p, b: p["w"].sum(), zf.optim.sgd(0.1)), 2).init(
+            {"w": torch.ones(2)}
+        ),
+    }.items():
+        try:
+            fn()
+            out[key] = None
+        except (ValueError, KeyError) as e:
+            out[key] = str(e)
+    out["count"] = int(state.count)
+    return out
+
+
+def _labels_read(apply) -> None:
+    def loss_fn(params, batch):
+        logits = apply(params, input_ids=batch["input_ids"]).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+
+    step = context_parallel(zf.train_step(loss_fn, zf.optim.adamw(1e-3)), 2)
+    step(step.init(apply.params), _batch(0, False))
+
+
+def test_bad_sequences_sizes_and_batches_are_refused(ranks):
+    for out in ranks(2).run(_refusals):
+        assert "the sequence has 14 tokens" in out["length"] and "pad it to 16 tokens" in out["length"], out
+        assert "cuts a batch given as a mapping" in out["tuple"], out["tuple"]
+        assert "size 3 does not divide the world size 2" in out["size"], out["size"]
+        assert "method must be one of ['ulysses', 'ring']" in out["method"], out["method"]
+        assert "batch['shift_labels']" in out["labels"], out["labels"]
+        assert "transformers' attention interface" in out["plain"], out["plain"]
+        assert out["count"] == 0  # nothing was updated by the refused steps
