@@ -41,9 +41,10 @@ class Active:
     method: str
     fed: bool = False
     seq: int = 0  # tokens in the whole sequence
-    positions: torch.Tensor | None = None  # [cp, L]: the global positions each rank holds
+    positions: torch.Tensor | None = None  # [cp, L], on the host: the global positions each rank holds
     key_valid: torch.Tensor | None = None  # [B, S] bool (False on padding), or None: no padding given
     items: torch.Tensor | None = None  # the labels the loss counts over the whole micro-batch (0-dim), or None
+    ring_valid: torch.Tensor | None = None  # [cp, B, L]: key_valid as each rank holds its keys (ring)
 
 
 ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar("zerofn_context_parallel", default=None)
@@ -123,8 +124,8 @@ def feed(active: Active | None, batch: Any) -> CutBatch:
     rows, seq = ref.shape[0], ref.shape[1]
     cp, method = active.cp, active.method
     check_length(seq, cp, method)
-    positions = layout(seq, cp, method, ref.device)
-    mine = positions[active.rank]
+    positions = layout(seq, cp, method)  # on the host: ring attention plans its blocks from it
+    mine = positions[active.rank].to(ref.device)
     labels = shifted(batch)
     given = batch.get("position_ids")
     whole = given if given is not None else torch.arange(seq, device=ref.device).unsqueeze(0)
@@ -144,6 +145,8 @@ def feed(active: Active | None, batch: Any) -> CutBatch:
         out["shift_labels"] = _cut(labels, rows, seq, mine)
     out["position_ids"] = whole.index_select(1, mine)
     active.fed, active.seq, active.positions, active.key_valid = True, seq, positions, key_valid
+    if key_valid is not None and method == "ring":  # each rank's keys' padding, [cp, B, L]
+        active.ring_valid = key_valid[:, positions.to(ref.device)].permute(1, 0, 2)
     active.items = None if labels is None else (labels != IGNORE).sum()
     return out
 

@@ -70,9 +70,6 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             )
         from zerofn.transforms.context_parallel._ring import ring_attention
 
-        valid = None
-        if active.key_valid is not None:
-            valid = active.key_valid[:, active.positions].permute(1, 0, 2)  # [cp, B, L]
         out = ring_attention(
             query,
             key,
@@ -81,7 +78,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             positions=active.positions,
             scale=scaling,
             causal=causal,
-            key_valid=valid,
+            key_valid=active.ring_valid,
         )
     else:
         out = _ulysses.attention(
@@ -160,7 +157,8 @@ class Around:
                 "the step cut to this rank's tokens"
             )
         if kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = active.positions[active.rank].unsqueeze(0)
+            device = ids.device if isinstance(ids, torch.Tensor) else None
+            kwargs["position_ids"] = active.positions[active.rank].to(device).unsqueeze(0)
         if kwargs.get("shift_labels") is not None:
             if kwargs.get("labels") is None:
                 kwargs["labels"] = kwargs["shift_labels"]

@@ -87,10 +87,9 @@ def _train(case: tuple) -> dict:
     state = step.init(apply.params)
     here, data = zf.collectives.data_rank(step), (step.mesh.data_size if step.mesh is not None else 1)
     losses = []
-    with zf.collectives.counting(step.group, also=step.groups()) as c:
-        for i in range(STEPS):
-            state, m = step(state, rank_slice(_batch(i, pad), here, data))
-            losses.append(float(m["loss"]))
+    for i in range(STEPS):
+        state, m = step(state, rank_slice(_batch(i, pad), here, data))
+        losses.append(float(m["loss"]))
     return {"params": step.full_params(state), "losses": losses, "comm": int(m["comm_bytes"]), "name": step.name}
 
 
@@ -132,6 +131,9 @@ def test_cp2_trains_as_one_process_over_the_whole_sequence(ranks):
         ("llama", 2, "ulysses", 0, "shard_params", "model", True),  # ZeRO-3 over the cp ranks
         ("llama", 2, "ulysses", 0, "remat", "mean", True),
         ("llama", 2, "ulysses", 0, "amp", "model", False),
+        ("llama", 2, "ring", 0, "plain", "model", True),
+        ("qwen3", 2, "ring", 0, "plain", "mean", True),
+        ("llama", 2, "ring", 0, "shard_params", "model", False),
     ]
     results = ranks(2).run(_cases, cases)
     for case in cases:
@@ -146,6 +148,24 @@ def test_cp2_trains_as_one_process_over_the_whole_sequence(ranks):
     grads = sum(p.numel() for p in results[0][cases[0]]["params"].values()) * 4
     assert results[0][cases[0]]["comm"] >= layers * per_layer + 2 * grads
     assert results[0][cases[0]]["comm"] - layers * per_layer - 2 * grads < 4096, results[0][cases[0]]["comm"]
+
+
+def test_cp4_cp2_by_dp2_and_tp2_by_cp2_train_as_one_process(ranks):
+    cases = [
+        ("llama", 4, "ulysses", 0, "plain", "model", True),  # 2 key/value heads repeated for 4 ranks
+        ("qwen3", 4, "ulysses", 0, "plain", "mean", True),
+        # dp 2 x cp 2: ZeRO-3 over all 4 ranks; zf.Mean: one process over the concatenated batch's tokens
+        ("llama", 2, "ulysses", 0, "shard_params", "mean", True),
+        ("llama", 2, "ulysses", 0, "shard_grads", "mean", False),
+        ("llama", 2, "ulysses", 2, "plain", "model", True),  # tp 2 x cp 2: 2 query heads a rank, cut over cp
+        ("llama", 2, "ulysses", 2, "shard_optimizer", "mean", True),
+        ("llama", 4, "ring", 0, "plain", "model", True),
+        ("qwen3", 2, "ring", 0, "shard_params", "mean", True),
+        ("llama", 2, "ring", 2, "plain", "model", False),
+    ]
+    results = ranks(4).run(_cases, cases)
+    for case in cases:
+        _check(results, case)
 
 
 def _refusals() -> dict:
