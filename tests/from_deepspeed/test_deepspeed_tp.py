@@ -112,3 +112,52 @@ def test_no_split_asks_nothing_and_what_changes_no_number_is_warned():
             {**CONFIG, "tensor_parallel": {"autotp_size": 1, "tp_overlap_comm": True, "dtype": "bf16"}}, _loss_fn(apply)
         )
     assert "tensor_parallel.dtype: the parameters' dtype is the precision block's" in str(w[0].message)
+
+
+ALST = {
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+    "zero_optimization": {"stage": 3},
+    "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
+    "sequence_parallel_size": 2,
+}
+
+
+def _train_alst(by_hand: bool) -> dict:
+    from zerofn.transforms import context_parallel, remat, shard_params
+
+    apply = zf.functional(_llama())
+
+    def loss_fn(params, batch):
+        return apply(params, **batch).loss
+
+    if by_hand:
+        opt = zf.optim.adamw(1e-3, weight_decay=0.1)
+        step = context_parallel(remat(shard_params(zf.train_step(loss_fn, opt)), offload="cpu"), 2)
+        batch = None
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing to warn about: cpu_checkpointing is remat's offload now
+            step, batch = from_deepspeed(ALST, loss_fn)
+    state = step.init(apply.params)
+    losses = []
+    for i in range(STEPS):  # the ranks of a sequence-parallel group feed the same micro-batch, cut by the step
+        ids = torch.randint(0, 64, (MICRO, SEQ), generator=torch.Generator().manual_seed(i))
+        state, m = step(state, {"input_ids": ids, "labels": ids})
+        losses.append(float(m["loss"]))
+    return {"name": step.name, "params": step.full_params(state), "losses": losses, "batch": batch}
+
+
+def _both_alst() -> tuple[dict, dict]:
+    return _train_alst(False), _train_alst(True)
+
+
+def test_sequence_parallel_size_is_context_parallel_and_cpu_checkpointing_remat_offload(ranks):
+    for built, hand in ranks(2).run(_both_alst):
+        assert built["name"] == hand["name"] == "context_parallel(remat(shard_params(train_step)))", built["name"]
+        assert built["losses"] == hand["losses"]
+        for k, v in built["params"].items():
+            assert torch.equal(v, hand["params"][k]), k
+        b = built["batch"]  # DeepSpeed's batch sizes count the data-parallel ranks: 2 ranks at sp 2 are one
+        assert (b.world_size, b.micro_batch_size, b.train_batch_size) == (1, MICRO, MICRO)

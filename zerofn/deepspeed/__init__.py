@@ -8,8 +8,9 @@ keys ask for, the same Step one would write by hand::
       -> shard_optimizer / shard_grads / shard_params(prefetch=...)   zero_optimization.stage 1 / 2 / 3
       -> amp(torch.float16 | torch.bfloat16, loss scale ...)          fp16 / bf16
       -> offload("cpu" | "nvme", params=..., sub_group_bytes=...)     offload_optimizer / offload_param
-      -> remat()                                                      activation_checkpointing
+      -> remat(offload="cpu" with cpu_checkpointing)                  activation_checkpointing
       -> tensor_parallel(N)                                           tensor_parallel.autotp_size
+      -> context_parallel(N)                                          sequence_parallel_size (Ulysses, ALST)
 
 It returns ``DeepSpeedRun(step, batch)``: the step, whose name and state are
 those of the composition written by hand (a state of either steps the other),

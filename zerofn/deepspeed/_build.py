@@ -29,7 +29,16 @@ from zerofn.deepspeed._reader import Block, asks_nothing, load_config
 from zerofn.deepspeed._tensor import read_tensor_parallel
 from zerofn.deepspeed._zero import read_remat, read_zero
 from zerofn.step import DEFAULT_BUCKET_BYTES, Step, train_step
-from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params, tensor_parallel
+from zerofn.transforms import (
+    amp,
+    context_parallel,
+    offload,
+    remat,
+    shard_grads,
+    shard_optimizer,
+    shard_params,
+    tensor_parallel,
+)
 from zerofn.transforms.offload import DEFAULT_SUB_GROUP_BYTES
 
 __all__ = ["DeepSpeedRun", "from_deepspeed"]
@@ -126,11 +135,15 @@ def from_deepspeed(
     # AutoTP: the batch sizes are DeepSpeed's over the data-parallel ranks, world // autotp_size
     tp = read_tensor_parallel(raw, world, group, ignored)
     world //= tp
+    # Ulysses (ALST): sequence_parallel_size ranks share each micro-batch; the batch sizes count the rest
+    sp = read_sequence_parallel(raw, world)
+    world //= sp
     if training_args is not None or hidden_size is not None:  # "auto" as the Hugging Face Trainer fills it
         hidden = hidden_size if hidden_size is not None else (lambda: _model_hidden_size(loss_fn))
         raw = resolve_auto(raw, training_args, world, hidden)
     r = Block("", raw)
     r.raw("tensor_parallel")  # read above
+    r.raw("sequence_parallel_size")
     sizes = resolve_batch_sizes(r, world)
     trainer = None
     if training_args is not None:  # no "optimizer" (and no optimizer=): the Hugging Face Trainer's AdamW
@@ -139,7 +152,7 @@ def from_deepspeed(
     spec = with_trainer_schedule(spec, trainer_schedule(raw, training_args))
     precision = read_precision(r, ignored)
     zero = read_zero(r, ignored)
-    remat_on = read_remat(r, ignored)
+    remat_options = read_remat(r, ignored)
     read_compression(r)
     for k in r.leftover():
         v = r.raw(k)
@@ -173,10 +186,12 @@ def from_deepspeed(
         )
     elif zero.offload_device == "cpu":
         step = offload(step, "cpu", params=zero.param_device == "cpu", pin_memory=zero.pin_memory)
-    if remat_on:
-        step = remat(step)
-    if tp > 1:  # last: it runs the whole composition on its data-parallel group
+    if remat_options is not None:
+        step = remat(step, **remat_options)
+    if tp > 1:  # it runs the whole composition on its data-parallel group
         step = tensor_parallel(step, tp)
+    if sp > 1:  # last: its axis joins the mesh outside tensor_parallel's
+        step = context_parallel(step, sp)
     if ignored:
         lines = "\n".join(f"  {k}: {why}" for k, why in ignored.items())
         chosen = f"from_deepspeed: {spec.note}\n" if spec.note else ""
@@ -192,6 +207,24 @@ def from_deepspeed(
         sizes.train_batch_size, sizes.micro_batch_size, sizes.gradient_accumulation_steps, world, tuple(ignored)
     )
     return DeepSpeedRun(step, batch)
+
+
+def read_sequence_parallel(raw: dict, world: int) -> int:
+    """``sequence_parallel_size`` (DeepSpeed's Ulysses, ALST): ``context_parallel(step, N)``; 1 asks for nothing.
+
+    Raises:
+        ValueError: not an int >= 1, or one that does not divide the data-parallel ranks left by tensor parallelism.
+    """
+    size = raw.get("sequence_parallel_size", 1)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"from_deepspeed: sequence_parallel_size must be an int >= 1, got {size!r}")
+    if world % size:
+        raise ValueError(
+            f"from_deepspeed: sequence_parallel_size {size} does not divide the {world} ranks it would split "
+            f"(the world over tensor_parallel.autotp_size): run on a multiple of {size} ranks per tensor-parallel "
+            "slice, or pick a size that divides them"
+        )
+    return size
 
 
 def _model_of(loss_fn: Callable) -> torch.nn.Module | None:

@@ -114,7 +114,7 @@ TOP_IGNORED = {
     "hybrid_engine": "no inference engine: step.apply(state, ...) runs the model",
     "timers": "no timers",
     "data_types": "gradients accumulate in the dtype they are reduced in (communication_data_type)",
-    "seq_parallel_communication_data_type": "no sequence parallelism",
+    "seq_parallel_communication_data_type": "context_parallel's all-to-alls move activations in their own dtype",
     "weight_quantization": "no quantization",
     "communication_data_type": "gradients of fp32 parameters are reduced in fp32 (another dtype needs bf16 or fp16)",
 }

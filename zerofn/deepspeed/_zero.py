@@ -189,11 +189,12 @@ def _offload_leftover(blk: Block, ignored: dict, why: str) -> None:
         ignored[blk.key(k)] = why
 
 
-def read_remat(r: Block, ignored: dict) -> bool:
-    """Whether ``activation_checkpointing`` asks for ``remat``; keys with no equivalent go to ``ignored``."""
+def read_remat(r: Block, ignored: dict) -> dict | None:
+    """The ``remat`` options ``activation_checkpointing`` asks for (``{"offload": "cpu"}`` with
+    ``cpu_checkpointing``), or None for no ``remat``; keys with no equivalent go to ``ignored``."""
     blk = r.block("activation_checkpointing")
     if blk is None:
-        return False
+        return None
     flags = (
         "partition_activations",
         "cpu_checkpointing",
@@ -203,12 +204,12 @@ def read_remat(r: Block, ignored: dict) -> bool:
     on = any([blk.get(k, False, "bool") for k in flags]) or blk.raw("number_checkpoints") is not None
     profile = blk.get("profile", False, "bool")
     if on:
-        if blk.data.get("cpu_checkpointing") is True:
-            ignored[blk.key("cpu_checkpointing")] = "checkpointed inputs stay where the model runs"
         if blk.data.get("number_checkpoints") is not None:
             ignored[blk.key("number_checkpoints")] = "remat checkpoints each of the model's natural blocks"
         if profile:
             ignored[blk.key("profile")] = "no profiler"
     for k in blk.leftover():
         ignored[blk.key(k)] = "unknown key"
-    return on
+    if not on:
+        return None
+    return {"offload": "cpu"} if blk.data.get("cpu_checkpointing") is True else {}
