@@ -47,6 +47,7 @@ LAYERS = {  # bottom first
         "zerofn.sharding",
         "zerofn.losses",
         "zerofn.moe",
+        "zerofn.tiling",
     ),
     "transforms": ("zerofn.transforms",),
     "persistence": ("zerofn.checkpoint",),

@@ -5,7 +5,7 @@ Public names only; see the modules for the details.
 
 import importlib as _importlib
 
-from zerofn import checkpoint, collectives, memory, mesh, metrics, optim, testing, tree
+from zerofn import checkpoint, collectives, losses, memory, mesh, metrics, optim, testing, tree
 from zerofn.collectives import CollectiveError, CollectiveTimeoutError
 from zerofn.functional import Functional, functional
 from zerofn.generation import generate
@@ -30,6 +30,7 @@ __all__ = [
     "from_deepspeed",
     "functional",
     "generate",
+    "losses",
     "memory",
     "mesh",
     "metrics",
