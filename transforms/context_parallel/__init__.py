@@ -51,7 +51,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zerofn.transforms.context_parallel import _feed, _hf
+from zerofn.transforms.context_parallel._feed import ACTIVE, feed
+from zerofn.transforms.context_parallel._hf import Around, check_model
 
 from zerofn.extension import Extension
 from zerofn.mesh import Mesh, make, world_size
@@ -118,8 +119,8 @@ def context_parallel(step: Step, size: int, /, *, method: str = "ulysses") -> St
             "context_parallel",
             options,
             prepare=_prepare,
-            around=lambda model, state: _hf.Around(method, m, model),
-            feed=lambda batch: _feed.feed(_feed.ACTIVE.get(), batch),
+            around=lambda model, state: Around(method, m, model),
+            feed=lambda batch: feed(ACTIVE.get(), batch),
         )
     )
     return out.claim(Claim("cp", "context_parallel", reduces=True), m)
@@ -127,5 +128,5 @@ def context_parallel(step: Step, size: int, /, *, method: str = "ulysses") -> St
 
 def _prepare(split: Any, functional: Any, where: str) -> Any:
     """At ``init``: the model must read attention through transformers' interface; nothing is changed."""
-    _hf.check_model(functional.module if functional is not None else None, where)
+    check_model(functional.module if functional is not None else None, where)
     return split

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from zerofn.transforms.context_parallel import _feed, _ulysses
+from zerofn.transforms.context_parallel._feed import ACTIVE, HELP, IGNORE, Active
+from zerofn.transforms.context_parallel._ulysses import attention as ulysses_attention
 
 from zerofn.mesh import Mesh
 
@@ -47,7 +48,7 @@ def register() -> None:
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention function signature: ``query`` ``[B, Hq, L, D]``, ``key``/``value`` ``[B, Hkv, L,
     D]`` on this rank's tokens; returns ``([B, L, Hq, D], None)``."""
-    active = _feed.ACTIVE.get()
+    active = ACTIVE.get()
     if active is None or not active.fed:
         raise RuntimeError(
             f"context_parallel: {type(module).__name__} ran under attention implementation {NAME!r} outside a "
@@ -81,7 +82,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             key_valid=active.ring_valid,
         )
     else:
-        out = _ulysses.attention(
+        out = ulysses_attention(
             query,
             key,
             value,
@@ -119,7 +120,7 @@ def check_model(module: torch.nn.Module, where: str) -> None:
 
 class Around:
     """Around a step's forward and backward: the model's configs name :data:`NAME`, the model's call is
-    completed by :meth:`_complete`, and the forward's :class:`_feed.Active` context is set."""
+    completed by :meth:`_complete`, and the forward's :class:`zerofn.transforms.context_parallel._feed.Active` context is set."""
 
     def __init__(self, method: str, m: Mesh, model: Callable):
         self.method, self.m, self.model = method, m, model
@@ -132,19 +133,19 @@ class Around:
             c._attn_implementation = NAME
         self.hook = module.register_forward_pre_hook(self._complete, with_kwargs=True)
         m = self.m
-        active = _feed.Active(m.size("cp"), m.coordinate("cp"), m.group("cp"), self.method)
-        self.token = _feed.ACTIVE.set(active)
+        active = Active(m.size("cp"), m.coordinate("cp"), m.group("cp"), self.method)
+        self.token = ACTIVE.set(active)
         return self
 
     def __exit__(self, *exc):
-        _feed.ACTIVE.reset(self.token)
+        ACTIVE.reset(self.token)
         self.hook.remove()
         for c, was in self.configs:
             c._attn_implementation = was
         return False
 
     def _complete(self, module, args, kwargs):
-        active = _feed.ACTIVE.get()
+        active = ACTIVE.get()
         if active is None or not active.fed:
             return None
         kwargs = dict(kwargs)
@@ -163,12 +164,12 @@ class Around:
             if kwargs.get("labels") is None:
                 kwargs["labels"] = kwargs["shift_labels"]
         elif kwargs.get("labels") is not None:
-            raise ValueError(f"context_parallel: the model was given labels= of this rank's tokens. {_feed.HELP}")
+            raise ValueError(f"context_parallel: the model was given labels= of this rank's tokens. {HELP}")
         if kwargs.get("labels") is not None:
             given = kwargs.get("num_items_in_batch")
             items = given if given is not None else (active.items if active.items is not None else None)
             if items is None:
-                items = (kwargs["shift_labels"] != _feed.IGNORE).sum()
+                items = (kwargs["shift_labels"] != IGNORE).sum()
             if isinstance(items, torch.Tensor):
                 items = items.clamp(min=1).to(torch.float32)
             kwargs["num_items_in_batch"] = items / active.cp
