@@ -70,6 +70,8 @@ class ContextParallelOptions:
 
     size: int
     method: str
+    chunked_loss: bool
+    mlp_tiles: int | None
 
 
 def _mesh(step: Step, size: int) -> Mesh:
@@ -85,7 +87,9 @@ def _mesh(step: Step, size: int) -> Mesh:
 
 
 @transform
-def context_parallel(step: Step, size: int, /, *, method: str = "ulysses") -> Step:
+def context_parallel(
+    step: Step, size: int, /, *, method: str = "ulysses", chunked_loss: bool = True, mlp_tiles: int | None = None
+) -> Step:
     """Split every micro-batch's sequence over ``size`` ranks, through the whole model (see the module).
 
     Args:
@@ -94,6 +98,11 @@ def context_parallel(step: Step, size: int, /, *, method: str = "ulysses") -> St
         size: ranks per context-parallel group; it must divide the world size.
         method: ``"ulysses"`` (all-to-all to head slices; the heads a multiple of ``size``) or ``"ring"``
             (key/value blocks around the ring; any number of heads).
+        chunked_loss: a Llama, Mistral or Qwen2/3 model given labels computes its loss with
+            :func:`zerofn.losses.chunked_cross_entropy` (its output's ``logits`` None): the logits, tokens x
+            vocabulary in fp32, the largest tensor of a long step, are never whole. False: the model's own.
+        mlp_tiles: run every block's MLP over this many tiles of the sequence, each recomputed in backward
+            (:func:`zerofn.tiling.tile_mlps`, ALST's tiled MLP); None: whole.
 
     Returns:
         The rewritten Step, named ``context_parallel(...)``, running on the group over the data-parallel
@@ -109,8 +118,12 @@ def context_parallel(step: Step, size: int, /, *, method: str = "ulysses") -> St
         raise ValueError(f"context_parallel: size must be an int >= 1 (ranks per context-parallel group), got {size!r}")
     if method not in METHODS:
         raise ValueError(f"context_parallel: method must be one of {list(METHODS)}, got {method!r}")
+    if mlp_tiles is not None and (not isinstance(mlp_tiles, int) or isinstance(mlp_tiles, bool) or mlp_tiles < 1):
+        raise ValueError(
+            f"context_parallel: mlp_tiles must be None or an int >= 1 (tiles of the sequence), got {mlp_tiles!r}"
+        )
     m = _mesh(step, size)
-    options = ContextParallelOptions(size, method)
+    options = ContextParallelOptions(size, method, bool(chunked_loss), mlp_tiles)
     have = step.extension("context_parallel")
     if reapply(step, "context_parallel", have and have.options, options, "splits the sequence"):
         return step
@@ -119,7 +132,7 @@ def context_parallel(step: Step, size: int, /, *, method: str = "ulysses") -> St
             "context_parallel",
             options,
             prepare=_prepare,
-            around=lambda model, state: Around(method, m, model),
+            around=lambda model, state: Around(method, m, model, options.chunked_loss, mlp_tiles),
             feed=lambda batch: feed(ACTIVE.get(), batch),
         )
     )

@@ -29,7 +29,9 @@ import torch
 from zerofn.transforms.context_parallel._feed import ACTIVE, HELP, IGNORE, Active
 from zerofn.transforms.context_parallel._ulysses import attention as ulysses_attention
 
+from zerofn.losses import chunked_cross_entropy
 from zerofn.mesh import Mesh
+from zerofn.tiling import tile_mlps
 
 NAME = "zerofn_context_parallel"
 _REGISTERED: list[bool] = []
@@ -122,8 +124,10 @@ class Around:
     """Around a step's forward and backward: the model's configs name :data:`NAME`, the model's call is
     completed by :meth:`_complete`, and the forward's :class:`zerofn.transforms.context_parallel._feed.Active` context is set."""
 
-    def __init__(self, method: str, m: Mesh, model: Callable):
+    def __init__(self, method: str, m: Mesh, model: Callable, chunked_loss: bool = True, mlp_tiles: int | None = None):
         self.method, self.m, self.model = method, m, model
+        self.chunked_loss, self.mlp_tiles = chunked_loss, mlp_tiles
+        self.pending: list[dict] = []  # the chunked losses of the model's calls in flight, innermost last
 
     def __enter__(self):
         register()
@@ -131,7 +135,14 @@ class Around:
         self.configs = [(c, c._attn_implementation) for c in _configs(module)]
         for c, _ in self.configs:
             c._attn_implementation = NAME
-        self.hook = module.register_forward_pre_hook(self._complete, with_kwargs=True)
+        self.hooks = [
+            module.register_forward_pre_hook(self._complete, with_kwargs=True),
+            module.register_forward_hook(self._finish),
+        ]
+        self.tiles = None
+        if self.mlp_tiles:
+            self.tiles = tile_mlps(module, self.mlp_tiles)
+            self.tiles.__enter__()
         m = self.m
         active = Active(m.size("cp"), m.coordinate("cp"), m.group("cp"), self.method)
         self.token = ACTIVE.set(active)
@@ -139,7 +150,10 @@ class Around:
 
     def __exit__(self, *exc):
         ACTIVE.reset(self.token)
-        self.hook.remove()
+        if self.tiles is not None:
+            self.tiles.__exit__(*exc)
+        for h in self.hooks:
+            h.remove()
         for c, was in self.configs:
             c._attn_implementation = was
         return False
@@ -173,9 +187,61 @@ class Around:
             if isinstance(items, torch.Tensor):
                 items = items.clamp(min=1).to(torch.float32)
             kwargs["num_items_in_batch"] = items / active.cp
+            head = _chunkable_head(module, kwargs) if self.chunked_loss else None
+            if head is not None:  # the model computes no logits and no loss; the head computes the loss by chunks
+                record = {"labels": kwargs.pop("shift_labels"), "divisor": kwargs.pop("num_items_in_batch")}
+                del kwargs["labels"]
+                record["restore"], record["module"] = _chunked_head(head, record), module
+                self.pending.append(record)
         if "use_cache" in kwargs or _takes_use_cache(type(module)):
             kwargs["use_cache"] = False
         return args, kwargs
+
+    def _finish(self, module, args, output):
+        """The loss the head computed by chunks, put where the model's would be (``output.loss``); the model's
+        logits, never made, are None."""
+        if not self.pending or self.pending[-1].get("module", module) is not module:
+            return None
+        record = self.pending.pop()
+        record["restore"]()
+        if "loss" not in record:
+            return None
+        output["loss"] = record["loss"]
+        output["logits"] = None
+        return output
+
+
+# Causal LMs whose forward is `logits = lm_head(hidden); loss = loss_function(logits, labels, ...)` and nothing
+# else between (no soft-capping, no logit scale, no auxiliary loss added to it)
+CHUNKABLE = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def _chunkable_head(module: torch.nn.Module, kwargs: dict) -> torch.nn.Module | None:
+    """The model's output head, when its loss may be computed by chunks in place of the model's own: a plain
+    Linear head of a causal LM in :data:`CHUNKABLE`, called for every position with a dict output."""
+    config = getattr(module, "config", None)
+    get = getattr(module, "get_output_embeddings", None)
+    if getattr(config, "model_type", None) not in CHUNKABLE or get is None or kwargs.get("return_dict") is False:
+        return None
+    if kwargs.get("logits_to_keep", 0) not in (0, None):
+        return None
+    head = get()
+    return head if type(head) is torch.nn.Linear else None
+
+
+def _chunked_head(head: torch.nn.Linear, record: dict) -> Callable[[], None]:
+    """Make ``head``'s next call compute the chunked cross entropy of its input against ``record["labels"]``
+    (summed, over ``record["divisor"]``) into ``record["loss"]`` and return no logits (a ``[..., 0]``
+    tensor). Its hooks run as for any call (``shard_params`` gathers its unit for it). Returns the undo."""
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        head.__dict__.pop("forward", None)
+        total = chunked_cross_entropy(hidden, head.weight, record["labels"], bias=head.bias, reduction="sum")
+        record["loss"] = total / record["divisor"]
+        return hidden.new_empty(*hidden.shape[:-1], 0)
+
+    head.forward = forward
+    return lambda: head.__dict__.pop("forward", None)
 
 
 @functools.cache

@@ -212,3 +212,62 @@ def test_bad_sequences_sizes_and_batches_are_refused(ranks):
         assert "batch['shift_labels']" in out["labels"], out["labels"]
         assert "transformers' attention interface" in out["plain"], out["plain"]
         assert out["count"] == 0  # nothing was updated by the refused steps
+
+
+def _checkpoint_case(root: str) -> dict:
+    """A state saved at cp 2 (ZeRO-3 over the cp ranks) loads under plain ZeRO-3, without any parallelism and
+    at cp 1: parameters are whole along cp, so every checkpoint loads at any cp size."""
+    apply = zf.functional(_model("llama"))
+    step = context_parallel(shard_params(zf.train_step(_loss_fn(apply, "model"), zf.optim.adamw(1e-3))), 2)
+    state, _ = step(step.init(apply.params), _batch(0, True))
+    zf.checkpoint.save(state, f"{root}/cp2")
+    want = step.full_params(state)
+    out = {}
+    for name, make in {"plain": lambda s: s, "shard_params": shard_params}.items():
+        other = zf.functional(_model("llama"))
+        s = make(zf.train_step(_loss_fn(other, "model"), zf.optim.adamw(1e-3)))
+        got = s.full_params(zf.checkpoint.load(f"{root}/cp2", s))
+        out[name] = max(float((got[k] - want[k]).abs().max()) for k in want)
+    return out
+
+
+def test_a_state_saved_at_cp2_loads_without_context_parallelism(ranks, tmp_path):
+    for out in ranks(2).run(_checkpoint_case, str(tmp_path)):
+        assert out == {"plain": 0.0, "shard_params": 0.0}, out
+
+
+def _long(chunked: bool, tiles: int | None) -> tuple[dict, int, list, bool]:
+    """One process (cp 1) on a sequence long enough that the logits and the MLPs' activations lead."""
+    from helpers import tiny_llama
+
+    apply = zf.functional(tiny_llama(vocab_size=2048, intermediate_size=512, max_position_embeddings=1024))
+    seen = []
+
+    def loss_fn(params, batch):
+        out = apply(params, **batch)
+        seen.append(out.logits is None)
+        return out.loss
+
+    # SGD: the parameters move by the gradients themselves (Adam would scale their rounding up to its step)
+    step = context_parallel(zf.train_step(loss_fn, zf.optim.sgd(0.1)), 1, chunked_loss=chunked, mlp_tiles=tiles)
+    state = step.init(apply.params)
+    ids = torch.randint(0, 2048, (1, 512), generator=torch.Generator().manual_seed(0))
+    state, m = step(state, {"input_ids": ids, "labels": ids})  # the optimizer's state exists after the first
+    with zf.memory.track() as t:
+        state, m = step(state, {"input_ids": ids, "labels": ids})
+    return step.full_params(state), t.peak, [float(m["loss"])], all(seen)
+
+
+def test_the_chunked_loss_and_tiled_mlps_lower_the_peak_and_change_no_number():
+    whole, whole_peak, whole_loss, none_whole = _long(False, None)
+    chunked, chunked_peak, chunked_loss, none_chunked = _long(True, None)
+    tiled, tiled_peak, tiled_loss, _ = _long(True, 4)
+    assert not none_whole and none_chunked  # the model's logits are never made under the chunked loss
+    for got, loss in ((chunked, chunked_loss), (tiled, tiled_loss)):
+        assert max(float((got[k] - whole[k]).abs().max()) for k in whole) <= 1e-5
+        assert abs(loss[0] - whole_loss[0]) <= 1e-5
+    # the model's fp32 logits (512 x 2048 x 4 bytes: 4 MiB), kept for backward beside their log-softmax, are
+    # never made: the chunks (one here, 64 MiB of logits a chunk) hold the softmax in place and the gradients
+    logits = 512 * 2048 * 4
+    assert chunked_peak <= whole_peak - logits, (chunked_peak, whole_peak)
+    assert tiled_peak < chunked_peak, (tiled_peak, chunked_peak)
