@@ -8,9 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY_DECODER, rank_slice, tiny_llama
+from helpers import TINY_DECODER, rank_slice, stats_bytes, tiny_llama
 from torch import nn
-from zerofn.transforms import amp, context_parallel, remat, shard_grads, shard_optimizer, shard_params, tensor_parallel
+from zerofn.transforms import (
+    amp,
+    context_parallel,
+    offload,
+    quantize,
+    remat,
+    shard_grads,
+    shard_optimizer,
+    shard_params,
+    tensor_parallel,
+)
 
 import zerofn as zf
 
@@ -22,6 +32,18 @@ STEPS, BATCH, SEQ = 4, 4, 16
 def _model(kind: str) -> nn.Module:
     if kind == "llama":
         return tiny_llama(max_position_embeddings=256)
+    if kind == "lora":  # a peft LoRA Llama, its adapters' B drawn non-zero so that every adapter trains
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            tiny_llama(max_position_embeddings=256),
+            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0),
+        )
+        torch.manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                nn.init.normal_(p, std=0.02)
+        return model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -72,6 +94,8 @@ COMPOSE = {
     "shard_params": shard_params,
     "remat": lambda s: remat(shard_params(s)),
     "amp": lambda s: amp(s, torch.bfloat16),
+    "offload": lambda s: offload(shard_params(s), "cpu"),
+    "qlora": lambda s: quantize(shard_params(s), "nf4"),  # long-context QLoRA: the frozen base held in nf4
 }
 
 
@@ -90,7 +114,9 @@ def _train(case: tuple) -> dict:
     for i in range(STEPS):
         state, m = step(state, rank_slice(_batch(i, pad), here, data))
         losses.append(float(m["loss"]))
-    return {"params": step.full_params(state), "losses": losses, "comm": int(m["comm_bytes"]), "name": step.name}
+    buffers = sum(b.nbytes for b in apply.module.buffers() if b.is_floating_point())  # averaged over the group
+    out = {"params": step.full_params(state), "losses": losses, "comm": int(m["comm_bytes"]), "name": step.name}
+    return out | {"buffers": buffers}
 
 
 def _cases(cases: list) -> dict:
@@ -109,7 +135,7 @@ def _reference(kind: str, loss: str, pad: bool, compose: str = "plain") -> dict:
 
 def _check(results: list, case: tuple, tol: float = 1e-5) -> None:
     kind, _, _, _, compose, loss, pad = case
-    ref = _reference(kind, loss, pad, "amp" if compose == "amp" else "plain")
+    ref = _reference(kind, loss, pad, compose if compose in ("amp", "qlora") else "plain")
     for r in results:
         got = r[case]
         assert got["name"].startswith("context_parallel("), got["name"]
@@ -134,20 +160,29 @@ def test_cp2_trains_as_one_process_over_the_whole_sequence(ranks):
         ("llama", 2, "ring", 0, "plain", "model", True),
         ("qwen3", 2, "ring", 0, "plain", "mean", True),
         ("llama", 2, "ring", 0, "shard_params", "model", False),
+        ("llama", 2, "ulysses", 0, "offload", "model", True),
+        ("lora", 2, "ring", 0, "qlora", "model", True),
+        ("llama", 2, "ring", 0, "plain", "model", False),  # last: its traffic is checked below
     ]
     results = ranks(2).run(_cases, cases)
     for case in cases:
         _check(results, case, 2e-2 if case[4] == "amp" else 1e-5)
-    # Ulysses' traffic: per attention layer, q, k, v and the output each cross once in forward and once in
-    # backward, this rank's tokens of each (key/value heads as many as the model has: 2, which 2 ranks split);
-    # plus the step's statistics all-reduce (cp ranks are the step's group: 2 ranks, trainable names counted)
-    rows, tokens, layers = BATCH, SEQ // 2, 2
-    q = rows * tokens * 4 * 16 * 4  # 4 heads of 16, fp32
-    kv = rows * tokens * 2 * 16 * 4
-    per_layer = 2 * (q + 2 * kv + q)
-    grads = sum(p.numel() for p in results[0][cases[0]]["params"].values()) * 4
-    assert results[0][cases[0]]["comm"] >= layers * per_layer + 2 * grads
-    assert results[0][cases[0]]["comm"] - layers * per_layer - 2 * grads < 4096, results[0][cases[0]]["comm"]
+    # Traffic, counted on every group the step uses: the gradients' all-reduce over the cp ranks (the step's
+    # group: 2 x their bytes), the step's statistics (stats_bytes), the float buffers' average (the rotary
+    # frequencies, as on any step's group) and attention's, per layer:
+    # - Ulysses: q, k, v and the output cross once in forward and once in backward, this rank's tokens of each
+    #   (2 key/value heads, which 2 ranks split: none repeated);
+    # - ring: (cp - 1) k + v blocks in forward, as many in backward plus cp trips of the fp32 dk/dv accumulator.
+    rows, tokens, layers, cp = BATCH, SEQ // 2, 2, 2
+    q, kv = rows * tokens * 4 * 16 * 4, rows * tokens * 2 * 16 * 4  # fp32: 4 query and 2 key/value heads of 16
+    params = results[0][cases[0]]["params"]
+    grads = 2 * sum(p.numel() for p in params.values()) * 4 + stats_bytes(len(params), 2)
+    grads += 2 * results[0][cases[0]]["buffers"]
+    ulysses = layers * 2 * (q + 2 * kv + q)
+    ring = layers * ((cp - 1) * 2 * kv + (cp - 1) * 2 * kv + cp * 2 * kv)
+    for r in results:
+        assert r[cases[0]]["comm"] == grads + ulysses, (r[cases[0]]["comm"], grads + ulysses)
+        assert r[cases[-1]]["comm"] == grads + ring, (r[cases[-1]]["comm"], grads + ring)
 
 
 def test_cp4_cp2_by_dp2_and_tp2_by_cp2_train_as_one_process(ranks):
