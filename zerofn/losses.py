@@ -183,6 +183,22 @@ def chunked_cross_entropy(
         >>> torch.allclose(loss, full)
         True
     """
+    relevant = tuple(t for t in (hidden, weight, labels, bias) if isinstance(t, torch.Tensor))
+    if torch.overrides.has_torch_function(relevant):
+        # a tensor subclass that computes in its own way (shard_params' placeholder of a parameter read outside
+        # its unit, which gathers it and computes with a copy whose gradient reaches the parameter) sees this
+        # call as one function, as it sees F.linear: the autograd function below gets plain tensors
+        return torch.overrides.handle_torch_function(
+            chunked_cross_entropy,
+            relevant,
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            chunk_size=chunk_size,
+        )
     tokens, targets, compute = _checked(hidden, weight, labels, bias, reduction, chunk_size)
     wide = torch.promote_types(compute, torch.float32)
     chunk = chunk_size or max(1, CHUNK_BYTES // (weight.shape[0] * wide.itemsize))

@@ -257,3 +257,33 @@ def test_inside_a_step_trains_as_the_loss_over_the_full_logits():
             state, metrics = step(state, data(i))
         trained.append(step.full_params(state))
     assert max_abs_diff(*trained) < 1e-10
+
+
+def test_under_shard_params_a_head_read_outside_its_unit_trains_the_head():
+    """shard_params hands loss_fn placeholders of its parameters; chunked_cross_entropy on the head's (read
+    outside the model, so gathered for the read) must give it its gradient, as F.cross_entropy over its logits
+    does: the same losses step after step (without its gradient the head never trained, and the losses drifted
+    from the second step)."""
+    from zerofn.transforms import shard_params
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def run(chunked: bool) -> list[float]:
+        apply = zf.functional(tiny_llama())
+
+        def loss_fn(params, batch):
+            out = apply(params, input_ids=batch, output_hidden_states=True, logits_to_keep=1)
+            h, y, w = out.hidden_states[-1][:, :-1], batch[:, 1:], params["lm_head.weight"]
+            if chunked:
+                return zf.losses.chunked_cross_entropy(h, w, y)
+            return F.cross_entropy((h @ w.T).flatten(0, 1), y.flatten())
+
+        step = shard_params(zf.train_step(loss_fn, zf.optim.sgd(0.1)))
+        state, losses = step.init(apply.params), []
+        for _ in range(3):
+            state, m = step(state, ids)
+            losses.append(float(m["loss"]))
+        return losses
+
+    want, got = run(False), run(True)
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)

@@ -84,7 +84,20 @@ def _loss_fn(apply, loss: str):
         total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
         return zf.Mean(total, (labels != -100).sum())
 
-    return model_loss if loss == "model" else mean_loss
+    def hidden_loss(params, batch):  # the docs' recipe: the head's loss by chunks, from the last hidden states
+        out = apply(
+            params,
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
+        labels = _shifted(batch)
+        head = params["lm_head.weight"]
+        total = zf.losses.chunked_cross_entropy(out.hidden_states[-1], head, labels, reduction="sum")
+        return zf.Mean(total, (labels != -100).sum())
+
+    return {"model": model_loss, "mean": mean_loss, "hidden": hidden_loss}[loss]
 
 
 COMPOSE = {
@@ -161,6 +174,7 @@ def test_cp2_trains_as_one_process_over_the_whole_sequence(ranks):
         ("qwen3", 2, "ring", 0, "plain", "mean", True),
         ("llama", 2, "ring", 0, "shard_params", "model", False),
         ("llama", 2, "ulysses", 0, "offload", "model", True),
+        ("llama", 2, "ring", 0, "shard_params", "hidden", True),
         ("lora", 2, "ring", 0, "qlora", "model", True),
         ("llama", 2, "ring", 0, "plain", "model", False),  # last: its traffic is checked below
     ]
