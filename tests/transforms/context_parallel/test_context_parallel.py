@@ -217,6 +217,18 @@ def test_cp4_cp2_by_dp2_and_tp2_by_cp2_train_as_one_process(ranks):
         _check(results, case)
 
 
+def test_tp2_by_cp2_by_dp2_on_eight_ranks_trains_as_one_process(ranks):
+    # the 3-D mesh dp_shard x cp x tp: ZeRO-3 over the 4 ranks of each tensor-parallel slice (dp x cp), heads
+    # split over tp, the sequence over cp; zf.Mean: one process over the concatenated batch's tokens
+    cases = [
+        ("llama", 2, "ulysses", 2, "shard_params", "mean", True),
+        ("llama", 2, "ring", 2, "shard_grads", "mean", True),
+    ]
+    results = ranks(8).run(_cases, cases)
+    for case in cases:
+        _check(results, case)
+
+
 def _refusals() -> dict:
     out = {}
     apply = zf.functional(_model("llama"))
