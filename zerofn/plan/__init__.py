@@ -15,9 +15,11 @@ on a frozen base, quantized or not: :class:`LoraPlan`, :func:`lora_plan`,
 :func:`dequant_bytes`), ``local`` (what one GPU holds of parameters a parallelism cuts, from their
 placements: :func:`local_params`, :func:`local_shape`), ``tensor`` (tensor parallelism's split, its
 placements stated by the transform's rules: :class:`TensorParallelPlan`, :func:`tensor_parallel_plan`,
-:func:`split_shapes`), ``estimates/`` (:class:`Estimate`, :func:`estimate`,
-:func:`compositions`, :func:`optimizer_bytes`; a module a job: the defaults, the optimizer's bytes, the
-record, the refusals, the estimate, the compositions), ``cli``
+:func:`split_shapes`), ``context`` (context parallelism's cut of the sequence and its traffic:
+:class:`ContextParallelPlan`, :func:`context_parallel_plan`, :func:`layout_unit`), ``estimates/``
+(:class:`Estimate`, :func:`estimate`, :func:`compositions`, :func:`optimizer_bytes`,
+:func:`longest_sequence`; a module a job: the defaults, the optimizer's bytes, the record, the refusals, the
+estimate, the compositions, the longest sequence), ``cli``
 (:func:`main`, :func:`parse_size`, :func:`parse_count`), ``text``
 (:func:`plan_text`, :func:`fmt_bytes`) and ``plotting`` (:func:`plot`); every
 name is importable from ``zerofn.plan``.
@@ -87,6 +89,16 @@ parameter's placement on the ``tp`` axis (:func:`split_shapes`, by the transform
 activations' all-reduces, four a block per micro-batch, are ``Estimate.tp_traffic``. See
 :mod:`zerofn.plan.tensor`.
 
+Context parallelism (``estimate(..., cp=c)``, ``context_parallel(step, c)``): each of the ``c`` GPUs of a
+group computes ``seq / c`` of every micro-batch's tokens, from the embedding to the loss; the parameters are
+whole on each and the step runs on the ``N`` GPUs of ``dp x cp`` (``N / tp`` with tensor parallelism), so the
+table above applies as it is: ``cp`` divides the activations, not the state. Its long-context recipe,
+``remat(context_parallel(shard_params(step), c), offload="cpu")`` with the chunked loss
+(``chunked_loss=True``, ``remat_offload=True``), leaves the GPU one block's activations of the local tokens
+and one chunk of logits; the blocks' kept inputs go to host RAM (``Estimate.remat_host``, in ``cpu``).
+Attention's exchanges are ``Estimate.cp_traffic``; :func:`longest_sequence` finds the longest sequence a
+composition fits. See :mod:`zerofn.plan.context`.
+
 Optimizer state in CPU RAM (``"cpu"``): the GPU keeps only parameters and
 the gradients of the buckets backward is landing; the host holds, per
 rank, the optimizer state (K S), an fp32 gradient buffer kept from step
@@ -126,6 +138,7 @@ Example:
 
 from zerofn.plan.activations import activation_bytes
 from zerofn.plan.cli import main, parse_count, parse_size
+from zerofn.plan.context import ContextParallelPlan, context_parallel_plan, layout_unit
 from zerofn.plan.estimates import (
     ADAM_COUNT_BYTES,
     BUCKET_BYTES,
@@ -137,6 +150,7 @@ from zerofn.plan.estimates import (
     OptimizerBytes,
     compositions,
     estimate,
+    longest_sequence,
     optimizer_bytes,
 )
 from zerofn.plan.local import local_params, local_shape
@@ -153,6 +167,7 @@ __all__ = [
     "NVME_SUB_GROUP_BYTES",
     "NVME_UPDATE_BUFFERS",
     "PREFETCH",
+    "ContextParallelPlan",
     "Estimate",
     "LoraPlan",
     "ModelShape",
@@ -160,12 +175,15 @@ __all__ = [
     "TensorParallelPlan",
     "activation_bytes",
     "compositions",
+    "context_parallel_plan",
     "dequant_bytes",
     "estimate",
     "fmt_bytes",
     "format_count",
+    "layout_unit",
     "local_params",
     "local_shape",
+    "longest_sequence",
     "lora_plan",
     "main",
     "model_shape",

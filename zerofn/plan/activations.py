@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["activation_bytes"]
+__all__ = ["LOSS_CHUNK_BYTES", "activation_bytes"]
+
+# The logits one chunk of zf.losses.chunked_cross_entropy holds in float32 (zerofn.losses.CHUNK_BYTES)
+LOSS_CHUNK_BYTES = 64 * 2**20
 
 
 def activation_bytes(
@@ -23,6 +26,10 @@ def activation_bytes(
     device: str = "cuda",
     lora_rank: int = 0,
     tp: int = 1,
+    cp: int | None = None,
+    cp_method: str = "ulysses",
+    chunked_loss: bool = False,
+    remat_offload: bool = False,
 ) -> int:
     """Activation bytes alive at a training step's peak on one GPU, for a GPT-like model.
 
@@ -63,6 +70,35 @@ def activation_bytes(
       the norms' inputs and outputs (4 a h), the embedding's output and the
       block inputs remat keeps are whole on every GPU (a head split over the
       vocabulary: pass ``vocab / tp``, the logits one GPU holds).
+    - ``cp``: ``context_parallel(step, cp, method=cp_method)`` (None: not
+      applied; 1: applied to groups of one). ``seq`` is the whole sequence;
+      each GPU computes ``T = s b / cp`` of its tokens, and every per-token
+      term above counts T tokens. The attention output is saved twice, by
+      the attention function (for its backward) and as the o projection's
+      input (a contiguous copy of it): ``a h / tp`` more a block. Ulysses
+      repeats grouped key/value heads to the query heads before its
+      attention, which saves them at that width: k and v count ``2 h``, not
+      ``2 h_kv``; its attention holds the whole sequence for ``heads / cp``
+      heads, the same bytes as all heads for the local tokens (no s^2
+      matrix with flash/SDPA). Ring saves k and v as they are, and
+      recomputes its scores in backward (never saved). A block's backward
+      then has a working set beside what is saved (:data:`WORKING`), which
+      enters the peak at the block being differentiated.
+    - ``chunked_loss``: the loss by ``zf.losses.chunked_cross_entropy``
+      (``context_parallel``'s own for Llama, Mistral and Qwen models): in
+      place of the ``12 V`` per token of whole logits, one chunk's logits
+      (``c = min(T, 64 MiB / (4 V))`` tokens: ``c V (4 + a)`` bytes in
+      mixed precision, the bf16 logits beside their fp32 copy; ``4 c V``
+      in fp32), the gradient of the hidden states it computes in forward
+      (``a h`` per token, and its scaled copy in backward), and the float32
+      sum of the head's weight gradient (``4 V h``; in mixed precision its
+      float32 scaled copy in backward too, the head's bf16 gradient being
+      counted with the gradients). Then a block's backward working set is
+      compared with the head's terms: the peak is the larger.
+    - ``remat_offload``: ``remat(..., offload="cpu")``: the L kept block
+      inputs wait in host memory (the estimate counts them there), the
+      device holding only the one input being recomputed. On the CPU
+      (``device="cpu"``) host memory is the device's: nothing moves.
 
     Returns:
         Bytes (an int).
@@ -79,19 +115,67 @@ def activation_bytes(
     f = int(ffn or 4 * h)
     act = 2 if mixed_precision else 4
     norm32 = 4 if (mixed_precision and device != "cpu") else 0  # CUDA autocast: layer norms in fp32
-    sb = s * b
     t = int(tp)
+    sb = s * b if cp is None else s * b // int(cp)  # the tokens this GPU computes
+    ulysses, ring = cp is not None and cp_method == "ulysses", cp is not None and cp_method == "ring"
+    # saved k and v: Ulysses repeats grouped key/value heads to the query heads before its attention
+    kv_saved = h if ulysses else h_kv
+    out_twice = h if cp is not None else 0  # the attention function's output, and the o projection's input
     # whole: the first norm's output, the residual after attention, the second norm's output, the block's
     # output; split over tensor-parallel GPUs: q, k, v, the attention output and the MLP's activations
-    elems = 4 * h + (2 * h + 2 * h_kv + (4 if gated else 2) * f) / t + (7 if gated else 6) * int(lora_rank)
+    elems = (
+        4 * h + (2 * h + out_twice + 2 * kv_saved + (4 if gated else 2) * f) / t + (7 if gated else 6) * int(lora_rank)
+    )
     stats = 16 + 4 * a_heads / t
-    per_layer = sb * (act * elems + 2 * norm32 * h + stats + (0 if flash else act * a_heads * s / t))
+    softmax = 0 if (flash or ring) else act * a_heads * s / t  # ring recomputes its scores in backward
+    per_layer = sb * (act * elems + 2 * norm32 * h + stats + softmax)
     x = sb * act * h  # one residual-stream tensor
+    v = int(vocab)
     if inference:
-        return int(x + per_layer + sb * act * int(vocab))
-    head = x + sb * (norm32 * h + 8 + 12 * int(vocab))
+        return int(x + per_layer + sb * act * v)
+    work = sb * act * f / t  # a block's backward: the gradients of its output and of its MLP activation
+    if cp is not None:
+        work = max(work, _attention_work(cp_method, sb, b, s // int(cp), h, h_kv, a_heads, t, act))
+    if chunked_loss:
+        c = min(sb, max(1, LOSS_CHUNK_BYTES // (4 * max(v, 1))))
+        grad_hidden = sb * act * h
+        logits = c * v * (4 + (act if act < 4 else 0))
+        backward = grad_hidden + (4 * v * h if act < 4 else 0)  # the scaled copies of the gradients it kept
+        loss = grad_hidden + 4 * v * h + max(logits, backward)
+        head = x + sb * (norm32 * h + 8) + loss
+    else:
+        head = x + sb * (norm32 * h + 8 + 12 * v)
+    if chunked_loss or cp is not None:
+        head = max(head, work)  # the head's terms are gone by the time a block's backward runs
     if not remat:
         return int(x + L * per_layer + head)
-    start = (L + 1) * x + head
-    first_block = L * x + per_layer + sb * act * f / t
+    kept = 1 if (remat_offload and device != "cpu") else L  # the inputs on the device
+    start = (kept + 1) * x + head
+    first_block = kept * x + per_layer + work
     return int(max(start, first_block))
+
+
+# What a block's backward holds beside the saved tensors, per token, in units of ``a h / tp`` (Ulysses: the
+# gradient of the attention output, dq, dk and dv at the query heads' width, and one all-to-all's send copy
+# and receive buffer); ring's is counted by :func:`_attention_work`.
+WORKING = 6
+
+
+def _attention_work(
+    method: str, tokens: int, b: int, local: int, h: int, h_kv: int, heads: int, t: int, act: int
+) -> float:
+    """Bytes attention's backward holds beside the saved tensors on one GPU, for ``tokens`` local tokens
+    (``local`` a sequence's, ``b`` sequences).
+
+    Ulysses: :data:`WORKING` activation-sized tensors of the layer (``a h / tp`` per token). Ring: its float32
+    blocks (the queries and the gradient of the output laid out as rows, the output's rows, dq: ``4 x 4 h``;
+    the dk/dv part, the accumulator and the one in flight: ``3 x 8 h_kv``; k and v stacked and the pair in
+    flight in their dtype, and as float32: ``(4 a + 8) h_kv``), and two float32 score matrices of the largest
+    pair of runs, ``2 x 4 x heads / tp x local`` per token: on the GPU that bounds the group, rank ``cp - 1``,
+    whose two chunks of the balanced layout (``cp - 1`` and ``cp``) are one run, its own block is one masked
+    pair of ``local x local`` (the others' largest pairs are two chunks against one, half that)."""
+    if method == "ring":
+        blocks = tokens * (16 * h + 24 * h_kv + (4 * act + 8) * h_kv) / t
+        scores = 2 * 4 * (heads / t) * b * local * local
+        return blocks + scores
+    return tokens * WORKING * act * h / t

@@ -10,12 +10,13 @@ import sys
 import torch
 
 from zerofn import optim as O
-from zerofn.plan.estimates import compositions
+from zerofn.plan.context import METHODS, layout_unit
+from zerofn.plan.estimates import compositions, longest_sequence
 from zerofn.plan.plotting import plot
 from zerofn.plan.shapes import ModelShape, model_shape, shape_from_dims
 from zerofn.plan.text import fmt_bytes, format_count, plan_text
 
-__all__ = ["main", "parse_count", "parse_size"]
+__all__ = ["main", "parse_count", "parse_seq", "parse_size"]
 
 _SIZE_UNITS = {
     "": 1,
@@ -66,6 +67,20 @@ def parse_count(text: str) -> float:
     return _parse(text, _COUNT_UNITS, "a parameter count such as 70e9, 70B or 124M")
 
 
+def parse_seq(text: str) -> int | str:
+    """A sequence length (``4096``, ``32k``, ``1M``: tokens) or ``max`` (the longest that fits); raises
+    ``argparse.ArgumentTypeError`` for anything else."""
+    if text.strip().lower() == "max":
+        return "max"
+    try:
+        value = _parse(text, _COUNT_UNITS, "a sequence length such as 4096, 32k or max")
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a sequence length in tokens (4096, 32k) or max") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of tokens")
+    return int(value)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m zerofn plan",
@@ -96,8 +111,21 @@ def _parser() -> argparse.ArgumentParser:
         "GPT's two matrices",
     )
     p.add_argument("--vocab", type=int, help="vocabulary (the embeddings and head; the logits' activations)")
-    p.add_argument("--seq", type=int, help="sequence length")
-    p.add_argument("--micro-batch", type=int, help="sequences per GPU per micro-step")
+    p.add_argument(
+        "--seq",
+        "--seq-len",
+        dest="seq",
+        type=parse_seq,
+        metavar="S",
+        help="sequence length in tokens (4096, 32k), or max: the longest that fits, searched over multiples of "
+        "the context-parallel layout unit (cp for Ulysses, 2 cp for ring); --micro-batch then defaults to 1",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        help="sequences per GPU per micro-step (with --tp or --cp: per data-parallel rank, the GPUs of a group "
+        "feeding the same)",
+    )
     p.add_argument("--inference", action="store_true", help="weights only, 2 bytes per parameter (fp16/bf16)")
     p.add_argument("--fp32", action="store_true", help="full precision training (4 + 4 + 8 bytes per parameter)")
     p.add_argument(
@@ -136,6 +164,36 @@ def _parser() -> argparse.ArgumentParser:
         "1/N of every block's q, k, v, o, gate, up and down, the rest whole; the ZeRO stages shard over the "
         "GPUs / N data-parallel ranks. N divides --gpus and the heads; needs the shapes (--model, or --layers and "
         "--hidden); --micro-batch is then per data-parallel rank",
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        metavar="N",
+        help="context parallelism over N GPUs (zerofn.transforms.context_parallel(step, N)): each computes 1/N of "
+        "every micro-batch's sequence, from the embedding to the loss; parameters whole, the ZeRO stages shard "
+        "over the GPUs / tp ranks as without it. N divides GPUs x nodes / tp. Implies the long-context recipe: "
+        "--chunked-loss and --remat-offload",
+    )
+    p.add_argument(
+        "--cp-method",
+        choices=METHODS,
+        default=None,
+        help="how attention meets the whole sequence under --cp: ulysses (default; all-to-alls to head slices, the "
+        "query heads a multiple of N) or ring (key/value blocks around the ring, any heads)",
+    )
+    p.add_argument(
+        "--chunked-loss",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the loss by zf.losses.chunked_cross_entropy (context_parallel's own for Llama, Mistral, Qwen): one "
+        "chunk of about 64 MiB of fp32 logits at a time, not tokens x vocabulary (default: on with --cp)",
+    )
+    p.add_argument(
+        "--remat-offload",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the remat rows hold each block's kept input in CPU RAM (remat(step, offload='cpu')), counted in "
+        "CPU/node and against --cpu-memory, the GPU holding one block's (default: on with --cp)",
     )
     p.add_argument("--plot", metavar="FILE.png", help="draw bytes per GPU by composition against the GPU memory")
     return p
@@ -186,6 +244,19 @@ def main(argv: list[str] | None = None) -> int:
             "--lora-rank puts adapters on every block's projections, whose shapes it needs: pass --model "
             "config.json, or --layers and --hidden (with --heads and --ffn where they differ from GPT's)"
         )
+    if args.cp is not None and args.cp < 1:
+        p.error(
+            f"--cp {args.cp}: the GPUs per context-parallel group must be at least 1 (1: no split, the recipe alone)"
+        )
+    if args.cp_method is not None and args.cp is None:
+        p.error(f"--cp-method {args.cp_method} says how --cp N splits attention; pass --cp N too")
+    if args.seq == "max" and args.model is None and not shaped:
+        p.error(
+            "--seq-len max finds the longest sequence whose activations fit, which needs the shapes: pass --model "
+            "config.json, or --layers and --hidden (with --vocab, --heads, --kv-heads, --ffn, --gated)"
+        )
+    if args.seq == "max" and args.inference:
+        p.error("--seq-len max plans training activations; --inference counts weights only, whatever the sequence")
     if args.model is not None and not os.path.exists(args.model):
         p.error(
             f"--model {args.model}: no such file or directory; pass a Hugging Face config.json or the model "
@@ -240,7 +311,23 @@ def main(argv: list[str] | None = None) -> int:
         kw["quantize"] = args.quantize
     if args.tp != 1:
         kw["tp"] = args.tp
+    recipe = args.cp is not None  # --cp implies the long-context recipe unless told otherwise
+    if args.cp is not None:
+        kw["cp"], kw["cp_method"] = args.cp, args.cp_method or "ulysses"
+    if recipe if args.chunked_loss is None else args.chunked_loss:
+        kw["chunked_loss"] = True
+    if recipe if args.remat_offload is None else args.remat_offload:
+        kw["remat_offload"] = True
+    longest = None
     try:
+        if args.seq == "max":
+            kw.pop("seq")
+            kw.setdefault("micro_batch", 1)
+            longest = longest_sequence(
+                source, gpu_memory=args.gpu_memory, cpu_memory=args.cpu_memory, nvme=args.nvme, **kw
+            )
+            unit = layout_unit(args.cp, kw["cp_method"]) if args.cp is not None else 1
+            kw["seq"] = longest[0] if longest else unit
         rows = compositions(source, inference=args.inference, **kw)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -256,8 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     if lora is not None:
         what += f"; LoRA rank {lora.rank} ({format_count(lora.trainable)} trainable), the base frozen"
         what += f" in {lora.quantize.upper()}" if lora.quantize else ""
-    tensor = rows[0].tensor_parallel
-    if tensor is not None:
+    tensor, context = rows[0].tensor_parallel, rows[0].context_parallel
+    if context is not None:  # the mesh: dp x cp (x tp)
+        tp_part = f"tensor parallel {tensor.size} x " if tensor is not None else ""
+        what += f"; {tp_part}context parallel {context.size} ({context.method}) x data parallel {context.data}"
+    elif tensor is not None:
         what += f"; tensor parallel {tensor.size} x data parallel {tensor.data}"
     name = f" ({source.name})" if isinstance(source, ModelShape) and source.name else ""
     title = (
@@ -266,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if note is not None:
         print(note)
+    if args.seq == "max":
+        print(_longest_line(longest, kw, args, source))
     print(plan_text(rows, gpu=args.gpu_memory, cpu=args.cpu_memory, nvme=args.nvme, psi=psi, title=title))
     if args.plot:
         try:
@@ -275,6 +367,35 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _longest_line(longest, kw: dict, args: argparse.Namespace, source) -> str:
+    """What ``--seq-len max`` found, said above the table (which is planned at that length)."""
+    cp, method = kw.get("cp"), kw.get("cp_method", "ulysses")
+    unit = layout_unit(cp, method) if cp is not None else 1
+    why = (
+        f"a multiple of {unit}, the layout unit of cp {cp} with {method}: {'2 x cp chunks, two a GPU' if method == 'ring' else 'cp slices'}"
+        if unit > 1
+        else "any length"
+    )
+    b = kw.get("micro_batch", 1)
+    if longest is None:
+        return (
+            f"longest sequence: none; no composition fits in {fmt_bytes(args.gpu_memory)} per GPU even at {unit} "
+            f"token(s) x micro-batch {b} ({why}); the table below is at {unit}"
+        )
+    seq, best = longest
+    line = (
+        f"longest sequence: {seq:,} tokens x micro-batch {b} ({why}), with {best.label} at {fmt_bytes(best.total)} "
+        f"per GPU; {seq + unit:,} does not fit. The table below is at {seq:,}"
+    )
+    positions = source.positions if isinstance(source, ModelShape) else None
+    if positions and seq > positions:
+        line += (
+            f"\nnote: {seq:,} tokens is past the config's max_position_embeddings ({positions:,}): the model needs "
+            "its positions extended (rotary scaling) or long-context training to use them"
+        )
+    return line
 
 
 # How far --params may be from the shapes' count before the shapes' count is used (norms, biases, a tied or untied

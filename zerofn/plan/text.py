@@ -81,6 +81,45 @@ def _tensor_lines(e: Estimate) -> list[str]:
     return lines
 
 
+def _context_lines(rows: list[Estimate]) -> list[str]:
+    """What each GPU computes of a sequence cut over a context-parallel group, the long-context recipe's terms
+    and what the group sends, for :func:`plan_text`."""
+    e = rows[0]
+    c = e.context_parallel
+    tokens = f" ({c.tokens:,} tokens of each micro-batch)" if c.tokens else ""
+    lines = [
+        f"context parallelism over {c.size} GPUs ({c.method}) x {c.data} data-parallel rank(s): each GPU computes "
+        f"1/{c.size} of every micro-batch's sequence{tokens}, from the embedding to the loss; the parameters are "
+        f"whole on each, and the ZeRO stages below shard over the {c.group} GPUs of dp x cp"
+        + (" x tp" if e.tensor_parallel else "")
+        + " (the state is as without --cp)"
+    ]
+    offloaded = next((r for r in rows if r.remat_host), None)
+    if offloaded is not None:
+        lines.append(
+            f"remat with its inputs on the CPU (remat(..., offload='cpu')): each block's kept input waits in CPU "
+            f"RAM, {fmt_bytes(offloaded.remat_host)} per GPU ({fmt_bytes(offloaded.remat_host * e.gpus_per_node)} "
+            "per node, in the CPU/node column of the remat rows), the GPU holding the one being recomputed"
+        )
+    if not c.exchange:
+        lines.append("context-parallel traffic not counted: pass --seq and the shapes (--model)")
+    elif c.method == "ulysses":
+        lines.append(
+            f"context-parallel traffic per micro-batch: Ulysses' 4 all-to-alls a layer per direction (q, k, v and the "
+            f"output, this GPU's tokens of each) of {fmt_bytes(c.exchange)}: {fmt_bytes(c.traffic(remat=False))} over "
+            f"{c.layers} layers, forward and backward ({fmt_bytes(c.traffic(remat=True))} under remat, which "
+            "recomputes the forward)"
+        )
+    else:
+        lines.append(
+            f"context-parallel traffic per micro-batch: ring attention's {c.size - 1} key/value blocks a layer per "
+            f"direction ({fmt_bytes(c.exchange)}) and in backward {c.size} trips of the fp32 dk/dv accumulator "
+            f"({fmt_bytes(c.accumulator)}): {fmt_bytes(c.traffic(remat=False))} over {c.layers} layers "
+            f"({fmt_bytes(c.traffic(remat=True))} under remat, which recomputes the forward)"
+        )
+    return lines
+
+
 def _recommend(rows: list[Estimate], gpu: float, cpu: float | None, nvme: float | None) -> Estimate | None:
     return next((e for e in rows if e.fits(gpu, cpu, nvme)), None)
 
@@ -111,6 +150,8 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
             f"model state: {pb} + {pb} + {k} bytes per parameter (parameters + gradients + optimizer state) "
             f"= {fmt_bytes((2 * pb + k) * psi)} in all, on every GPU under DDP"
         )
+    if e0.context_parallel is not None:
+        lines += _context_lines(rows)
     show_acts = any(e.activations for e in rows)
     show_dequant = any(e.dequant for e in rows)
     head = ["composition", "params"] + (["frozen"] if lora else []) + ["grads", "optimizer"]

@@ -5,8 +5,8 @@ that ``python -m zerofn plan`` tabulates (:func:`compositions`). The arithmetic 
 The package, one job a module: ``_defaults`` (zerofn's defaults the estimate counts with: the bucket size,
 offload's pools, ZeRO-3's prefetch; :func:`nvme_read_buffers`), ``_optimizer`` (what an optimizer's state
 holds: :class:`OptimizerBytes`, :func:`optimizer_bytes`), ``_record`` (:class:`Estimate` and a
-composition's label), ``_checks`` (the refusals), ``_estimate`` (:func:`estimate`) and ``_compositions``
-(:func:`compositions`).
+composition's label), ``_checks`` (the refusals), ``_estimate`` (:func:`estimate`), ``_compositions``
+(:func:`compositions`) and ``_longest`` (:func:`longest_sequence`).
 """
 
 from zerofn.plan.estimates._checks import QUANTIZE_NEEDS_LORA as QUANTIZE_NEEDS_LORA  # re-exported
@@ -20,6 +20,7 @@ from zerofn.plan.estimates._defaults import (
     nvme_read_buffers,
 )
 from zerofn.plan.estimates._estimate import estimate
+from zerofn.plan.estimates._longest import longest_sequence
 from zerofn.plan.estimates._optimizer import ADAM as ADAM  # re-exported: Adam's bytes
 from zerofn.plan.estimates._optimizer import ADAM_COUNT_BYTES, OptimizerBytes, optimizer_bytes
 from zerofn.plan.estimates._record import Estimate
@@ -35,6 +36,7 @@ __all__ = [
     "OptimizerBytes",
     "compositions",
     "estimate",
+    "longest_sequence",
     "nvme_read_buffers",
     "optimizer_bytes",
 ]

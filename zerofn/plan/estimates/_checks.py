@@ -41,6 +41,8 @@ def check(
     shaped: bool,
     experts: int,
     tp: int,
+    cp: int | None = None,
+    remat_offload: bool = False,
 ) -> str | None:
     """Raises where :func:`~zerofn.plan.estimate` is asked for what zerofn does not run or the planner does not
     model; returns ``param_offload`` as a placement (:func:`_param_placement`). ``shaped``: the blocks' shapes
@@ -101,5 +103,15 @@ def check(
             f"estimate: tp={tp!r} with {what} is not modelled: tensor_parallel splits the trainable Linear "
             "layers of a training step (not LoRA's adapters on a frozen base, not weights alone). Leave one of "
             "the two out."
+        )
+    if cp is not None and inference:
+        raise ValueError(
+            f"estimate: cp={cp!r} with inference=True is not modelled: context_parallel cuts a training step's "
+            "sequence (its forward, backward and loss). Leave one of the two out."
+        )
+    if remat_offload and not remat:
+        raise ValueError(
+            "estimate: remat_offload=True holds remat's kept block inputs in host memory (remat(..., "
+            'offload="cpu")), and without remat=True nothing is kept: pass remat=True too, or leave remat_offload out'
         )
     return param_offload

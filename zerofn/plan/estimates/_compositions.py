@@ -27,7 +27,8 @@ def compositions(
     projections held quantized, QLoRA) among them, with :func:`estimate`'s meaning; there the parameters'
     placement moves the frozen base too (ZeRO-3 with its parameters in CPU RAM or on NVMe); and ``tp=``
     (tensor parallelism: every row one GPU's share of the split model, sharded over the data-parallel
-    ranks).
+    ranks); ``cp=``, ``cp_method=``, ``chunked_loss=`` (context parallelism and its long-context recipe) and
+    ``remat_offload=`` (the remat rows' kept inputs in host memory; the rows without remat keep theirs).
 
     Example:
         >>> from zerofn.plan import compositions
@@ -43,12 +44,14 @@ def compositions(
     shaped = isinstance(params, ModelShape) or all(kwargs.get(x) for x in ("layers", "hidden"))
     has_acts = shaped and bool(kwargs.get("seq")) and bool(kwargs.get("micro_batch"))
     remats = (False, True) if (remat is None and has_acts) else (bool(remat),)
+    offload = bool(kwargs.pop("remat_offload", False))
     rows = []
     for r in remats:
+        kw = dict(kwargs, remat=r, remat_offload=offload and r)
         for stage in (0, 1, 2, 3):
             for dev in DEVICES:
-                rows.append(estimate(params, stage=stage, optimizer_offload=dev, remat=r, **kwargs))
+                rows.append(estimate(params, stage=stage, optimizer_offload=dev, **kw))
         # ZeRO-3's parameter shards in CPU RAM beside the optimizer state in RAM or on NVMe, or on NVMe beside it
         for dev, p in (("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme")):
-            rows.append(estimate(params, stage=3, optimizer_offload=dev, param_offload=p, remat=r, **kwargs))
+            rows.append(estimate(params, stage=3, optimizer_offload=dev, param_offload=p, **kw))
     return sorted(rows, key=Estimate.order)

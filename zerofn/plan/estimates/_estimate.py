@@ -9,6 +9,7 @@ import torch
 
 from zerofn import optim as O
 from zerofn.plan.activations import activation_bytes
+from zerofn.plan.context import context_parallel_plan
 from zerofn.plan.estimates._checks import check
 from zerofn.plan.estimates._defaults import (
     BUCKET_BYTES,
@@ -68,6 +69,10 @@ def estimate(
     lora_rank: int | None = None,
     quantize: str | None = None,
     tp: int = 1,
+    cp: int | None = None,
+    cp_method: str = "ulysses",
+    chunked_loss: bool = False,
+    remat_offload: bool = False,
 ) -> Estimate:
     """Bytes per GPU, per rank on the host and per node for one zerofn composition (see the module docs).
 
@@ -134,6 +139,19 @@ def estimate(
             sequence parallelism); ``Estimate.tp_traffic`` counts the activations' all-reduces. ``tp``
             must divide the GPUs per node (a group stays in a node), the attention heads, the
             key/value heads and the MLP's width; it needs the shapes. See :mod:`zerofn.plan.tensor`.
+        cp: context parallelism, ``context_parallel(step, cp, method=cp_method)`` (None: not applied):
+            each of the ``cp`` GPUs of a group computes ``seq / cp`` of every micro-batch's tokens, from the
+            embedding to the loss (``seq`` is the whole sequence, ``micro_batch`` the sequences of a group);
+            parameters are whole along ``cp`` and the ZeRO stages shard over ``dp x cp = world / tp`` ranks,
+            so the state is what it is without it. ``cp`` must divide ``world / tp``, and ``seq`` be a
+            multiple of the layout unit (``cp``, ring ``2 cp``). Activations: see :func:`activation_bytes`;
+            ``Estimate.cp_traffic`` counts the attention's exchanges. See :mod:`zerofn.plan.context`.
+        cp_method: ``"ulysses"`` (the query heads on a GPU a multiple of ``cp``) or ``"ring"``.
+        chunked_loss: the loss by ``zf.losses.chunked_cross_entropy`` (``context_parallel``'s own for a
+            Llama, Mistral or Qwen model given labels): one chunk's logits at a time, not tokens x vocabulary.
+        remat_offload: with ``remat``, ``remat(..., offload="cpu")``: the blocks' kept inputs wait in host
+            memory, ``layers x tokens x hidden x`` the activations' bytes per rank (``Estimate.remat_host``,
+            in ``cpu``), not on the GPU (on ``device="cpu"`` they stay where they are).
 
     Returns:
         An :class:`Estimate`.
@@ -145,7 +163,9 @@ def estimate(
             without the optimizer state there too); ``quantize`` without
             ``lora_rank``, or either with ``inference`` or without the shapes; a
             ``tp`` that does not divide the GPUs per node, the heads or the MLP's
-            width, or with ``lora_rank`` or ``inference``.
+            width, or with ``lora_rank`` or ``inference``; a ``cp`` that does not divide
+            ``world / tp``, or with ``inference``; Ulysses' heads not a multiple of ``cp``;
+            ``remat_offload`` without ``remat``.
 
     Example:
         >>> from zerofn import memory
@@ -186,6 +206,8 @@ def estimate(
         shaped=bool(layers and hidden),
         experts=shape.experts if shape is not None else 1,
         tp=tp,
+        cp=cp,
+        remat_offload=remat_offload,
     )
     gpus, nodes = int(gpus), int(nodes)
     if gpus < 1 or nodes < 1:
@@ -222,11 +244,28 @@ def estimate(
             experts=shape.experts if shape else 1,
             vocab=vocab,
             tied=shape.tied if shape else True,
-            seq=seq,
+            seq=seq // cp if (seq and cp) else seq,  # each tp group all-reduces its cp share of the tokens
             micro_batch=micro_batch,
             activation_bytes=2 if mixed_precision else 4,
         )
         psi, layer_params, n = tensor.local, tensor.block, tensor.data
+    context = None
+    if cp is not None:
+        # The sequence cut over cp GPUs; the state as without it (the ZeRO stages shard over dp x cp = N)
+        context = context_parallel_plan(
+            size=cp,
+            method=cp_method,
+            world=world,
+            tp=tp,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=shape.head_dim if shape else None,
+            hidden=hidden,
+            seq=seq,
+            micro_batch=micro_batch,
+            activation_bytes=2 if mixed_precision else 4,
+        )
     lora = None
     if lora_rank is not None:
         if shape is None:  # the block as its projections (norms are a rounding error)
@@ -270,7 +309,15 @@ def estimate(
             device=device,
             lora_rank=lora.rank if lora else 0,
             tp=tp,
+            cp=cp,
+            cp_method=cp_method,
+            chunked_loss=chunked_loss,
+            remat_offload=remat_offload,
         )
+    # remat's kept inputs in host memory: one hidden state per block and token this GPU computes
+    remat_host = 0
+    if remat_offload and acts and device != "cpu":
+        remat_host = layers * micro_batch * seq // (cp or 1) * hidden * (2 if mixed_precision else 4)
     gathered = 0
     # ZeRO-3's units in flight at once: the root unit (embeddings, head, final norm) and prefetch + 2 blocks.
     # Without the layer count the model is one unit: all of it.
@@ -289,7 +336,7 @@ def estimate(
         root_shard, block_shard, blocks = pb * math.ceil(root / n), pb * math.ceil(layer_params / n), layers
 
     common = dict(
-        label=label(stage, optimizer_offload, param_offload, remat, inference),
+        label=label(stage, optimizer_offload, param_offload, remat, inference, remat_offload),
         stage=stage,
         optimizer_offload=optimizer_offload,
         param_offload=param_offload,
@@ -305,6 +352,9 @@ def estimate(
         lora=lora,
         tensor_parallel=tensor,
         tp_traffic=tensor.traffic(remat=remat) if tensor else 0,
+        context_parallel=context,
+        cp_traffic=context.traffic(remat=remat) if context else 0,
+        remat_host=remat_host,
     )
     if inference:
         held = pb * (padded // n if stage == 3 else psi)
@@ -376,6 +426,7 @@ def estimate(
             cpu += root_shard + min(nvme_read_buffers(prefetch), blocks) * block_shard
         state_cpu += held.fixed  # the step counts stay in memory, on the host
         state_nvme += k * shard + gbuf  # the current generation of the state files, and the gradients' files
+    cpu += remat_host  # host RAM, but no state: it lives inside a step
     traffic = 0 if n == 1 else (3 if stage == 3 else 2) * psi
     if lora is not None and stage == 3 and n > 1:  # the frozen base gathered twice, its bytes as parameters
         traffic += 2 * lora.base_bytes() // pb

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zerofn.plan.context import ContextParallelPlan
 from zerofn.plan.lora import LoraPlan
 from zerofn.plan.tensor import TensorParallelPlan
 
@@ -51,6 +52,13 @@ class Estimate:
             the data-parallel ranks (``world_size / tp``), and ``traffic`` counts those over those ranks.
         tp_traffic: bytes all-reduced on the tensor-parallel group per micro-batch (4 all-reduces of the
             activations a block, 6 under remat; 0 without ``tp`` or without ``seq`` and ``micro_batch``).
+        context_parallel: the cut of ``estimate(..., cp=)`` (:class:`~zerofn.plan.ContextParallelPlan`), or
+            None. ``activations`` are then those of the ``seq / cp`` tokens one GPU computes; the state is
+            sharded over ``world / tp`` ranks as without it.
+        cp_traffic: bytes one rank sends on its context-parallel group per micro-batch (Ulysses' all-to-alls,
+            ring's key/value blocks and accumulators; 0 without ``cp`` or the shapes).
+        remat_host: the blocks' kept inputs ``remat(..., offload="cpu")`` holds in host memory, per rank,
+            within a step (included in ``cpu``; 0 without ``remat_offload``).
     """
 
     label: str
@@ -80,6 +88,9 @@ class Estimate:
     lora: LoraPlan | None = None
     tensor_parallel: TensorParallelPlan | None = None
     tp_traffic: int = 0
+    context_parallel: ContextParallelPlan | None = None
+    cp_traffic: int = 0
+    remat_host: int = 0
 
     @property
     def model_state(self) -> int:
@@ -136,8 +147,16 @@ class Estimate:
         return (self.traffic, level, self.remat, self.stage)
 
 
-def label(stage: int, optimizer_offload: str | None, param_offload: str | None, remat: bool, inference: bool) -> str:
-    """A composition's name as the table prints it, e.g. ``"ZeRO-3 + optimizer on CPU + remat"``."""
+def label(
+    stage: int,
+    optimizer_offload: str | None,
+    param_offload: str | None,
+    remat: bool,
+    inference: bool,
+    remat_offload: bool = False,
+) -> str:
+    """A composition's name as the table prints it, e.g. ``"ZeRO-3 + optimizer on CPU + remat"``, and
+    ``"... + remat (inputs on CPU)"`` for remat's kept inputs in host memory."""
     if inference:
         text = "replicated" if stage == 0 else f"ZeRO-{stage}"
     else:
@@ -149,4 +168,4 @@ def label(stage: int, optimizer_offload: str | None, param_offload: str | None, 
         text += f" + optimizer on {where[optimizer_offload]}"
     elif param_offload:
         text += " + params on CPU"
-    return text + (" + remat" if remat else "")
+    return text + (" + remat" if remat else "") + (" (inputs on CPU)" if remat and remat_offload else "")
