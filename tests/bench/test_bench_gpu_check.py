@@ -59,3 +59,12 @@ def test_every_pair_names_systems_the_speed_part_runs():
     for mine, peer, goal in gpu.PAIRS:
         assert mine in systems and peer in systems and 0 < goal <= 1.0
     assert "deepspeed-z2" not in gpu.speed_systems(deepspeed=False)
+
+
+def test_the_long_context_case_runs_in_its_cpu_form():
+    """context_parallel_1 (the chunked loss, tiled MLPs, remat's checkpoints in host memory) against torch on the
+    whole logits, in the tiny CPU form; on a GPU the same case runs remat's pinned side-stream copies."""
+    ctx = gpu_checks.Ctx(torch.device("cpu"), tiny=True)
+    r = gpu_checks.run_case("context_parallel_1", ctx)
+    assert r["correct"] is True, r
+    assert r["max_abs_diff"] <= 1e-5 and r["syncs"] == "n/a (CPU)", r

@@ -413,6 +413,25 @@ def _tensor_parallel_1(ctx: Ctx, record: dict):
     _sync_runs(ctx, build, batches, record)
 
 
+def _context_parallel_1(ctx: Ctx, record: dict):
+    """The long-context recipe at cp 1: context_parallel (the model's loss by chunks, the MLPs by tiles) with
+    remat's checkpoints in pinned host memory, copied on a side stream; against torch on the whole logits."""
+    from zerofn.transforms import context_parallel, remat
+
+    batches, want, again = _llama_reference(ctx, 5)
+    fed = [{"input_ids": b[:, :-1], "shift_labels": b[:, 1:]} for b in batches]
+
+    def build():
+        apply = zf.functional(_llama(ctx))
+        step = zf.train_step(lambda params, batch: apply(params, **batch).loss, _adamw())
+        return apply, context_parallel(remat(step, offload="cpu"), 1, mlp_tiles=2)
+
+    _, _, _, got, _, _ = _zf_train(build, fed, watch=None, ctx=ctx, record=record)
+    why = "the loss summed by chunks of tokens, the MLPs by tiles"
+    _compare(record, got, want, again, tol=1e-5, bitwise=False, why=why)
+    _sync_runs(ctx, build, fed, record)
+
+
 def _generate(ctx: Ctx, record: dict):
     """zf.generate under shard_params: the tokens of the model's own greedy generate."""
     from zerofn.transforms import shard_params
@@ -487,6 +506,7 @@ def _compositions():
         "offload_nvme_params": _gpt_case(nvme, tol=2e-5, why=host),
         "quantize_nf4_lora": _quantize_lora,
         "tensor_parallel_1": _tensor_parallel_1,
+        "context_parallel_1": _context_parallel_1,
         "generate": _generate,
         "compile": _compiled,
     }
@@ -504,6 +524,7 @@ CASES = (
     "offload_nvme_params",
     "quantize_nf4_lora",
     "tensor_parallel_1",
+    "context_parallel_1",
     "generate",
     "compile",
 )
