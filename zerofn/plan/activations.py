@@ -135,7 +135,7 @@ def activation_bytes(
         return int(x + per_layer + sb * act * v)
     work = sb * act * f / t  # a block's backward: the gradients of its output and of its MLP activation
     if cp is not None:
-        work = max(work, _attention_work(cp_method, sb, b, s // int(cp), h, h_kv, a_heads, t, act))
+        work = max(work, _attention_work(cp_method, sb, b, s // int(cp), h, h_kv, a_heads, t, act, device))
     if chunked_loss:
         c = min(sb, max(1, LOSS_CHUNK_BYTES // (4 * max(v, 1))))
         grad_hidden = sb * act * h
@@ -161,8 +161,13 @@ def activation_bytes(
 WORKING = 6
 
 
+# The most bytes of one float32 score (or probability) tile of context_parallel's ring attention: it computes
+# each pair of key/value and query runs in tiles of at most this, two alive in backward (P and dP)
+RING_TILE_BYTES = 32 * 2**20
+
+
 def _attention_work(
-    method: str, tokens: int, b: int, local: int, h: int, h_kv: int, heads: int, t: int, act: int
+    method: str, tokens: int, b: int, local: int, h: int, h_kv: int, heads: int, t: int, act: int, device: str
 ) -> float:
     """Bytes attention's backward holds beside the saved tensors on one GPU, for ``tokens`` local tokens
     (``local`` a sequence's, ``b`` sequences).
@@ -170,12 +175,16 @@ def _attention_work(
     Ulysses: :data:`WORKING` activation-sized tensors of the layer (``a h / tp`` per token). Ring: its float32
     blocks (the queries and the gradient of the output laid out as rows, the output's rows, dq: ``4 x 4 h``;
     the dk/dv part, the accumulator and the one in flight: ``3 x 8 h_kv``; k and v stacked and the pair in
-    flight in their dtype, and as float32: ``(4 a + 8) h_kv``), and two float32 score matrices of the largest
-    pair of runs, ``2 x 4 x heads / tp x local`` per token: on the GPU that bounds the group, rank ``cp - 1``,
-    whose two chunks of the balanced layout (``cp - 1`` and ``cp``) are one run, its own block is one masked
-    pair of ``local x local`` (the others' largest pairs are two chunks against one, half that)."""
+    flight in their dtype, and as float32: ``(4 a + 8) h_kv``), and two score tiles of at most
+    :data:`RING_TILE_BYTES` each (``P`` and ``dP``): bounded whatever the sequence, no ``local x local``
+    matrix. On the CPU (``device="cpu"``) ring runs torch's fused kernel, which returns each block's output
+    and gradients: the float32 output and dq accumulators (``8 h``), the dk/dv accumulator and the one in
+    flight (``16 h_kv``), k and v with the pair in flight and a block's dk/dv (``(8 + 4 a) h_kv``), and no
+    score tile."""
     if method == "ring":
+        if device == "cpu":
+            return tokens * (8 * h + 16 * h_kv + (8 + 4 * act) * h_kv) / t
         blocks = tokens * (16 * h + 24 * h_kv + (4 * act + 8) * h_kv) / t
-        scores = 2 * 4 * (heads / t) * b * local * local
+        scores = 2 * min(RING_TILE_BYTES, 4 * (heads / t) * b * local * local)
         return blocks + scores
     return tokens * WORKING * act * h / t
