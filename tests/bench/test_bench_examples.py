@@ -261,3 +261,22 @@ def test_bench_host_reads_times_both_paths_of_each_step():
     for r in rows:
         device, host, ratio = (float(x) for x in r[1:4])
         assert device > 0 and host > 0 and math.isclose(ratio, device / host, rel_tol=0.01, abs_tol=0.002), out
+
+
+def test_bench_context_py_finds_the_longest_sequence_per_system(tmp_path):
+    """The long-sequence benchmark at its tiny size on 1 and 2 ranks: every system has a longest sequence under
+    the budget with its step time and peak, cp 2 trains at least cp 1's, plain torch is the reference, and the
+    first losses (the same model and sequence, fp32) agree."""
+    out_json = tmp_path / "context.json"
+    out = _run("examples/bench_context.py", "--quick", "--cp", "1", "2", "--methods", "ulysses", "--out", str(out_json))
+    res = json.loads(out_json.read_text())
+    systems = res["systems"]
+    assert set(systems) == {"plain torch", "cp 1", "cp 2"}, systems
+    for name, s in systems.items():
+        assert s["longest"] and s["step_s"] > 0 and s["tokens_s"] > 0, (name, s)
+        assert 0 < s["peak"] <= res["args"]["budget"] and s["stopped_by"] in ("budget", "max-seq"), (name, s)
+    assert systems["cp 2"]["longest"] >= systems["cp 1"]["longest"] >= systems["plain torch"]["longest"], systems
+    assert systems["plain torch"]["vs_torch"] == 1.0
+    losses = [r["first_loss"] for r in res["results"]]
+    assert max(losses) - min(losses) <= 1e-5, losses
+    assert "| plain torch | 1 |" in out and "| cp 2 | 2 |" in out, out
