@@ -2,7 +2,7 @@
 (``tests/data/checkpoints``, made by ``tests/data/checkpoints/make.py``), each loaded for the composition and
 world size that wrote it. The loaded state holds the saved values bit for bit (``expected.pt``: the state_dict
 at the save), and it trains on as the saving run did (the losses of the two steps after the save, within
-1e-5: a load involves no arithmetic, training on another machine's CPU may round otherwise)."""
+1e-5, 1e-2 in bf16: a load involves no arithmetic, training on another machine's CPU may round otherwise)."""
 
 from __future__ import annotations
 
@@ -115,4 +115,7 @@ def test_stored_checkpoints_load_bit_for_bit_and_train_on(ranks, tmp_path, world
             r = rank_out[kind]
             assert r["same"], f"{kind}: the loaded state differs from the state the checkpoint was saved from"
             assert r["count"] == SAVED_AT + AFTER, (kind, r["count"])
-            assert r["losses"] == pytest.approx(r["want"], abs=1e-5), (kind, r["losses"], r["want"])
+            # bf16 compute (amp) rounds by the CPU's kernels: a machine with AVX-512 BF16 wrote these, one with
+            # AVX2 alone trains on 3e-3 from them (the loaded state is the same to the bit either way)
+            tol = 1e-2 if master(kind) else 1e-5
+            assert r["losses"] == pytest.approx(r["want"], abs=tol), (kind, r["losses"], r["want"])
