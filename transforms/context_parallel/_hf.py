@@ -181,7 +181,7 @@ class Around:
             raise ValueError(f"context_parallel: the model was given labels= of this rank's tokens. {HELP}")
         if kwargs.get("labels") is not None:
             given = kwargs.get("num_items_in_batch")
-            items = given if given is not None else (active.items if active.items is not None else None)
+            items = given if given is not None else active.items
             if items is None:
                 items = (kwargs["shift_labels"] != IGNORE).sum()
             if isinstance(items, torch.Tensor):
@@ -200,7 +200,7 @@ class Around:
     def _finish(self, module, args, output):
         """The loss the head computed by chunks, put where the model's would be (``output.loss``); the model's
         logits, never made, are None."""
-        if not self.pending or self.pending[-1].get("module", module) is not module:
+        if not self.pending or self.pending[-1]["module"] is not module:
             return None
         record = self.pending.pop()
         record["restore"]()
