@@ -26,6 +26,7 @@ from torch import nn
 from zerofn import alloc
 from zerofn import tree as T
 from zerofn.functional import Functional
+from zerofn.reduction import bucket_rank
 from zerofn.state import Bucket, Layout
 
 __all__ = [
@@ -55,12 +56,12 @@ class Unit:
     frozen: tuple[int, ...]  # its frozen buckets (indices into layout.frozen_buckets)
 
 
-def unit_buckets(params: dict, world: int, labels: dict | None = None) -> tuple[Bucket, ...]:
-    """One bucket per dtype (and optimizer label) for a unit's parameters, placed where they will be
-    materialised."""
+def unit_buckets(params: dict, world: int, labels: dict | None = None, apart: dict | None = None) -> tuple[Bucket, ...]:
+    """One bucket per dtype (and optimizer label, and axis its parameters are cut along: ``apart``, see
+    :class:`~zerofn.storage.ParamSplit`) for a unit's parameters, placed where they will be materialised."""
     if not params:
         return ()
-    buckets = Layout.build(params, shards=world, bucket_bytes=1 << 62, labels=labels).buckets
+    buckets = Layout.build(params, shards=world, bucket_bytes=1 << 62, labels=labels, apart=apart).buckets
     return tuple(dataclasses.replace(b, device=str(materialise_device())) if b.device == "meta" else b for b in buckets)
 
 
@@ -332,12 +333,12 @@ class Materialiser:
         def shard(i: int) -> torch.Tensor:
             if shards[i] is None:
                 b = buckets[i]
-                lo, hi = b.shard_range(rank)
+                lo, hi = b.shard_range(bucket_rank(b, rank))
                 shards[i] = alloc.zeros(hi - lo, dtype=b.dtype, device=device_of(self.named[b.slots[0].name]))
             return shards[i]
 
         for i, b in enumerate(buckets):
-            lo, hi = b.shard_range(rank)
+            lo, hi = b.shard_range(bucket_rank(b, rank))
             for s in b.slots:
                 where[s.name] = (i, s, lo, hi)
             if done is None:

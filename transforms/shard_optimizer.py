@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from zerofn import collectives as C
-from zerofn.reduction import Reduction
+from zerofn.reduction import Reduction, bucket_group
 from zerofn.sharding import Claim
 from zerofn.state import Bucket
 from zerofn.step import Step, transform
@@ -77,10 +77,10 @@ class ShardedReduction(Reduction):
     def reduce(self, grad: torch.Tensor, bucket: Bucket, rank: int, out: torch.Tensor | None) -> C.Handle:
         if out is None and bucket.shards == 1:
             # One shard (world size 1): the bucket is its own partition; no copy, as a single process does.
-            return C.all_reduce(grad, "sum", async_op=True)
+            return C.all_reduce(grad, "sum", async_op=True, group=bucket_group(bucket))
         if out is None:
             out = torch.empty(bucket.shard_numel, dtype=grad.dtype, device=grad.device)
-        return C.reduce_scatter(out, grad, "sum", async_op=True)
+        return C.reduce_scatter(out, grad, "sum", async_op=True, group=bucket_group(bucket))
 
 
 @transform

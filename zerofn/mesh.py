@@ -100,6 +100,7 @@ class _Made:
     data: Any  # this rank's group over the data-parallel axes' product
     splits: dict[tuple[str, int], Any] = field(default_factory=dict)  # (axis, n) -> this rank's sub-split
     products: dict[tuple[str, ...], Any] = field(default_factory=dict)  # axes -> this rank's group over them
+    apart: dict[tuple[str, str], Any] = field(default_factory=dict)  # (axis, use) -> a group of its own
     meshes: dict[str, Mesh] = field(default_factory=dict)  # device type -> its Mesh
 
 
@@ -253,6 +254,29 @@ class Mesh:
                             mine = g
             made.splits[(axis, n)] = mine
         return made.splits[(axis, n)]
+
+    def own_group(self, axis: str, use: str) -> Any:
+        """A group over this rank's ranks along ``axis`` that no other mesh or group shares, for ``use``: the
+        collectives of a parallelism whose order on those ranks is not tied to the step's gradient
+        reductions (expert parallelism's token exchanges, issued in the model's order, while buckets are
+        reduced as backward completes them, which may differ between ranks where one rank's experts got no
+        token) go there, so that each group sees one order on every rank. Collective the first time per
+        ``(axis, use)``: every rank makes every such group, in the same order. None in a world of one.
+
+        Raises:
+            ValueError: the mesh has no such axis.
+        """
+        self.group(axis)  # an axis the mesh has
+        made = self._made
+        if (axis, use) not in made.apart:
+            mine = None
+            if made.world is not None:
+                for line in _lines(self.shape, (self.axes.index(axis),)):
+                    g = C.new_group(list(line))
+                    if made.rank in line:
+                        mine = g
+            made.apart[(axis, use)] = mine
+        return made.apart[(axis, use)]
 
     def device_submesh(self, axis: str) -> Any:
         """``device_mesh[axis]``: the 1-D ``DeviceMesh`` over ``axis`` (a ``DTensor`` placed on one axis

@@ -33,7 +33,20 @@ from zerofn import collectives as C
 from zerofn import counters, keys
 from zerofn.state import Bucket, Layout
 
-__all__ = ["GradSink", "Reduction"]
+__all__ = ["GradSink", "Reduction", "bucket_group", "bucket_rank"]
+
+
+def bucket_group(bucket: Bucket) -> object:
+    """The group ``bucket`` is reduced and sharded over: the current one (None), or for a bucket of
+    parameters cut along an axis of it (:attr:`Bucket.apart`), its ranks that share this rank's coordinate
+    there."""
+    return C.without(bucket.apart) if bucket.apart else None
+
+
+def bucket_rank(bucket: Bucket, rank: int) -> int:
+    """This rank's place in :func:`bucket_group` (``rank``: its place in the current group): which shard
+    of ``bucket`` it holds."""
+    return C.rank(C.without(bucket.apart)) if bucket.apart else rank
 
 
 @dataclass(frozen=True)
@@ -79,7 +92,7 @@ class Reduction:
         """
         if out is not None:
             raise ValueError("a replicated (all-reduce) bucket is reduced in place; it takes no out tensor")
-        return C.all_reduce(grad, "sum", async_op=True)
+        return C.all_reduce(grad, "sum", async_op=True, group=bucket_group(bucket))
 
     def replace(self, **changes) -> Reduction:
         return dataclasses.replace(self, **changes)
@@ -237,7 +250,7 @@ class GradSink:
             if self.sums is not None:
                 # Fold the running sum into this rank's own slice of the input: the
                 # reduction then lands the new total in place, with no temporary.
-                lo, hi = bucket.shard_range(self.rank)
+                lo, hi = bucket.shard_range(bucket_rank(bucket, self.rank))
                 self.buffer(i)[lo:hi].add_(self.sums[i])
                 out = self.sums[i]
             self.handles[i] = self.reduction.reduce(self.buffer(i), bucket, self.rank, out)

@@ -182,6 +182,11 @@ class Claim:
             data-parallel axes and this one, reducing gradients (and sharding ZeRO's buckets) over it. Its
             ranks feed one micro-batch all the same (``zf.collectives.data_rank`` reads the data-parallel
             axes only).
+        feeds: the axis's ranks each feed a micro-batch of their own, as data-parallel ranks do, while they
+            hold different pieces of the parameters it cuts (expert parallelism's experts): the step runs on
+            the group over the data-parallel axes and this one (``zf.collectives.data_rank`` counts it), and
+            the parameters it cuts are reduced and sharded over that group's ranks that hold the same pieces
+            (``zerofn.collectives.without(axis)``), the others over all of it.
     """
 
     axis: str
@@ -190,3 +195,4 @@ class Claim:
     whole: Callable[[], None] | None = None
     groups: Callable[[], tuple[Any, ...]] | None = None
     reduces: bool = False
+    feeds: bool = False

@@ -63,7 +63,13 @@ class Slot:
 
 @dataclass(frozen=True)
 class Bucket:
-    """A flat buffer of parameters of one dtype and device."""
+    """A flat buffer of parameters of one dtype and device.
+
+    ``apart``: the mesh axis of the step's group along which its parameters are cut (expert parallelism's
+    ``ep``: the ranks of that axis hold different experts), so that it is reduced and sharded over the ranks
+    of the step's group that share this rank's coordinate there (``zerofn.collectives.without(apart)``),
+    ``shards`` of them; empty: over the step's group.
+    """
 
     dtype: torch.dtype
     device: str
@@ -71,6 +77,7 @@ class Bucket:
     numel: int
     padded: int
     shards: int
+    apart: str = ""
 
     @property
     def shard_numel(self) -> int:
@@ -105,6 +112,7 @@ class Layout:
         frozen: tuple[str, ...] = (),
         first_bucket_bytes: int | None = None,
         labels: Mapping[str, Any] | None = None,
+        apart: Mapping[str, tuple[str, int]] | None = None,
     ) -> Layout:
         """Group ``trainable`` into buckets, last-registered first (backward order).
 
@@ -119,6 +127,11 @@ class Layout:
         position of their last parameter in backward order), so that a
         group spread over the whole model (biases, norms) does not hold the
         reductions of the others back.
+
+        ``apart`` (name -> (axis, shards)) puts the parameters cut along a
+        mesh axis of the step's group (expert parallelism's experts) in
+        buckets of their own, ``shards`` shards each (see :class:`Bucket`),
+        ordered among the others in the same way.
         """
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -126,23 +139,24 @@ class Layout:
         order = {name: i for i, name in enumerate(reversed(list(trainable)))}
         for name, p in reversed(list(trainable.items())):
             label = labels.get(name) if labels else None
-            groups.setdefault((p.dtype, str(p.device), label), []).append((name, p))
+            axis = apart[name] if apart and name in apart else ("", shards)
+            groups.setdefault((p.dtype, str(p.device), label, axis), []).append((name, p))
         buckets: list[Bucket] = []
-        for (dtype, device, _), items in groups.items():
+        for (dtype, device, _, (axis, n_shards)), items in groups.items():
             limit = max(1, min(bucket_bytes, first_bucket_bytes or bucket_bytes) // dtype.itemsize)
             run: list[Slot] = []
             size = 0
             for name, p in items:
                 n = p.numel()
                 if run and size + n > limit:
-                    buckets.append(_bucket(dtype, device, run, size, shards))
+                    buckets.append(_bucket(dtype, device, run, size, n_shards, axis))
                     run, size = [], 0
                     limit = max(1, bucket_bytes // dtype.itemsize)
                 run.append(Slot(name, tuple(p.shape), size, n))
                 size += n
             if run:
-                buckets.append(_bucket(dtype, device, run, size, shards))
-        if labels and len({k[2] for k in groups}) > 1:
+                buckets.append(_bucket(dtype, device, run, size, n_shards, axis))
+        if len({k[2:] for k in groups}) > 1:
             buckets.sort(key=lambda b: (max(order[s.name] for s in b.slots), str(b.dtype)))
         return Layout(tuple(buckets), tuple(names or trainable), tuple(frozen))
 
@@ -173,9 +187,9 @@ class Layout:
         return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.buckets[i].slots}
 
 
-def _bucket(dtype, device, slots, numel, shards) -> Bucket:
+def _bucket(dtype, device, slots, numel, shards, apart="") -> Bucket:
     padded = -(-max(numel, 1) // shards) * shards
-    return Bucket(dtype, device, tuple(slots), numel, padded, shards)
+    return Bucket(dtype, device, tuple(slots), numel, padded, shards, apart)
 
 
 @dataclass(frozen=True)

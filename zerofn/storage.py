@@ -46,7 +46,7 @@ from zerofn import alloc
 from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn.functional import Functional, PendingParams
-from zerofn.reduction import GradSink
+from zerofn.reduction import GradSink, bucket_group, bucket_rank
 from zerofn.state import Bucket, InFlight, Layout, TrainState
 
 __all__ = [
@@ -72,12 +72,17 @@ class ParamSplit(NamedTuple):
         treedef: the tree's structure, to rebuild it for ``loss_fn``.
         labels: trainable name -> the optimizer's label for it (its masks and groups; empty: none):
             parameters of different labels go into different buckets.
+        apart: name -> (mesh axis, shards) for each parameter cut along an axis of the step's group (expert
+            parallelism's experts; ``step.init`` fills it from the claims): it goes into buckets of its own,
+            reduced and sharded over that group's ranks that share this rank's coordinate on the axis
+            (:attr:`zerofn.state.Bucket.apart`).
     """
 
     named: dict
     trainable: dict
     treedef: Any
     labels: dict = {}
+    apart: dict = {}
 
 
 class Held(NamedTuple):
@@ -174,6 +179,7 @@ class Storage:
             frozen=tuple(frozen),
             first_bucket_bytes=FIRST_BUCKET_BYTES,
             labels=split.labels,
+            apart=split.apart,
         )
         flats = []
         for b in layout.buckets:
@@ -220,7 +226,7 @@ class Storage:
         """The tensor the optimizer updates for one bucket: all of it, or this rank's shard."""
         if bucket.shards == 1:
             return flat
-        lo, hi = bucket.shard_range(rank)
+        lo, hi = bucket.shard_range(bucket_rank(bucket, rank))
         return flat[lo:hi]
 
     def publish(self, flats: tuple, layout: Layout, rank: int, inflight: InFlight) -> None:
@@ -236,10 +242,10 @@ class Storage:
         for i in reversed(range(len(flats))):
             flat, bucket = flats[i], layout.buckets[i]
             if bucket.shards > 1:
-                lo, hi = bucket.shard_range(rank)
+                lo, hi = bucket.shard_range(bucket_rank(bucket, rank))
                 inflight.wait_bucket(i)  # an update still writing this shard (on another thread) finishes first
                 # In place: the input is this rank's slice of the output, so no temporary.
-                inflight.params[i] = C.all_gather(flat, flat[lo:hi], async_op=True)
+                inflight.params[i] = C.all_gather(flat, flat[lo:hi], async_op=True, group=bucket_group(bucket))
         if not self.defer_publish:
             inflight.wait_params()
 
@@ -323,7 +329,7 @@ def gathered(part: torch.Tensor, bucket: Bucket) -> torch.Tensor:
     if part.numel() == bucket.padded:
         return part.detach().clone()
     full = torch.empty(bucket.padded, dtype=part.dtype, device=part.device)
-    C.all_gather(full, part.detach())
+    C.all_gather(full, part.detach(), group=bucket_group(bucket))
     return full
 
 

@@ -25,6 +25,7 @@ from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn._io import FileTensor
 from zerofn.functional import Functional
+from zerofn.reduction import bucket_group
 from zerofn.state import TrainState
 
 ORDER = "shard_params.order"  # state.extra key: unit indices in the order the last step ran them
@@ -76,12 +77,13 @@ class Runner:
         self.next_open = 0  # where the forward is in the recorded order (among units with parameters)
         self.recorded: list[LiveUnit] | None = None  # that order, units with parameters only
         trainable = sink is not None and torch.is_grad_enabled()
-        # One rank holds whole buckets: the leaves view them where they lie, with nothing to gather or release.
-        whole = C.world_size() == 1 and not host_shards
         for unit in self.units:
             pairs = [(self.flats[i], self.layout.buckets[i], True) for i in unit.spec.buckets]
             pairs += [(state.frozen[i], self.layout.frozen_buckets[i], False) for i in unit.spec.frozen]
             for shard, bucket, grads in pairs:
+                # A bucket of one shard on the device (every bucket of one rank; the experts where each rank
+                # holds its own: Bucket.apart) is whole: the leaves view it where it lies, nothing to gather.
+                whole = bucket.shards == 1 and not host_shards
                 full = shard if whole else torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
                 raw = full.data  # leaves view this alias: refilling `full` bumps no version they saved
                 for s in bucket.slots:
@@ -95,6 +97,7 @@ class Runner:
                 if not whole:
                     full.untyped_storage().resize_(0)
                     unit.fulls.append((full, shard))
+                    unit.groups.append(bucket_group(bucket))
         self.read_ahead = ReadAhead(self.units, prefetch, owner=self.layout)
         self.intercepts: list[Intercept] = []
         try:
@@ -263,14 +266,14 @@ class Runner:
         unit.lease = lease  # given back once the gather is done (or the unit released, however it ends)
         read = iter(lease.tensors if lease is not None else ())
         copied = None
-        for full, shard in unit.fulls:
+        for (full, shard), group in zip(unit.fulls, unit.groups):
             full.untyped_storage().resize_(full.numel() * full.element_size())
             if isinstance(shard, FileTensor):  # read from its file (ahead, on the I/O thread), into a host buffer
                 shard = next(read)
             if self.host_shards and shard.device != full.device:  # brought in from host memory
                 shard = self.read_ahead.to_device(shard, full.device)
                 copied = full.device
-            unit.handles.append(C.all_gather(full, shard, async_op=True))
+            unit.handles.append(C.all_gather(full, shard, async_op=True, group=group))
         if lease is not None and copied is not None and copied.type == "cuda":
             # Copied to the device: the buffer is free for another read once the copies are done (otherwise
             # the gather reads the buffer itself).

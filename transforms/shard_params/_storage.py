@@ -22,7 +22,7 @@ from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn._io import FileTensor
 from zerofn.functional import ACTIVE_RUN, Functional
-from zerofn.reduction import GradSink
+from zerofn.reduction import GradSink, bucket_rank
 from zerofn.state import Bucket, Layout, TrainState
 from zerofn.storage import Held, ParamSplit, Storage, to_host, whole_params
 
@@ -66,8 +66,8 @@ class UnitStorage(Storage):
         for uname in list(reversed(names)) + [ROOT]:
             mine_t = {k: v for k, v in trainable.items() if unit_of[k] == uname}
             mine_f = {k: v for k, v in named.items() if unit_of[k] == uname and k not in trainable}
-            tb = unit_buckets(mine_t, world, split.labels)
-            fb = unit_buckets(mine_f, world)
+            tb = unit_buckets(mine_t, world, split.labels, split.apart)
+            fb = unit_buckets(mine_f, world, apart=split.apart)
             units.append(
                 Unit(
                     uname,
@@ -151,7 +151,7 @@ def _host_shard(shard: torch.Tensor | None, bucket: Bucket, rank: int, pin: bool
     """A filled shard in its own host buffer; None (nothing written: a state to be loaded into): a buffer."""
     if shard is not None:
         return to_host(shard, pin)
-    lo, hi = bucket.shard_range(rank)
+    lo, hi = bucket.shard_range(bucket_rank(bucket, rank))
     return alloc.zeros(hi - lo, dtype=bucket.dtype, device="cpu", pin_memory=pin)
 
 

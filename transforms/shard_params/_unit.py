@@ -19,6 +19,7 @@ class LiveUnit:
     def __init__(self, spec: Unit, index: int):
         self.spec, self.index = spec, index
         self.fulls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (full buffer, this rank's shard)
+        self.groups: list = []  # the group each of them is gathered over (None: the step's)
         self.handles: list[C.Handle] = []
         self.ready = False
         self.remaining = 0  # trainable leaves whose gradient has not arrived yet

@@ -60,7 +60,9 @@ from zerofn.collectives._groups import (
     new_group,
     rank,
     set_group_timeout,
+    set_without,
     with_current_group,
+    without,
     world_size,
 )
 from zerofn.collectives._handle import Handle
@@ -102,6 +104,8 @@ __all__ = [
     "CollectiveTimeoutError",
     "Handle",
     "data_rank",
+    "without",
+    "set_without",
     "all_reduce",
     "any_of",
     "max_min",

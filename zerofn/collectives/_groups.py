@@ -339,13 +339,50 @@ def rank(group: Any = None) -> int:
     return int(env) if env.isdigit() and _env_world_size() > 1 else 0
 
 
+# ---------------------------------------------------------------- a group without one of its axes
+
+# (the group's key, an axis) -> this rank's group over the group's ranks that share its coordinate on that
+# axis: registered by the mesh when a step's group spans an axis whose ranks hold different pieces of some
+# parameters (expert parallelism's experts), read by the buckets of those parameters.
+_WITHOUT: dict = {}
+
+
+def set_without(group: Any, axis: str, subgroup: Any) -> None:
+    """Record ``subgroup`` as :func:`without` ``(axis)`` of ``group``: the ranks of ``group`` that share this
+    rank's coordinate on ``axis`` (``zerofn.mesh`` does, for a step's group)."""
+    _WITHOUT[(group_key(group), axis)] = subgroup
+
+
+def without(axis: str, group: Any = None) -> Any:
+    """The ranks of ``group`` (default: the current group) that share this rank's coordinate on the mesh axis
+    ``axis``: the group over which the parameters cut along ``axis`` are reduced and sharded (expert
+    parallelism's experts: the ranks that hold the same experts, DeepSpeed's expert-data-parallel group).
+    The group itself where it is one rank; None where there is no group (one process).
+
+    Raises:
+        ValueError: no such group was made for ``group`` (a step whose group spans ``axis`` makes it).
+    """
+    g = _group(group, "without")
+    if g is None or g.size() == 1:  # one rank: it is all there is
+        return g
+    key = (group_key(g), axis)
+    if key not in _WITHOUT:
+        raise ValueError(
+            f"zerofn.collectives.without({axis!r}): the current group spans no mesh axis {axis!r} whose ranks "
+            "hold different pieces of a parameter; run it inside the step whose group does (a step on a mesh "
+            f"with a claim on {axis!r} makes it)"
+        )
+    return _WITHOUT[key]
+
+
 def data_rank(step: Any = None) -> int:
     """The data-parallel rank of this process for ``step``: which micro-batch it feeds.
 
     A step laid out on a mesh (``step.mesh``, once a parallelism claims an axis) reads it there: the rank's
     place on the mesh's data-parallel axes, so that the ranks of one tensor-parallel group (or any group
-    of ranks that split one model) feed the same micro-batch. Otherwise ``step`` runs on a group
-    (``step.group``: the world by default); its rank there. Without a step, the rank in the current group.
+    of ranks that split one model) feed the same micro-batch, and on the axes of parallelisms whose ranks
+    feed micro-batches of their own (expert parallelism's ``ep``), row-major in the mesh's order. Otherwise
+    ``step`` runs on a group (``step.group``: the world by default); its rank there. Without a step, the rank in the current group.
 
     Example:
         >>> import zerofn as zf
@@ -353,7 +390,18 @@ def data_rank(step: Any = None) -> int:
         0
     """
     mesh = getattr(step, "mesh", None)
-    return mesh.data_rank if mesh is not None else rank(getattr(step, "group", None))
+    if mesh is None:
+        return rank(getattr(step, "group", None))
+    feeding = [c.axis for c in getattr(step, "claims", ()) if getattr(c, "feeds", False) and c.axis in mesh.axes]
+    if not feeding:
+        return mesh.data_rank
+    # axes whose ranks feed micro-batches of their own (expert parallelism's ep) count as data-parallel too:
+    # this rank's place in the data-parallel axes and those, row-major in the mesh's order
+    out = 0
+    for axis in mesh.axes:
+        if axis in ("dp_replicate", "dp_shard") or axis in feeding:
+            out = out * mesh.size(axis) + mesh.coordinate(axis)
+    return out
 
 
 # ---------------------------------------------------------------- the control group

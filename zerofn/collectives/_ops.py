@@ -180,20 +180,46 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = Fals
     return h if async_op else h.wait()
 
 
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False, group: Any = None):
-    """Send ``inp``'s ``j``-th of N equal blocks along dim 0 to rank ``j`` of ``group`` (default: the current
-    group) and receive rank ``j``'s ``r``-th block into ``out``'s ``j``-th (this rank is ``r``).
+def all_to_all(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    *,
+    out_splits: list[int] | None = None,
+    in_splits: list[int] | None = None,
+    async_op: bool = False,
+    group: Any = None,
+):
+    """Send ``inp``'s ``j``-th of N blocks along dim 0 to rank ``j`` of ``group`` (default: the current group)
+    and receive rank ``j``'s block for this rank into ``out``'s ``j``-th (this rank is ``r``).
 
-    ``out`` and ``inp`` have the same shape, dim 0 a multiple of N: the exchange context parallelism's
-    Ulysses makes between sequence slices and head slices. Counts bytes(inp), what this rank sends and
-    receives (its own block included, as the all-gather counts its own shard).
+    Without splits the blocks are equal: ``out`` and ``inp`` have the same shape, dim 0 a multiple of N (the
+    exchange context parallelism's Ulysses makes between sequence slices and head slices). With
+    ``in_splits`` and ``out_splits`` (N row counts each, summing to ``inp``'s and ``out``'s dim 0; the other
+    dims equal) the blocks are as long as they say, any of them empty: expert parallelism's token dispatch,
+    whose sizes the ranks exchanged first. Counts bytes(inp), what this rank sends (its own block included,
+    as the all-gather counts its own shard).
     """
     g = joined(group, "all_to_all")
     n = _size(g)
-    if out.shape != inp.shape or inp.shape[0] % n:
+    if in_splits is None and out_splits is None:
+        if out.shape != inp.shape or inp.shape[0] % n:
+            raise ValueError(
+                f"all_to_all: out {list(out.shape)} and inp {list(inp.shape)} must have one shape whose dim 0 is a "
+                f"multiple of the {n} ranks (one block per rank); pad dim 0 to a multiple of {n}"
+            )
+    elif (
+        in_splits is None
+        or out_splits is None
+        or len(in_splits) != n
+        or len(out_splits) != n
+        or sum(in_splits) != inp.shape[0]
+        or sum(out_splits) != out.shape[0]
+        or out.shape[1:] != inp.shape[1:]
+    ):
         raise ValueError(
-            f"all_to_all: out {list(out.shape)} and inp {list(inp.shape)} must have one shape whose dim 0 is a "
-            f"multiple of the {n} ranks (one block per rank); pad dim 0 to a multiple of {n}"
+            f"all_to_all: in_splits {in_splits} and out_splits {out_splits} must be given together, {n} row "
+            f"counts each (one per rank), summing to inp's {inp.shape[0]} and out's {out.shape[0]} rows, with "
+            f"the other dims equal (inp {list(inp.shape)}, out {list(out.shape)})"
         )
     if n == 1:
         if out.data_ptr() != inp.data_ptr():
@@ -201,7 +227,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False, 
         return done(out) if async_op else out
     count("all_to_all", tensor_bytes(inp), g)
     with named("all_to_all", tensor_bytes(inp), group=g) as started:
-        work = dist.all_to_all_single(out, inp, group=g, async_op=True)
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=g, async_op=True)
     h = Handle(work, out, None, "all_to_all", tensor_bytes(inp), started, g)
     return h if async_op else h.wait()
 

@@ -16,6 +16,7 @@ import torch
 
 from zerofn import counters, keys
 from zerofn.optim.view import LeafView, ParamView, Piece, StepInfo
+from zerofn.reduction import bucket_rank
 
 if TYPE_CHECKING:
     from zerofn.state import Layout
@@ -35,7 +36,7 @@ def param_view(layout: Layout, rank: int, treedef: Any) -> ParamView:
     """What each bucket this rank's optimizer updates holds: the whole bucket, or its shard."""
     leaves = {}
     for i, b in enumerate(layout.buckets):
-        lo, hi = b.shard_range(rank) if b.shards > 1 else (0, b.padded)
+        lo, hi = b.shard_range(bucket_rank(b, rank)) if b.shards > 1 else (0, b.padded)
         pieces = []
         for s in b.slots:
             a, z = max(lo, s.offset), min(hi, s.offset + s.numel)

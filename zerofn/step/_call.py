@@ -30,7 +30,7 @@ from zerofn import optim as O
 from zerofn import tree as T
 from zerofn.functional import BINDING
 from zerofn.optim.bucket_view import advance_steps, step_info
-from zerofn.reduction import GradSink
+from zerofn.reduction import GradSink, bucket_rank
 from zerofn.state import InFlight, TrainState, collecting
 from zerofn.step._checks import (
     IGNORED_PARAMS_HELP,
@@ -125,8 +125,14 @@ class _Call:
         k = step.accumulate_steps
         self.factors = [divide(d, self.world * k, self.scale) for d in self.sink.predivide]  # phase 4's, per bucket
         self.reduced: dict | None = None  # bucket key -> the reduced gradient (phase 4: averaged, unscaled)
+        replicated = step.reduction.replicated
         self.stats = functools.partial(
-            gather_stats, world=self.world, rank=self.rank, replicated=step.reduction.replicated, digest=self.digest
+            gather_stats,
+            world=self.world,
+            rank=self.rank,
+            replicated=replicated,
+            digest=self.digest,
+            counted=[not replicated or bucket_rank(b, self.rank) == 0 for b in self.layout.buckets],
         )
 
     def _final(self, i: int, r: torch.Tensor) -> None:

@@ -46,12 +46,21 @@ def init_state(step: Any, params: Any, keep_module: bool, structure_only: bool) 
     for e in sorted(step.extensions, key=lambda e: not e.prepare_first):
         if e.prepare is not None:
             split = e.prepare(split, functional, f"{step.name}.init")
+    apart = {}  # the parameters cut along an axis of the step's group (zerofn.sharding.Claim.feeds)
+    for c in step.claims:
+        if c.feeds and c.placements is not None and step.mesh is not None and c.axis in step.mesh.axes:
+            n = step.reduction.shards(C.world_size(C.without(c.axis)))
+            apart.update({name: (c.axis, n) for name in c.placements() if name in split.named})
+    split = split._replace(apart=apart)
     names = names_view(split.treedef, split.named, split.trainable)
     groups = O.labels(step.optimizer, names)  # its masks and groups, if any
     split = split._replace(labels={k: groups[k] for k in split.trainable} if groups else {})
     world, rank = C.world_size(), C.rank()
     if world > 1 and not structure_only:
-        check_same_params(split.named, step.name)
+        check_same_params({k: v for k, v in split.named.items() if k not in apart}, step.name)
+        for axis in sorted({a for a, _ in apart.values()}):  # pieces that differ along the axis: alike across it
+            with C.group_scope(C.without(axis)):
+                check_same_params({k: v for k, v in split.named.items() if apart.get(k, ("",))[0] == axis}, step.name)
     run = RunCache()
     held = step.storage.init(
         split,

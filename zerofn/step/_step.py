@@ -147,6 +147,8 @@ class Step:
         out: dict[int, Any] = {}
         for c in self.claims:
             more = c.groups() if c.groups is not None else ()
+            if c.feeds and self.mesh is not None and c.axis in self.mesh.axes:
+                more = (*more, C.without(c.axis, group=self.group))  # the group its cut parameters reduce on
             axis = self.mesh.group(c.axis) if self.mesh is not None and c.axis in self.mesh.axes else None
             for g in (axis, *more):
                 if g is not None and g is not self.group:
@@ -368,11 +370,19 @@ class Step:
 
 def step_group(mesh: Any, claims: tuple) -> Any:
     """The group a step on ``mesh`` runs on: the data-parallel axes', with the axes of claims that reduce
-    over theirs (:attr:`zerofn.sharding.Claim.reduces`: context parallelism's ``cp``)."""
-    reducing = [c.axis for c in claims if c.reduces and c.axis in mesh.axes]
+    over theirs (:attr:`zerofn.sharding.Claim.reduces`: context parallelism's ``cp``) or feed micro-batches
+    of their own (:attr:`zerofn.sharding.Claim.feeds`: expert parallelism's ``ep``). For each axis of the
+    latter, the group's ranks that share this rank's coordinate on it are made too, and recorded as
+    ``zerofn.collectives.without(axis)`` of the group."""
+    reducing = [c.axis for c in claims if (c.reduces or c.feeds) and c.axis in mesh.axes]
     if not reducing:
         return mesh.data_group
-    return mesh.group_over(*(a for a in DATA_AXES if a in mesh.axes), *reducing)
+    axes = [a for a in (*DATA_AXES, *reducing) if a in mesh.axes]
+    group = mesh.group_over(*axes)
+    for c in claims:
+        if c.feeds and c.axis in mesh.axes and group is not None:
+            C.set_without(group, c.axis, mesh.group_over(*(a for a in axes if a != c.axis)))
+    return group
 
 
 def _check_join(step: Step, claim: sharding.Claim, mesh: Any) -> None:
