@@ -16,6 +16,7 @@ composes them from a DeepSpeed ``ds_config.json``.
 
 from zerofn.transforms.amp import amp
 from zerofn.transforms.context_parallel import context_parallel
+from zerofn.transforms.expert_parallel import expert_parallel
 from zerofn.transforms.offload import offload
 from zerofn.transforms.quantize import quantize
 from zerofn.transforms.remat import remat
@@ -27,6 +28,7 @@ from zerofn.transforms.tensor_parallel import tensor_parallel
 __all__ = [
     "amp",
     "context_parallel",
+    "expert_parallel",
     "offload",
     "quantize",
     "remat",

@@ -82,8 +82,14 @@ def _from_slices(count: int, index: int, slices: Any) -> Cuts:
 def of_spec(spec: Any) -> tuple[int, Cuts] | None:
     """(part index, cuts) of the parameters a state holds, from its spec (None: the whole model). The parts
     are numbered row-major over the axes that cut some parameter."""
+    # an axis of the step's group that cuts parameters (expert parallelism's ep) is no part: its pieces are
+    # described whole in the ordinary layout (zerofn.checkpoint.parts.layouts)
+    lay = spec.layout
+    apart = {b.apart for b in (*lay.buckets, *lay.frozen_buckets) if b.apart}
     cutting = [
-        k for k in range(len(spec.mesh)) if any(not isinstance(ps[k], sharding.Replicate) for _, ps in spec.placements)
+        k
+        for k in range(len(spec.mesh))
+        if spec.mesh[k][0] not in apart and any(not isinstance(ps[k], sharding.Replicate) for _, ps in spec.placements)
     ]
     if not cutting:
         return None

@@ -52,6 +52,7 @@ class Part(NamedTuple):
     hi: int
     value: Any  # a 1-D tensor (or a tensor shaped like a pseudo-bucket's one slot), or a FileTensor
     role: Role | None = None  # a declared quantity's role (None: the state's own fields, optimizer leaves)
+    write: bool = True  # False: another rank writes the same range (experts held alike by their group)
 
 
 class Held(NamedTuple):
@@ -70,10 +71,64 @@ def _pseudo(named: dict) -> tuple[Bucket, ...]:
 
 
 def layouts(state: TrainState) -> dict[str, tuple[Bucket, ...]]:
-    """The state's layouts by kind: ``params``, ``frozen`` and ``buffers``."""
+    """The state's layouts by kind: ``params``, ``frozen`` and ``buffers``. A bucket of parameters cut along
+    an axis of the step's group (``Bucket.apart``: expert parallelism's experts, cut along dim 0) is
+    described whole: each parameter at its whole shape, one after another (see :func:`state_parts`)."""
     lay = state.spec.layout
     frozen = lay.frozen_buckets if isinstance(state.frozen, tuple) else _pseudo(state.frozen)
-    return {PARAMS: lay.buckets, FROZEN: frozen, BUFFERS: _pseudo(state.buffers)}
+    sizes = {axis: size for axis, size, _ in state.spec.mesh}
+    whole = lambda buckets: tuple(_whole(b, sizes[b.apart]) if b.apart else b for b in buckets)  # noqa: E731
+    return {PARAMS: whole(lay.buckets), FROZEN: whole(frozen), BUFFERS: _pseudo(state.buffers)}
+
+
+def _whole(bucket: Bucket, size: int) -> Bucket:
+    """A bucket of parameters cut along dim 0 over ``size`` ranks, as the whole parameters: each slot at its
+    whole shape, the slots one after another (no padding, one shard). Rank ``c`` of the axis holds elements
+    ``[c n, (c + 1) n)`` of a slot of ``n`` elements here: a piece along dim 0 is a contiguous range."""
+    slots, at = [], 0
+    for s in bucket.slots:
+        shape = (s.shape[0] * size, *s.shape[1:])
+        slots.append(Slot(s.name, shape, at, s.numel * size))
+        at += s.numel * size
+    return Bucket(bucket.dtype, bucket.device, tuple(slots), at, at, 1, bucket.apart)
+
+
+def _apart_rank(spec: Any, axis: str) -> int:
+    """This rank's place among the ranks of its step's group that hold the same pieces along ``axis``: its
+    coordinates on the mesh's other axes of the step's group (all but the model-parallel ``tp`` and
+    ``pp``), row-major."""
+    out = 0
+    for a, size, coord in spec.mesh:
+        if a not in (axis, "tp", "pp"):
+            out = out * size + coord
+    return out
+
+
+def _parts(key: str, kind: str, i: int, value: Any, local: Bucket, rank: int, role: Any, spec: Any) -> list[Part]:
+    """The :class:`Part` (or, for a bucket cut along an axis of the step's group, the parts, one per
+    parameter, placed in its :func:`_whole` description) of this rank's ``value`` of bucket ``i``."""
+    what = f"{key} of bucket {i}"
+    if not local.apart:
+        return [Part(key, kind, i, *held_range(value.numel(), local, rank, what), value, role)]
+    if isinstance(value, FileTensor):
+        raise CheckpointError(
+            f"checkpoint: {what} is held in a file, and its parameters are cut along the mesh axis "
+            f"{local.apart!r} of the step's group; such a state is not saved or loaded yet. Hold them in memory."
+        )
+    size, coord = next((n, c) for a, n, c in spec.mesh if a == local.apart)
+    mine = _apart_rank(spec, local.apart)
+    lo, hi = held_range(value.numel(), local, mine, what)
+    group = spec.world_size // size  # the ranks that hold the same pieces
+    write = not (hi - lo == local.padded and group > 1 and mine != 0)  # held alike by the group: one writes
+    flat = value.detach().view(-1) if value.dim() != 1 else value
+    out, at = [], 0
+    for s in local.slots:
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        if a < b:
+            start = at + coord * s.numel + (a - s.offset)
+            out.append(Part(key, kind, i, start, start + (b - a), flat[a - lo : b - lo], role, write))
+        at += s.numel * size
+    return out
 
 
 def held_range(numel: int, bucket: Bucket, rank: int, what: str) -> tuple[int, int]:
@@ -89,7 +144,9 @@ def _is_node(x: Any) -> bool:
     return isinstance(x, FileTensor) or parts_of(x) is not None
 
 
-def _walk_opt(tree: Any, path: tuple, buckets: tuple[Bucket, ...], rank: int, held: Held, scoped: tuple = ()) -> None:
+def _walk_opt(
+    tree: Any, path: tuple, buckets: tuple[Bucket, ...], rank: int, held: Held, spec: Any, scoped: tuple = ()
+) -> None:
     """Parts and small leaves of an optimizer state, by :func:`zerofn.keys.opt` key.
 
     A node that declares ``state_parts()`` (a wrapper's state) says what it holds: an :class:`Inner`
@@ -108,37 +165,34 @@ def _walk_opt(tree: Any, path: tuple, buckets: tuple[Bucket, ...], rank: int, he
             for record in records:
                 if isinstance(record, Inner):
                     inside = full_scoped + ((keys.scope(record.scope),) if record.scope is not None else ())
-                    _walk_opt(record.tree, full, buckets, rank, held, inside)
+                    _walk_opt(record.tree, full, buckets, rank, held, spec, inside)
                 elif isinstance(record, Quantity):
                     role = Role(record.precise, record.newer, record.mirror)
                     for i, value in record.by_bucket().items():
-                        held.parts.append(_bucket_part(record.name, i, value, buckets, rank, role))
+                        held.parts.extend(_parts(record.name, PARAMS, i, value, buckets[i], rank, role, spec))
             continue
         i = keys.opt_bucket(full)
         if i is None:
             if isinstance(leaf, torch.Tensor):
                 held.small[keys.opt(full_scoped)] = leaf
             continue
-        held.parts.append(_bucket_part(keys.opt(full), i, leaf, buckets, rank, None))
-
-
-def _bucket_part(key: str, i: int, value: Any, buckets, rank: int, role: Role | None) -> Part:
-    lo, hi = held_range(value.numel(), buckets[i], rank, f"optimizer state {key} of bucket {i}")
-    return Part(key, PARAMS, i, lo, hi, value, role)
+        held.parts.extend(_parts(keys.opt(full), PARAMS, i, leaf, buckets[i], rank, None, spec))
 
 
 def state_parts(state: TrainState, rank: int, lays: dict) -> Held:
     """Every bucket range this rank holds (``lays``: the state's :func:`layouts`), and the small tensors
     (counts, loss scale, optimizer scalars, ``state.extra``)."""
     held = Held([], {"count": state.count, PARAM_STEPS: state.param_steps})
-    for i, (t, b) in enumerate(zip(state.params, lays[PARAMS])):
-        held.parts.append(Part(PARAMS, PARAMS, i, *held_range(t.numel(), b, rank, f"params bucket {i}"), t))
+    spec, lay = state.spec, state.spec.layout
+    local_frozen = lay.frozen_buckets if isinstance(state.frozen, tuple) else lays[FROZEN]
+    for i, (t, b) in enumerate(zip(state.params, lay.buckets)):
+        held.parts.extend(_parts(PARAMS, PARAMS, i, t, b, rank, None, spec))
     frozen = state.frozen if isinstance(state.frozen, tuple) else tuple(state.frozen.values())
-    for i, (t, b) in enumerate(zip(frozen, lays[FROZEN])):
-        held.parts.append(Part(FROZEN, FROZEN, i, *held_range(t.numel(), b, rank, f"frozen bucket {i}"), t))
+    for i, (t, b) in enumerate(zip(frozen, local_frozen)):
+        held.parts.extend(_parts(FROZEN, FROZEN, i, t, b, rank, None, spec))
     for i, t in enumerate(state.buffers.values()):
         held.parts.append(Part(BUFFERS, BUFFERS, i, 0, t.numel(), t))
-    _walk_opt(state.opt_state, (), lays[PARAMS], rank, held)
+    _walk_opt(state.opt_state, (), lay.buckets, rank, held, spec)
     if state.loss_scale is not None:
         for p, leaf in zip(*T.tree_flatten_with_path(state.loss_scale)[:2]):
             held.small[keys.loss_scale(T.keystr(p))] = leaf

@@ -317,7 +317,7 @@ _CRC: dict[int, tuple[tuple, int]] = {}  # rank -> (tensors as in _Once, their C
 def _pieces(part: Part, padded: int, rank: int, world: int) -> list[tuple[int, int]]:
     """The ranges of ``part`` (of a bucket ``padded`` long) this rank writes: all of it, or (replicated) its
     1/N piece."""
-    if part.hi - part.lo == 0:
+    if part.hi - part.lo == 0 or not part.write:
         return []
     if (part.lo, part.hi) != (0, padded) or world == 1:  # a shard, or one rank: all of it
         return [(part.lo, part.hi)]
