@@ -16,7 +16,9 @@ on a frozen base, quantized or not: :class:`LoraPlan`, :func:`lora_plan`,
 placements: :func:`local_params`, :func:`local_shape`), ``tensor`` (tensor parallelism's split, its
 placements stated by the transform's rules: :class:`TensorParallelPlan`, :func:`tensor_parallel_plan`,
 :func:`split_shapes`), ``context`` (context parallelism's cut of the sequence and its traffic:
-:class:`ContextParallelPlan`, :func:`context_parallel_plan`, :func:`layout_unit`), ``estimates/``
+:class:`ContextParallelPlan`, :func:`context_parallel_plan`, :func:`layout_unit`), ``expert`` (expert
+parallelism's cut of a mixture-of-experts model's experts and its all-to-alls: :class:`ExpertParallelPlan`,
+:func:`expert_parallel_plan`), ``estimates/``
 (:class:`Estimate`, :func:`estimate`, :func:`compositions`, :func:`optimizer_bytes`,
 :func:`longest_sequence`; a module a job: the defaults, the optimizer's bytes, the record, the refusals, the
 estimate, the compositions, the longest sequence), ``cli``
@@ -99,6 +101,13 @@ and one chunk of logits; the blocks' kept inputs go to host RAM (``Estimate.rema
 Attention's exchanges are ``Estimate.cp_traffic``; :func:`longest_sequence` finds the longest sequence a
 composition fits. See :mod:`zerofn.plan.context`.
 
+Expert parallelism (``estimate(..., ep=e)``, ``expert_parallel(step, e)``), for a mixture-of-experts
+:class:`ModelShape`: each of the ``e`` GPUs of a group holds ``experts / e`` of every mixture-of-experts
+block's routed experts whole, and the rest of the model whole; every GPU feeds its own micro-batch. The table
+above applies to each part with its own N: the rest over ``N / tp`` as without it, the experts one GPU holds
+over the ``N / (tp x e)`` GPUs holding the same ones. The routed tokens' all-to-alls, four a block per
+micro-batch, are ``Estimate.ep_traffic``. See :mod:`zerofn.plan.expert`.
+
 Optimizer state in CPU RAM (``"cpu"``): the GPU keeps only parameters and
 the gradients of the buckets backward is landing; the host holds, per
 rank, the optimizer state (K S), an fp32 gradient buffer kept from step
@@ -153,6 +162,7 @@ from zerofn.plan.estimates import (
     longest_sequence,
     optimizer_bytes,
 )
+from zerofn.plan.expert import ExpertParallelPlan, expert_parallel_plan
 from zerofn.plan.local import local_params, local_shape
 from zerofn.plan.lora import LoraPlan, dequant_bytes, lora_plan
 from zerofn.plan.plotting import plot
@@ -169,6 +179,7 @@ __all__ = [
     "PREFETCH",
     "ContextParallelPlan",
     "Estimate",
+    "ExpertParallelPlan",
     "LoraPlan",
     "ModelShape",
     "OptimizerBytes",
@@ -178,6 +189,7 @@ __all__ = [
     "context_parallel_plan",
     "dequant_bytes",
     "estimate",
+    "expert_parallel_plan",
     "fmt_bytes",
     "format_count",
     "layout_unit",

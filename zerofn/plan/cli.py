@@ -182,6 +182,17 @@ def _parser() -> argparse.ArgumentParser:
         "query heads a multiple of N) or ring (key/value blocks around the ring, any heads)",
     )
     p.add_argument(
+        "--ep",
+        type=int,
+        metavar="N",
+        help="expert parallelism over N GPUs (zerofn.transforms.expert_parallel(step, N)), for a mixture-of-experts "
+        "--model (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GPT-OSS): each holds 1/N of every mixture-of-experts "
+        "block's routed experts whole and the rest whole, and feeds its own micro-batch; the ZeRO stages shard the "
+        "experts over the GPUs holding the same ones (GPUs / (tp x N)) and the rest over GPUs / tp. N divides the "
+        "experts of a block and GPUs x nodes / (tp x cp); the routed tokens' all-to-alls are counted with --seq "
+        "and --micro-batch",
+    )
+    p.add_argument(
         "--chunked-loss",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -248,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             f"--cp {args.cp}: the GPUs per context-parallel group must be at least 1 (1: no split, the recipe alone)"
         )
+    if args.ep is not None and args.ep < 1:
+        p.error(
+            f"--ep {args.ep}: the GPUs per expert-parallel group must be at least 1 (1: every GPU holds every expert)"
+        )
     if args.cp_method is not None and args.cp is None:
         p.error(f"--cp-method {args.cp_method} says how --cp N splits attention; pass --cp N too")
     if args.seq == "max" and args.model is None and not shaped:
@@ -311,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         kw["quantize"] = args.quantize
     if args.tp != 1:
         kw["tp"] = args.tp
+    if args.ep is not None:
+        kw["ep"] = args.ep
     recipe = args.cp is not None  # --cp implies the long-context recipe unless told otherwise
     if args.cp is not None:
         kw["cp"], kw["cp_method"] = args.cp, args.cp_method or "ulysses"
@@ -343,12 +360,17 @@ def main(argv: list[str] | None = None) -> int:
     if lora is not None:
         what += f"; LoRA rank {lora.rank} ({format_count(lora.trainable)} trainable), the base frozen"
         what += f" in {lora.quantize.upper()}" if lora.quantize else ""
-    tensor, context = rows[0].tensor_parallel, rows[0].context_parallel
-    if context is not None:  # the mesh: dp x cp (x tp)
-        tp_part = f"tensor parallel {tensor.size} x " if tensor is not None else ""
-        what += f"; {tp_part}context parallel {context.size} ({context.method}) x data parallel {context.data}"
-    elif tensor is not None:
-        what += f"; tensor parallel {tensor.size} x data parallel {tensor.data}"
+    tensor, context, expert = rows[0].tensor_parallel, rows[0].context_parallel, rows[0].expert_parallel
+    mesh = []  # the mesh, innermost first: tp, ep, cp, then dp
+    if tensor is not None:
+        mesh.append(f"tensor parallel {tensor.size}")
+    if expert is not None:
+        mesh.append(f"expert parallel {expert.size}")
+    if context is not None:
+        mesh.append(f"context parallel {context.size} ({context.method})")
+    if mesh:
+        data = next(x.data for x in (context, tensor, expert) if x is not None)
+        what += f"; {' x '.join(mesh)} x data parallel {data // (expert.size if expert is not None else 1)}"
     name = f" ({source.name})" if isinstance(source, ModelShape) and source.name else ""
     title = (
         f"{format_count(psi)} parameters{name} on {n} GPU(s) ({args.nodes} node(s) x {args.gpus}), "

@@ -22,6 +22,14 @@ class ModelShape:
     (``gated``: SwiGLU's three matrices, Llama-style); ``head_dim`` where
     the config gives one (else hidden / heads), ``experts`` the MLPs of a
     mixture-of-experts block (1: dense).
+
+    A mixture-of-experts model (``experts`` > 1): ``moe_layers`` of its blocks route each token to
+    ``top_k`` of their ``experts`` routed experts, each an MLP of width ``expert_ffn``, beside shared
+    experts (one MLP of width ``shared_ffn`` in all, 0 for none); its other blocks (DeepSeek's dense first
+    layers, Qwen's ``mlp_only_layers``) have a dense MLP of width ``ffn``. ``expert_params`` counts the
+    routed experts' parameters (their stacked weights and biases) over every block: what expert parallelism
+    cuts, the rest (attention, routers, shared experts, embeddings, norms) being whole on every GPU.
+    ``layer_params`` is then the blocks' mean.
     """
 
     params: int
@@ -41,6 +49,11 @@ class ModelShape:
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
+    top_k: int = 1
+    expert_ffn: int | None = None
+    shared_ffn: int = 0
+    moe_layers: int = 0
+    expert_params: int = 0
 
     @property
     def root_params(self) -> int:
@@ -50,7 +63,7 @@ class ModelShape:
 
 _GATED_TYPES = frozenset(
     "llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 gemma3_text phi3 olmo olmo2 cohere "
-    "internlm2 granite deepseek_v2 deepseek_v3 starcoder2_gated smollm3 exaone".split()
+    "internlm2 granite deepseek_v2 deepseek_v3 starcoder2_gated smollm3 exaone gpt_oss".split()
 )
 _ABSOLUTE_POSITIONS = frozenset("gpt2 gpt_bigcode opt gpt_neo bloom_absolute".split())
 
@@ -68,10 +81,19 @@ def model_shape(config: dict | str | os.PathLike) -> ModelShape:
     Reads ``vocab_size``, ``hidden_size``, ``num_hidden_layers``,
     ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``,
     ``head_dim``, ``tie_word_embeddings``, ``attention_bias``/``mlp_bias``
-    and ``num_local_experts`` (Llama, Mistral, Qwen, Gemma-style: gated MLP,
-    RMSNorm, rotary positions), or GPT-2's ``n_embd``, ``n_layer``,
-    ``n_head``, ``n_inner``, ``n_positions`` (biases, LayerNorm, learned
-    positions).
+    (Llama, Mistral, Qwen, Gemma-style: gated MLP, RMSNorm, rotary
+    positions), or GPT-2's ``n_embd``, ``n_layer``, ``n_head``, ``n_inner``,
+    ``n_positions`` (biases, LayerNorm, learned positions).
+
+    Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GPT-OSS): the routed experts
+    per block (``num_local_experts``, ``num_experts`` or ``n_routed_experts``), the experts a token goes
+    to (``num_experts_per_tok``), an expert's width (``moe_intermediate_size``, else
+    ``intermediate_size``), the shared experts (DeepSeek's ``n_shared_experts`` of the experts' width,
+    Qwen2-MoE's ``shared_expert_intermediate_size`` and its gate), the dense blocks (DeepSeek's first
+    ``first_k_dense_replace``, Qwen's ``mlp_only_layers`` and ``decoder_sparse_step``, whose MLP is
+    ``intermediate_size`` wide), DeepSeek's multi-head latent attention (``q_lora_rank``,
+    ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``), GPT-OSS's biased
+    experts and router and its attention sinks. Qwen3's q/k norms count too.
 
     Args:
         config: a dict, a ``config.json`` path, or a directory holding one.
@@ -132,21 +154,45 @@ def model_shape(config: dict | str | os.PathLike) -> ModelShape:
     norm = 2 * hidden if layer_norm else hidden
     q, kv = heads * head_dim, kv_heads * head_dim
     if gated:  # Llama-style: no biases unless the config says (Qwen2 has q, k, v biases)
-        qkv_bias = bool(cfg.get("attention_bias", False)) or kind.startswith("qwen2")
-        out_bias = bool(cfg.get("attention_bias", False))
+        biased = cfg.get("attention_bias", kind == "gpt_oss")  # GPT-OSS's default: biases
+        qkv_bias = bool(biased) or kind.startswith("qwen2")
+        out_bias = bool(biased)
         mlp_bias = bool(cfg.get("mlp_bias", False))
     else:  # GPT-2 style: biases everywhere
         qkv_bias = out_bias = mlp_bias = True
-    attn = hidden * (q + 2 * kv) + q * hidden + (q + 2 * kv if qkv_bias else 0) + (hidden if out_bias else 0)
-    if gated:
-        mlp = 3 * hidden * ffn + (2 * ffn + hidden if mlp_bias else 0)
+    if cfg.get("kv_lora_rank"):  # DeepSeek's multi-head latent attention
+        attn = _latent_attention(cfg, hidden, heads)
     else:
-        mlp = 2 * hidden * ffn + (ffn + hidden if mlp_bias else 0)
-    experts = int(_first(cfg, "num_local_experts", "num_experts", default=1) or 1)
+        attn = hidden * (q + 2 * kv) + q * hidden + (q + 2 * kv if qkv_bias else 0) + (hidden if out_bias else 0)
+    if kind in ("qwen3", "qwen3_moe"):
+        attn += 2 * head_dim  # q_norm and k_norm, over the head dimension
+    if kind == "gpt_oss":
+        attn += heads  # the attention sinks, one a head
+    dense = _mlp(hidden, ffn, gated, mlp_bias)
+    experts = int(_first(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=1) or 1)
+    moe = dict(top_k=1, expert_ffn=None, shared_ffn=0, moe_layers=0, expert_params=0)
+    blocks = layers * (attn + dense + 2 * norm)
     if experts > 1:
-        mlp = experts * mlp + hidden * experts  # the experts and the router
-    layer = attn + mlp + 2 * norm
-    params = vocab * hidden * (1 if tied else 2) + layers * layer + norm
+        expert_ffn = int(_first(cfg, "moe_intermediate_size", default=ffn))
+        biased = kind == "gpt_oss"  # GPT-OSS: biased experts and router
+        expert = _mlp(hidden, expert_ffn, gated, biased or mlp_bias)
+        shared_ffn = int(cfg.get("shared_expert_intermediate_size") or 0)
+        shared_gate = hidden if shared_ffn else 0  # Qwen2-MoE's sigmoid gate of the shared expert
+        shared_ffn = shared_ffn or int(cfg.get("n_shared_experts") or 0) * expert_ffn
+        router = experts * hidden + (experts if biased else 0)
+        routed = experts * expert
+        mlp = routed + router + (_mlp(hidden, shared_ffn, gated, mlp_bias) + shared_gate if shared_ffn else 0)
+        sparse = sum(_is_moe(cfg, kind, i) for i in range(layers))
+        blocks = layers * (attn + 2 * norm) + sparse * mlp + (layers - sparse) * dense
+        moe = dict(
+            top_k=int(_first(cfg, "num_experts_per_tok", "experts_per_token", default=1)),
+            expert_ffn=expert_ffn,
+            shared_ffn=shared_ffn,
+            moe_layers=sparse,
+            expert_params=sparse * routed,
+        )
+    layer = blocks // layers  # the blocks' mean where they differ (dense blocks beside mixture-of-experts ones)
+    params = vocab * hidden * (1 if tied else 2) + blocks + norm
     if learned_positions and positions:
         params += int(positions) * hidden
     return ModelShape(
@@ -167,7 +213,39 @@ def model_shape(config: dict | str | os.PathLike) -> ModelShape:
         qkv_bias=qkv_bias,
         out_bias=out_bias,
         mlp_bias=mlp_bias,
+        **moe,
     )
+
+
+def _mlp(hidden: int, width: int, gated: bool, bias: bool) -> int:
+    """One MLP's parameters: SwiGLU's gate, up and down (``gated``) or GPT's two matrices, with their biases."""
+    if gated:
+        return 3 * hidden * width + (2 * width + hidden if bias else 0)
+    return 2 * hidden * width + (width + hidden if bias else 0)
+
+
+def _latent_attention(cfg: dict, hidden: int, heads: int) -> int:
+    """DeepSeek's multi-head latent attention: q through a rank ``q_lora_rank`` bottleneck (with its norm) or
+    one projection, k and v from a ``kv_lora_rank`` latent (with its norm) beside the shared rotary key, and
+    the output projection."""
+    nope, rope = int(cfg.get("qk_nope_head_dim") or 0), int(cfg.get("qk_rope_head_dim") or 0)
+    v_dim = int(cfg.get("v_head_dim") or nope)
+    q_rank, kv_rank = int(cfg.get("q_lora_rank") or 0), int(cfg["kv_lora_rank"])
+    bias = bool(cfg.get("attention_bias", False))
+    qk = heads * (nope + rope)
+    q = hidden * q_rank + (q_rank if bias else 0) + q_rank + q_rank * qk if q_rank else hidden * qk
+    kv = hidden * (kv_rank + rope) + ((kv_rank + rope) if bias else 0) + kv_rank + kv_rank * heads * (nope + v_dim)
+    return q + kv + heads * v_dim * hidden + (hidden if bias else 0)
+
+
+def _is_moe(cfg: dict, kind: str, i: int) -> bool:
+    """Whether block ``i`` of a mixture-of-experts model routes to experts: DeepSeek's after its
+    ``first_k_dense_replace`` dense ones, Qwen's every ``decoder_sparse_step``-th not in ``mlp_only_layers``,
+    every other model's all."""
+    if kind.startswith("deepseek"):
+        return i >= int(cfg.get("first_k_dense_replace") or 0)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return i not in (cfg.get("mlp_only_layers") or ()) and (i + 1) % step == 0
 
 
 def shape_from_dims(

@@ -120,6 +120,34 @@ def _context_lines(rows: list[Estimate]) -> list[str]:
     return lines
 
 
+def _expert_lines(e: Estimate) -> list[str]:
+    """What one GPU holds of a model whose experts are cut over an expert-parallel group, over which groups the
+    ZeRO stages shard it, and what the group sends, for :func:`plan_text`."""
+    x = e.expert_parallel
+    act = 2 if e.mixed_precision else 4
+    lines = [
+        f"expert parallelism over {x.size} GPUs: each holds {x.local_experts} of the {x.experts} routed experts of "
+        f"each of the {x.moe_layers} mixture-of-experts blocks ({format_count(x.expert_params)} expert parameters "
+        f"in all, {format_count(x.local_expert_params)} per GPU) and the rest whole (attention, routers, shared "
+        f"experts, embeddings, norms: {format_count(x.replicated)}): {format_count(x.local)} parameters per GPU; "
+        f"every GPU feeds its own micro-batch ({x.data} in flight); the ZeRO stages below shard the experts over "
+        f"the {x.expert_group} GPU(s) holding the same ones and the rest over the {x.group} GPU(s), each part's "
+        "gradients reduced on its own group"
+    ]
+    if x.exchange:
+        lines.append(
+            f"expert-parallel traffic per micro-batch: 4 all-to-alls a mixture-of-experts block (dispatch and "
+            f"combine, in forward and in backward; 6 under remat, which recomputes the forward) of this GPU's routed "
+            f"rows, {x.tokens:,} tokens x top-{x.top_k} x hidden x {act} bytes = {fmt_bytes(x.exchange)} each (its "
+            f"own rows included; no capacity factor, no token dropped): {fmt_bytes(x.traffic(remat=False))} over "
+            f"{x.moe_layers} blocks ({fmt_bytes(x.traffic(remat=True))} under remat); the row counts exchanged "
+            "before each are not counted"
+        )
+    else:
+        lines.append("expert-parallel traffic not counted: pass --seq and --micro-batch")
+    return lines
+
+
 def _recommend(rows: list[Estimate], gpu: float, cpu: float | None, nvme: float | None) -> Estimate | None:
     return next((e for e in rows if e.fits(gpu, cpu, nvme)), None)
 
@@ -134,9 +162,13 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
     elif lora is not None:
         lines += _lora_lines(e0)
         psi = lora.trainable  # the lines below are about what trains
-    elif e0.tensor_parallel is not None:
-        lines += _tensor_lines(e0)
-        psi = e0.tensor_parallel.local  # the lines below are about what one GPU holds
+    elif e0.tensor_parallel is not None or e0.expert_parallel is not None:
+        if e0.tensor_parallel is not None:
+            lines += _tensor_lines(e0)
+            psi = e0.tensor_parallel.local  # the lines below are about what one GPU holds
+        if e0.expert_parallel is not None:
+            lines += _expert_lines(e0)
+            psi = e0.expert_parallel.local
         k = e0.optimizer_per_param
         pb = 2 if e0.mixed_precision else 4
         lines.append(
@@ -210,12 +242,13 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
         host = next(e for e in rows if e.optimizer_offload == "cpu" and e.stage == 3 and not e.param_offload)
         k = e0.optimizer_per_param
         pb = 2 if e0.mixed_precision else 4
-        whose = "the adapters" if lora else "every GPU's share" if e0.tensor_parallel else "the whole model"
+        split = e0.tensor_parallel or e0.expert_parallel
+        whose = "the adapters" if lora else "every GPU's share" if split else "the whole model"
         lines.append(
             f"optimizer state in CPU RAM: zerofn holds {pb + 4 + k} bytes per {'trainable ' if lora else ''}parameter "
             f"on the host ({k} optimizer state + 4 fp32 gradient buffer + {pb} parameter copy), "
             f"{fmt_bytes(host.cpu_per_node * host.world_size / host.gpus_per_node)} for "
-            f"{whose} over all nodes; ZeRO-Offload write-ups count {k} ({fmt_bytes(k * psi)}{' per GPU' if e0.tensor_parallel else ''})"
+            f"{whose} over all nodes; ZeRO-Offload write-ups count {k} ({fmt_bytes(k * psi)}{' per GPU' if split else ''})"
         )
         if e0.mixed_precision:
             lines.append(

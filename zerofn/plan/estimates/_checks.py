@@ -43,6 +43,7 @@ def check(
     tp: int,
     cp: int | None = None,
     remat_offload: bool = False,
+    ep: int | None = None,
 ) -> str | None:
     """Raises where :func:`~zerofn.plan.estimate` is asked for what zerofn does not run or the planner does not
     model; returns ``param_offload`` as a placement (:func:`_param_placement`). ``shaped``: the blocks' shapes
@@ -108,6 +109,12 @@ def check(
         raise ValueError(
             f"estimate: cp={cp!r} with inference=True is not modelled: context_parallel cuts a training step's "
             "sequence (its forward, backward and loss). Leave one of the two out."
+        )
+    if ep is not None and inference:
+        raise ValueError(
+            f"estimate: ep={ep!r} with inference=True is not modelled: expert_parallel cuts a training step's "
+            "experts (their parameters, gradients and optimizer state, and the routed tokens of its forward and "
+            "backward). Leave one of the two out."
         )
     if remat_offload and not remat:
         raise ValueError(

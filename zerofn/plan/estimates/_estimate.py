@@ -21,6 +21,7 @@ from zerofn.plan.estimates._defaults import (
 )
 from zerofn.plan.estimates._optimizer import optimizer_bytes
 from zerofn.plan.estimates._record import Estimate, label
+from zerofn.plan.expert import expert_parallel_plan
 from zerofn.plan.lora import lora_plan, projections
 from zerofn.plan.shapes import ModelShape
 from zerofn.plan.tensor import tensor_parallel_plan
@@ -73,6 +74,7 @@ def estimate(
     cp_method: str = "ulysses",
     chunked_loss: bool = False,
     remat_offload: bool = False,
+    ep: int | None = None,
 ) -> Estimate:
     """Bytes per GPU, per rank on the host and per node for one zerofn composition (see the module docs).
 
@@ -152,6 +154,16 @@ def estimate(
         remat_offload: with ``remat``, ``remat(..., offload="cpu")``: the blocks' kept inputs wait in host
             memory, ``layers x tokens x hidden x`` the activations' bytes per rank (``Estimate.remat_host``,
             in ``cpu``), not on the GPU (on ``device="cpu"`` they stay where they are).
+        ep: expert parallelism, ``expert_parallel(step, ep)`` (None: not applied), for a mixture-of-experts
+            :class:`ModelShape`: each of the ``ep`` GPUs of a group holds ``experts / ep`` of every
+            mixture-of-experts block's routed experts whole and the rest of the model whole; every GPU feeds
+            its own micro-batch (``micro_batch`` is per GPU, the micro-batches in flight ``world / (tp x
+            cp)``). The ZeRO stages shard the experts one GPU holds over the ``world / (tp x ep)`` GPUs
+            holding the same ones and the rest over ``world / tp``, each part's gradients reduced on its own
+            group. ``ep`` must divide the experts of a block and ``world / (tp x cp)``.
+            ``Estimate.ep_traffic`` counts the routed tokens' all-to-alls; activations are counted as
+            without it (balanced routing: each GPU computes as many routed rows as it sends). See
+            :mod:`zerofn.plan.expert`.
 
     Returns:
         An :class:`Estimate`.
@@ -165,7 +177,8 @@ def estimate(
             ``tp`` that does not divide the GPUs per node, the heads or the MLP's
             width, or with ``lora_rank`` or ``inference``; a ``cp`` that does not divide
             ``world / tp``, or with ``inference``; Ulysses' heads not a multiple of ``cp``;
-            ``remat_offload`` without ``remat``.
+            ``remat_offload`` without ``remat``; an ``ep`` without a mixture-of-experts shape, that does
+            not divide its experts or ``world / (tp x cp)``, or with ``inference``.
 
     Example:
         >>> from zerofn import memory
@@ -208,6 +221,7 @@ def estimate(
         tp=tp,
         cp=cp,
         remat_offload=remat_offload,
+        ep=ep,
     )
     gpus, nodes = int(gpus), int(nodes)
     if gpus < 1 or nodes < 1:
@@ -266,6 +280,31 @@ def estimate(
             micro_batch=micro_batch,
             activation_bytes=2 if mixed_precision else 4,
         )
+    expert = None
+    groups = [(psi, n)]  # the parameters one GPU holds, by the group the ZeRO stages shard them over
+    if ep is not None:
+        # Each GPU's experts (experts / ep of each block's) and the rest whole; from here on Psi counts those,
+        # a block its share, and the ZeRO stages shard the experts over the GPUs holding the same ones
+        expert = expert_parallel_plan(
+            size=ep,
+            world=world,
+            tp=tp,
+            cp=cp or 1,
+            experts=shape.experts if shape else 1,
+            top_k=shape.top_k if shape else 1,
+            moe_layers=shape.moe_layers if shape else 0,
+            params=psi,
+            expert_params=shape.expert_params if shape else 0,
+            hidden=hidden,
+            seq=seq,
+            micro_batch=micro_batch,
+            activation_bytes=2 if mixed_precision else 4,
+            shaped=shape is not None,
+        )
+        if layer_params:
+            layer_params -= (expert.expert_params - expert.local_expert_params) // layers
+        psi = expert.local
+        groups = [(psi - expert.local_expert_params, n), (expert.local_expert_params, expert.expert_group)]
     lora = None
     if lora_rank is not None:
         if shape is None:  # the block as its projections (norms are a rounding error)
@@ -279,16 +318,19 @@ def estimate(
             dtype=torch.bfloat16 if pb == 2 else torch.float32,
         )
         psi = lora.trainable  # from here on Psi counts the trainable parameters: the adapters
-    # Buckets, each padded to a multiple of N elements (at most N - 1 each): flat buckets of
-    # bucket_bytes for stages 1-2, one bucket per unit (each block and the root) for ZeRO-3.
-    if stage == 3:
-        buckets = (layers or 0) + 1
-    else:
-        buckets = max(1, math.ceil(psi * pb / bucket_bytes))
-    padded = psi + (buckets * (n - 1) if stage >= 1 and n > 1 else 0)
+        groups = [(psi, n)]
+    # Buckets, each padded to a multiple of its group's N elements (at most N - 1 each): flat buckets of
+    # bucket_bytes for stages 1-2, one bucket per unit (each block and the root) for ZeRO-3; under ep the
+    # experts' buckets apart (one per mixture-of-experts block under ZeRO-3), padded to their group.
+    units = [(layers or 0) + 1, expert.moe_layers if expert else 0]
+    parts = []  # (padded elements, ranks) per group
+    for (elements, ranks), unit in zip(groups, units):
+        buckets = unit if stage == 3 else max(1, math.ceil(elements * pb / bucket_bytes))
+        parts.append((elements + (buckets * (ranks - 1) if stage >= 1 and ranks > 1 else 0), ranks))
     if lora is not None and stage == 3:  # each block's adapters one bucket, padded to N; the root unit has none
-        padded = layers * -(-lora.block_trainable // n) * n
-    shard = padded // n if stage >= 1 else psi  # what the optimizer updates on this rank
+        parts = [(layers * -(-lora.block_trainable // n) * n, n)]
+    padded = sum(p for p, _ in parts)
+    shard = sum(p // r for p, r in parts) if stage >= 1 else psi  # what the optimizer updates on this rank
 
     acts = 0
     if layers and hidden and seq and micro_batch:
@@ -334,6 +376,9 @@ def estimate(
         per_param = pb if inference else 2 * pb  # full parameters (and, training, their gradients)
         gathered = root * per_param + min(prefetch + 2, layers) * layer_params * per_param
         root_shard, block_shard, blocks = pb * math.ceil(root / n), pb * math.ceil(layer_params / n), layers
+        if expert is not None:  # a block's shards: of the rest over N, of its experts over their group
+            xb = expert.local_expert_params // layers
+            block_shard = pb * (math.ceil((layer_params - xb) / n) + math.ceil(xb / expert.expert_group))
 
     common = dict(
         label=label(stage, optimizer_offload, param_offload, remat, inference, remat_offload),
@@ -355,9 +400,11 @@ def estimate(
         context_parallel=context,
         cp_traffic=context.traffic(remat=remat) if context else 0,
         remat_host=remat_host,
+        expert_parallel=expert,
+        ep_traffic=expert.traffic(remat=remat) if expert else 0,
     )
     if inference:
-        held = pb * (padded // n if stage == 3 else psi)
+        held = pb * (shard if stage == 3 else psi)
         return Estimate(
             **common,
             params=0 if param_offload else held,
@@ -371,7 +418,7 @@ def estimate(
             state_cpu=held if param_offload else 0,
         )
 
-    param_bytes = pb * (padded // n if stage == 3 else (padded if stage >= 1 else psi))
+    param_bytes = pb * (shard if stage == 3 else (padded if stage >= 1 else psi))
     if stage <= 1:
         grads = pb * psi  # the whole gradient (stage 1 keeps whole local sums when accumulating)
     elif stage == 2:
@@ -419,7 +466,8 @@ def estimate(
         # elements (a whole shard when it is smaller).
         cpu += NVME_UPDATE_BUFFERS * min(NVME_SUB_GROUP_BYTES // (k or 4), shard) * (k + 4 + pb)
         if device != "cpu":  # each bucket's gradient copied off the GPU (in fp32) on its way to its file
-            cpu += NVME_LANDING_BUFFERS * 4 * math.ceil(min(bucket_bytes, pb * psi) / pb / (n if stage else 1))
+            least = min(r for _, r in groups)  # the smallest group: the largest partition of a bucket
+            cpu += NVME_LANDING_BUFFERS * 4 * math.ceil(min(bucket_bytes, pb * psi) / pb / (least if stage else 1))
         if param_offload == "nvme":
             # the shards read ahead of their gathers and still being gathered: a buffer per unit's shards, a
             # pool per size of unit (the root unit's one buffer; the blocks' nvme_read_buffers)
@@ -427,7 +475,8 @@ def estimate(
         state_cpu += held.fixed  # the step counts stay in memory, on the host
         state_nvme += k * shard + gbuf  # the current generation of the state files, and the gradients' files
     cpu += remat_host  # host RAM, but no state: it lives inside a step
-    traffic = 0 if n == 1 else (3 if stage == 3 else 2) * psi
+    # the ZeRO paper's elements moved per rank, each part over its group (none over a group of one)
+    traffic = (3 if stage == 3 else 2) * sum(elements for elements, ranks in groups if ranks > 1)
     if lora is not None and stage == 3 and n > 1:  # the frozen base gathered twice, its bytes as parameters
         traffic += 2 * lora.base_bytes() // pb
     return Estimate(

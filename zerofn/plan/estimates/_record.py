@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerofn.plan.context import ContextParallelPlan
+from zerofn.plan.expert import ExpertParallelPlan
 from zerofn.plan.lora import LoraPlan
 from zerofn.plan.tensor import TensorParallelPlan
 
@@ -59,6 +60,14 @@ class Estimate:
             ring's key/value blocks and accumulators; 0 without ``cp`` or the shapes).
         remat_host: the blocks' kept inputs ``remat(..., offload="cpu")`` holds in host memory, per rank,
             within a step (included in ``cpu``; 0 without ``remat_offload``).
+        expert_parallel: the cut of ``estimate(..., ep=)`` (:class:`~zerofn.plan.ExpertParallelPlan`), or
+            None. The columns above are then one GPU's, of the parameters it holds (its ``experts / ep`` of
+            each block's experts, the rest whole), the experts sharded over the GPUs holding the same ones
+            (``world / (tp x ep)``) and the rest over ``world / tp``; ``traffic`` counts each part over its
+            group.
+        ep_traffic: bytes one GPU sends on its expert-parallel group per micro-batch (the all-to-alls of the
+            routed tokens: 4 a mixture-of-experts block, 6 under remat; 0 without ``ep`` or without ``seq``
+            and ``micro_batch``).
     """
 
     label: str
@@ -91,6 +100,8 @@ class Estimate:
     context_parallel: ContextParallelPlan | None = None
     cp_traffic: int = 0
     remat_host: int = 0
+    expert_parallel: ExpertParallelPlan | None = None
+    ep_traffic: int = 0
 
     @property
     def model_state(self) -> int:
