@@ -10,6 +10,7 @@ keys ask for, the same Step one would write by hand::
       -> offload("cpu" | "nvme", params=..., sub_group_bytes=...)     offload_optimizer / offload_param
       -> remat(offload="cpu" with cpu_checkpointing)                  activation_checkpointing
       -> tensor_parallel(N)                                           tensor_parallel.autotp_size
+      -> expert_parallel(N)                                           expert_parallel.autoep_size (AutoEP)
       -> context_parallel(N)                                          sequence_parallel_size (Ulysses, ALST)
 
 It returns ``DeepSpeedRun(step, batch)``: the step, whose name and state are
@@ -17,7 +18,11 @@ those of the composition written by hand (a state of either steps the other),
 and beside it the batch settings the config resolved (:class:`DeepSpeedConfig`).
 A rank feeds ``batch.micro_batch_size`` samples per call, and every
 ``step.accumulate_steps``-th call updates: ``train_batch_size`` samples over
-all ranks, as under DeepSpeed.
+all ranks, as under DeepSpeed. The batch sizes count the data-parallel ranks,
+``world // (autotp_size x sequence_parallel_size)``: the ranks of a tensor- or
+sequence-parallel group feed one micro-batch, while every rank of an
+expert-parallel group feeds its own (``autoep_size`` divides them, and is not
+divided out).
 
 The rules (the key-by-key table is in docs/migrating/deepspeed.md):
 
@@ -31,7 +36,8 @@ The rules (the key-by-key table is in docs/migrating/deepspeed.md):
   ``UserWarning`` with what zerofn does instead; a key set to ``false``, or
   a block with ``"enabled": false``, asks for nothing and passes silently.
 - A key that would change the numbers if ignored (``amsgrad``, apex
-  ``amp``, ``consecutive_hysteresis``, curriculum learning, ...) raises a
+  ``amp``, ``consecutive_hysteresis``, curriculum learning, a MoE layer's
+  ``capacity_factor`` or ``drop_tokens``, ...) raises a
   ValueError naming it and what to write instead, before anything is built.
 - ``"auto"`` is filled in as the Hugging Face Trainer fills it when its
   arguments are passed: ``from_deepspeed(config, loss_fn,
@@ -52,7 +58,8 @@ The rules (the key-by-key table is in docs/migrating/deepspeed.md):
 The modules: ``_reader`` (the file and its blocks, key by key), ``_auto``
 (``"auto"`` as the Trainer fills it), ``_keys`` (the tables of known keys), ``_batch`` (the batch sizes), ``_optimizer``
 (optimizer, scheduler, clipping), ``_precision`` (fp16 / bf16), ``_zero``
-(ZeRO, offload, activation checkpointing), ``_tensor`` (AutoTP's ``tensor_parallel`` block) and
+(ZeRO, offload, activation checkpointing), ``_tensor`` (AutoTP's ``tensor_parallel`` block), ``_expert``
+(AutoEP's ``expert_parallel`` block, and the arguments of DeepSpeed's MoE layer a config may carry) and
 ``_build`` (the step).
 
 Example:

@@ -22,6 +22,7 @@ from zerofn.deepspeed._auto import (
 )
 from zerofn.deepspeed._batch import DeepSpeedConfig, resolve_batch_sizes
 from zerofn.deepspeed._compression import read_compression
+from zerofn.deepspeed._expert import MOE_TOP_LEVEL, read_expert_parallel
 from zerofn.deepspeed._keys import TOP_ERRORS, TOP_IGNORED, TOP_QUIET
 from zerofn.deepspeed._optimizer import read_optimizer
 from zerofn.deepspeed._precision import AmpSpec, read_precision
@@ -81,7 +82,9 @@ def from_deepspeed(
         group: the torch ``ProcessGroup`` the step runs on (``zf.train_step(..., group=)``;
             default: the current group, the world unless a ``zf.collectives.group_scope`` says otherwise);
             the batch sizes are resolved for its world size (under ``tensor_parallel.autotp_size`` N,
-            for the ``world // N`` data-parallel ranks, as DeepSpeed does; ``group=`` is then refused).
+            for the ``world // N`` data-parallel ranks, as DeepSpeed does; ``group=`` is then refused, and
+            beside ``expert_parallel.autoep_size`` too, which does not divide the data-parallel ranks: every
+            rank of an expert-parallel group feeds its own micro-batch).
         training_args: a ``transformers.TrainingArguments``, or a dict of its fields
             (``per_device_train_batch_size``, ``learning_rate``, ``max_steps``, ...; its defaults
             for the absent ones): each ``"auto"`` takes the value the Hugging Face Trainer would put
@@ -119,7 +122,8 @@ def from_deepspeed(
         ``UserWarning``.
 
     Raises:
-        ValueError: an ``autotp_size`` that does not divide the world, batch sizes that disagree, an unsupported optimizer or
+        ValueError: an ``autotp_size`` that does not divide the world, an ``autoep_size`` that does not divide the
+            data-parallel ranks, batch sizes that disagree, an unsupported optimizer or
             scheduler, an "auto" zerofn cannot resolve (the message names the
             key and the training_args field that fills it), a value that
             disagrees with training_args, or a key that would change the
@@ -138,12 +142,17 @@ def from_deepspeed(
     # Ulysses (ALST): sequence_parallel_size ranks share each micro-batch; the batch sizes count the rest
     sp = read_sequence_parallel(raw, world)
     world //= sp
+    # AutoEP: autoep_size of those ranks hold each block's experts, and each still feeds its own micro-batch: the
+    # batch sizes count them all (DeepSpeed's data-parallel world includes them too)
+    ep = read_expert_parallel(raw, world, group, ignored)
     if training_args is not None or hidden_size is not None:  # "auto" as the Hugging Face Trainer fills it
         hidden = hidden_size if hidden_size is not None else (lambda: _model_hidden_size(loss_fn))
         raw = resolve_auto(raw, training_args, world, hidden)
     r = Block("", raw)
     r.raw("tensor_parallel")  # read above
     r.raw("sequence_parallel_size")
+    for k in ("expert_parallel", "moe", *MOE_TOP_LEVEL):
+        r.raw(k)
     sizes = resolve_batch_sizes(r, world)
     trainer = None
     if training_args is not None:  # no "optimizer" (and no optimizer=): the Hugging Face Trainer's AdamW
@@ -190,7 +199,11 @@ def from_deepspeed(
         step = remat(step, **remat_options)
     if tp > 1:  # it runs the whole composition on its data-parallel group
         step = tensor_parallel(step, tp)
-    if sp > 1:  # last: its axis joins the mesh outside tensor_parallel's
+    if ep > 1:  # its axis joins the mesh outside tensor_parallel's and inside context_parallel's
+        from zerofn.transforms import expert_parallel  # on first use: a config without it imports nothing more
+
+        step = expert_parallel(step, ep)
+    if sp > 1:  # last: its axis joins the mesh outside tensor_parallel's and expert_parallel's
         step = context_parallel(step, sp)
     if ignored:
         lines = "\n".join(f"  {k}: {why}" for k, why in ignored.items())

@@ -12,6 +12,12 @@ __all__ = [
     "AUTO",
     "AUTO_HINTS",
     "COMPRESSED_OPTIMIZERS",
+    "EP_ERRORS",
+    "EP_IGNORED",
+    "EP_PRESETS",
+    "EP_QUIET",
+    "MOE_LAYER_ERRORS",
+    "MOE_LAYER_IGNORED",
     "LAMB_PARAMS",
     "OPTIMIZERS",
     "PRECISION_IGNORED",
@@ -117,6 +123,8 @@ TOP_IGNORED = {
     "seq_parallel_communication_data_type": "context_parallel's all-to-alls move activations in their own dtype",
     "weight_quantization": "no quantization",
     "communication_data_type": "gradients of fp32 parameters are reduced in fp32 (another dtype needs bf16 or fp16)",
+    "use_data_before_expert_parallelism": "zerofn lays out its own mesh: each expert-parallel group is consecutive "
+    "ranks (dp x cp x ep x tp); the layout changes which ranks exchange tokens, not the numbers",
 }
 
 TOP_QUIET = {"gradient_predivide_factor": 1.0}  # DeepSpeed's defaults that ask for nothing
@@ -277,3 +285,113 @@ TP_ERRORS = {
     "tensor_parallel(step, N, plan={module path: 'colwise' | 'rowwise'})",
 }
 TP_PRESETS = ("llama", "qwen2")  # DeepSpeed's presets whose split zerofn derives itself
+
+# The expert_parallel block (AutoEP): "enabled": true with autoep_size N is expert_parallel(step, N); enabled,
+# autoep_size, expert_tensor_parallel_size and preset_model are read beside it (_expert.py). The values of the
+# other keys that ask for nothing (DeepSpeed's defaults: the model's own routing):
+EP_QUIET = {
+    "use_grouped_mm": (True,),
+    "disable_triton_grouped_mm": (False,),
+    "combine_impl": ("auto",),
+    "validate_folding_routing": (False,),
+    "score_func": ("auto",),
+    "score_apply": ("auto",),
+    "route_norm": (None,),
+    "route_scale": (1, 1.0),
+    "top_k": ("auto",),
+    "routed_scaling_factor": ("auto",),
+    "num_expert_groups": (None,),
+    "num_limited_groups": (None,),
+    "load_balance_coeff": (None,),
+}
+# Keys that change no number: warned.
+EP_IGNORED = {
+    "use_grouped_mm": "the model's own experts implementation computes each rank's experts",
+    "disable_triton_grouped_mm": "the model's own experts implementation computes each rank's experts",
+    "combine_impl": "the routed outputs are combined as the model's own code weighs them",
+    "validate_folding_routing": "a check of DeepSpeed's AutoEP with AutoTP; zerofn's tensor_parallel sits inside "
+    "expert_parallel on the mesh",
+}
+_DETECTION = (
+    "a layout of the mixture-of-experts layers for DeepSpeed's detection; zerofn's expert_parallel finds the "
+    "experts of Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and GPT-OSS models itself (their stacked "
+    "expert weights): remove it for those"
+)
+_ROUTING = (
+    "it overrides the model's routing; zerofn routes every token as the model's own router does, with the model "
+    "config's values (num_experts_per_tok, norm_topk_prob, routed_scaling_factor, n_group, topk_group, "
+    "scoring_func): remove it, or set the model config's field"
+)
+# Keys that would change which parameters are experts or how tokens are routed: errors.
+EP_ERRORS = {
+    **dict.fromkeys(
+        (
+            "moe_layer_pattern",
+            "router_pattern",
+            "expert_pattern",
+            "expert_w1",
+            "expert_w2",
+            "expert_w3",
+            "num_experts_attr",
+            "top_k_attr",
+            "has_shared_experts",
+            "shared_experts_pattern",
+            "shared_experts_gate_pattern",
+        ),
+        _DETECTION,
+    ),
+    **dict.fromkeys(
+        (
+            "score_func",
+            "score_apply",
+            "route_norm",
+            "route_scale",
+            "top_k",
+            "routed_scaling_factor",
+            "num_expert_groups",
+            "num_limited_groups",
+        ),
+        _ROUTING,
+    ),
+    "load_balance_coeff": "auxiliary-loss-free load balancing (an expert bias updated from the routing) changes "
+    "the routing; zerofn routes as the model's own router does: remove it (DeepSpeed refuses it too)",
+}
+EP_PRESETS = ("mixtral", "qwen3_moe", "deepseek_v3")  # DeepSpeed's presets whose models zerofn finds itself
+
+# The arguments of DeepSpeed's own MoE layer (deepspeed.moe.layer.MoE, in model code), found in a config (at the
+# top level, in a "moe" block or in expert_parallel): errors, each with what zerofn does instead. drop_tokens
+# false and the keys that then ask for nothing pass silently.
+_DROPLESS = (
+    "zerofn's expert_parallel is dropless: every token reaches its top-k experts (the row counts are exchanged "
+    "first, so an expert takes as many as are routed to it), with no capacity factor"
+)
+MOE_LAYER_ERRORS = {
+    "ep_size": "the expert-parallel size of DeepSpeed's MoE layer, an argument in model code; a config asks for "
+    'expert parallelism as "expert_parallel": {"enabled": true, "autoep_size": N}: write that instead',
+    "expert_parallel_size": 'not a DeepSpeed config key; write "expert_parallel": {"enabled": true, '
+    '"autoep_size": N} for expert parallelism over N ranks',
+    "capacity_factor": f"a capacity per expert past which tokens are dropped; {_DROPLESS}: remove it (or write "
+    '"drop_tokens": false, under which it asks for nothing)',
+    "eval_capacity_factor": f"a capacity per expert past which tokens are dropped; {_DROPLESS}: remove it (or "
+    'write "drop_tokens": false, under which it asks for nothing)',
+    "min_capacity": f"a capacity per expert past which tokens are dropped; {_DROPLESS}: remove it (or write "
+    '"drop_tokens": false, under which it asks for nothing)',
+    "drop_tokens": f"tokens past an expert's capacity are dropped; {_DROPLESS}: write false or remove it",
+    "noisy_gate_policy": "noise in the gate changes the routing; zerofn routes as the model's own router does: "
+    "remove it (or write null)",
+    "top2_2nd_expert_sampling": "sampling the second expert changes the routing; zerofn routes every token to the "
+    "top-k experts of the model's own router: write false or remove it",
+    "use_residual": "Residual MoE (a dense MLP beside the experts, mixed by a learned coefficient) is another "
+    "model; zerofn trains the Hugging Face model as it is: write false or remove it",
+    "enable_expert_tensor_parallelism": "zerofn holds each expert whole on the ranks of its expert-parallel group "
+    "(no expert tensor parallelism): write false or remove it",
+    "num_experts": "the model's config says how many experts a block has (num_local_experts, num_experts or "
+    "n_routed_experts), and zerofn reads it from the model: remove it",
+    "k": "the model's config says how many experts each token goes to (num_experts_per_tok), and zerofn reads it "
+    "from the model: remove it",
+}
+# Keys of DeepSpeed's MoE layer that change no number here: warned when true.
+MOE_LAYER_IGNORED = {
+    "use_rts": "Random Token Selection picks which tokens a full expert drops; zerofn drops none",
+    "use_tutel": "no Tutel kernels: the model's own experts implementation computes",
+}
