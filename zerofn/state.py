@@ -69,6 +69,12 @@ class Bucket:
     ``ep``: the ranks of that axis hold different experts), so that it is reduced and sharded over the ranks
     of the step's group that share this rank's coordinate there (``zerofn.collectives.without(apart)``),
     ``shards`` of them; empty: over the step's group.
+
+    ``cut``: the mesh axis outside the step's group along which its parameters are cut (tensor
+    parallelism's ``tp``), ``share`` consecutive ranks of it holding the same piece (key/value heads fewer
+    than the ranks): its gradient's elements differ between the axis's pieces, so the gradient norm sums
+    them over the axis, one rank of each piece counting it, where a bucket of parameters whole along the
+    axis is counted once.
     """
 
     dtype: torch.dtype
@@ -78,6 +84,8 @@ class Bucket:
     padded: int
     shards: int
     apart: str = ""
+    cut: str = ""
+    share: int = 1
 
     @property
     def shard_numel(self) -> int:
@@ -113,6 +121,7 @@ class Layout:
         first_bucket_bytes: int | None = None,
         labels: Mapping[str, Any] | None = None,
         apart: Mapping[str, tuple[str, int]] | None = None,
+        cut: Mapping[str, tuple[str, int]] | None = None,
     ) -> Layout:
         """Group ``trainable`` into buckets, last-registered first (backward order).
 
@@ -131,7 +140,9 @@ class Layout:
         ``apart`` (name -> (axis, shards)) puts the parameters cut along a
         mesh axis of the step's group (expert parallelism's experts) in
         buckets of their own, ``shards`` shards each (see :class:`Bucket`),
-        ordered among the others in the same way.
+        ordered among the others in the same way; ``cut`` (name -> (axis, share)) does
+        the same for the parameters a model-parallel axis cuts (see
+        :class:`Bucket`).
         """
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -140,22 +151,23 @@ class Layout:
         for name, p in reversed(list(trainable.items())):
             label = labels.get(name) if labels else None
             axis = apart[name] if apart and name in apart else ("", shards)
-            groups.setdefault((p.dtype, str(p.device), label, axis), []).append((name, p))
+            along = cut.get(name, ("", 1)) if cut else ("", 1)
+            groups.setdefault((p.dtype, str(p.device), label, axis, along), []).append((name, p))
         buckets: list[Bucket] = []
-        for (dtype, device, _, (axis, n_shards)), items in groups.items():
+        for (dtype, device, _, (axis, n_shards), along), items in groups.items():
             limit = max(1, min(bucket_bytes, first_bucket_bytes or bucket_bytes) // dtype.itemsize)
             run: list[Slot] = []
             size = 0
             for name, p in items:
                 n = p.numel()
                 if run and size + n > limit:
-                    buckets.append(_bucket(dtype, device, run, size, n_shards, axis))
+                    buckets.append(_bucket(dtype, device, run, size, n_shards, axis, along))
                     run, size = [], 0
                     limit = max(1, bucket_bytes // dtype.itemsize)
                 run.append(Slot(name, tuple(p.shape), size, n))
                 size += n
             if run:
-                buckets.append(_bucket(dtype, device, run, size, n_shards, axis))
+                buckets.append(_bucket(dtype, device, run, size, n_shards, axis, along))
         if len({k[2:] for k in groups}) > 1:
             buckets.sort(key=lambda b: (max(order[s.name] for s in b.slots), str(b.dtype)))
         return Layout(tuple(buckets), tuple(names or trainable), tuple(frozen))
@@ -187,9 +199,9 @@ class Layout:
         return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.buckets[i].slots}
 
 
-def _bucket(dtype, device, slots, numel, shards, apart="") -> Bucket:
+def _bucket(dtype, device, slots, numel, shards, apart="", cut=("", 1)) -> Bucket:
     padded = -(-max(numel, 1) // shards) * shards
-    return Bucket(dtype, device, tuple(slots), numel, padded, shards, apart)
+    return Bucket(dtype, device, tuple(slots), numel, padded, shards, apart, *cut)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,9 @@ class ParamSplit(NamedTuple):
             parallelism's experts; ``step.init`` fills it from the claims): it goes into buckets of its own,
             reduced and sharded over that group's ranks that share this rank's coordinate on the axis
             (:attr:`zerofn.state.Bucket.apart`).
+        cut: name -> (mesh axis, share) for each parameter a model-parallel axis outside the step's group
+            cuts (tensor parallelism's; ``step.init`` fills it from the claims): it goes into buckets of its
+            own, whose gradient norm is summed over that axis (:attr:`zerofn.state.Bucket.cut`).
     """
 
     named: dict
@@ -83,6 +86,7 @@ class ParamSplit(NamedTuple):
     treedef: Any
     labels: dict = {}
     apart: dict = {}
+    cut: dict = {}
 
 
 class Held(NamedTuple):
@@ -180,6 +184,7 @@ class Storage:
             first_bucket_bytes=FIRST_BUCKET_BYTES,
             labels=split.labels,
             apart=split.apart,
+            cut=split.cut,
         )
         flats = []
         for b in layout.buckets:

@@ -66,8 +66,8 @@ class UnitStorage(Storage):
         for uname in list(reversed(names)) + [ROOT]:
             mine_t = {k: v for k, v in trainable.items() if unit_of[k] == uname}
             mine_f = {k: v for k, v in named.items() if unit_of[k] == uname and k not in trainable}
-            tb = unit_buckets(mine_t, world, split.labels, split.apart)
-            fb = unit_buckets(mine_f, world, apart=split.apart)
+            tb = unit_buckets(mine_t, world, split.labels, split.apart, split.cut)
+            fb = unit_buckets(mine_f, world, apart=split.apart, cut=split.cut)
             units.append(
                 Unit(
                     uname,

@@ -125,14 +125,22 @@ class _Call:
         k = step.accumulate_steps
         self.factors = [divide(d, self.world * k, self.scale) for d in self.sink.predivide]  # phase 4's, per bucket
         self.reduced: dict | None = None  # bucket key -> the reduced gradient (phase 4: averaged, unscaled)
-        replicated = step.reduction.replicated
+        replicated, mesh = step.reduction.replicated, step.mesh
+        # the model-parallel axes (tensor parallelism's): outside the step's group, their ranks hold different
+        # pieces of the parameters they cut and the same whole ones of the others
+        model = sorted({b.cut for b in self.layout.buckets if b.cut})
         self.stats = functools.partial(
             gather_stats,
             world=self.world,
             rank=self.rank,
             replicated=replicated,
             digest=self.digest,
-            counted=[not replicated or bucket_rank(b, self.rank) == 0 for b in self.layout.buckets],
+            counted=[
+                (not replicated or bucket_rank(b, self.rank) == 0)
+                and all(mesh.coordinate(a) % (b.share if b.cut == a else mesh.size(a)) == 0 for a in model)
+                for b in self.layout.buckets
+            ],
+            model_groups=tuple(mesh.group(a) for a in model),
         )
 
     def _final(self, i: int, r: torch.Tensor) -> None:

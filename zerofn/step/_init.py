@@ -51,7 +51,14 @@ def init_state(step: Any, params: Any, keep_module: bool, structure_only: bool) 
         if c.feeds and c.placements is not None and step.mesh is not None and c.axis in step.mesh.axes:
             n = step.reduction.shards(C.world_size(C.without(c.axis)))
             apart.update({name: (c.axis, n) for name in c.placements() if name in split.named})
-    split = split._replace(apart=apart)
+    cut = {}  # the parameters a model-parallel axis outside the step's group cuts (tensor parallelism's)
+    for c in step.claims:
+        if c.placements is not None and not (c.feeds or c.reduces) and step.mesh is not None:
+            if c.axis in step.mesh.axes and step.mesh.size(c.axis) > 1:
+                for name, p in c.placements().items():
+                    if name in split.named:  # consecutive ranks that hold the same piece (shared heads)
+                        cut[name] = (c.axis, getattr(p, "share", step.mesh.size(c.axis)))
+    split = split._replace(apart=apart, cut=cut)
     names = names_view(split.treedef, split.named, split.trainable)
     groups = O.labels(step.optimizer, names)  # its masks and groups, if any
     split = split._replace(labels={k: groups[k] for k in split.trainable} if groups else {})

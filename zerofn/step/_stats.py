@@ -82,10 +82,12 @@ def gather_stats(
     seen=None,
     reported=None,
     counted=None,
+    model_groups: tuple = (),
 ) -> Stats:
     """One small all-reduce, on the loss's device, read by no one here: the loss (mean over ranks), the
     gradient sum of squares (from each bucket's norm; None: no gradient; ``counted``: which of them this
-    rank counts, see below), how many ranks gave some
+    rank counts, see below; summed first over each of ``model_groups``, the model-parallel axes' groups,
+    whose ranks hold different pieces of the parameters), how many ranks gave some
     parameter no gradient (``unseen`` here), the batch digest and its square (equal on every rank when
     n * sum(d^2) == sum(d)^2), a ``zf.Mean``'s running sums of total and count (``items``; the loss is then
     their quotient) and how many ranks counted a negative number, the scalar aux values and, on an update
@@ -100,13 +102,17 @@ def gather_stats(
         return torch.full((), float(v), dtype=torch.float64, device=dev)
 
     # Each bucket's norm counted by the ranks that hold its elements once between them: every rank of a
-    # sharded bucket, rank 0 of a replicated one's group (``counted``; default: rank 0 of the step's group).
+    # sharded bucket, rank 0 of a replicated one's group, and along a model-parallel axis every rank of a
+    # bucket cut along it, rank 0 of one whole along it (``counted``; default: rank 0 of the step's group).
     counted = counted if counted is not None else [not replicated or rank == 0] * len(norms or ())
     mine = [n for n, c in zip(norms or (), counted) if c]
     if not mine:  # no gradient, or none this rank counts
         sumsq = const(0.0)
     else:
         sumsq = torch.stack([n.double().square() for n in mine]).sum().to(dev)
+    if norms:  # summed over the model-parallel axes too: their ranks hold different pieces (tensor parallelism)
+        for g in model_groups:
+            C.all_reduce(sumsq, "sum", group=g)
     d = digest or 0
     parts = [loss.double(), sumsq, const(1.0 if unseen else 0.0), const(d), const(d * d)]
     if items is not None:

@@ -141,8 +141,7 @@ def _check(results: list, case: tuple, tol: float = 1e-5) -> None:
             got["losses"],
             ref["losses"],
         )
-        if compose != "tp":  # under tensor_parallel grad_norm is still the norm of the rank's own pieces
-            assert abs(got["grad_norm"] - ref["grad_norm"]) <= tol * max(1.0, ref["grad_norm"]), (case, got, ref)
+        assert abs(got["grad_norm"] - ref["grad_norm"]) <= tol * max(1.0, ref["grad_norm"]), (case, got, ref)
 
 
 def test_the_skewed_router_sends_every_token_to_rank_0s_experts():

@@ -123,6 +123,7 @@ def _train(tp: int, name: str, kv_heads: int = 2) -> tuple[dict, float, str]:
             state, m = step(state, rank_slice(_batch(i), here, data) if tp else _batch(i))
     info = {"apply_diff": apply_diff, "seen": list(SEEN), "full_shape": tuple(first.shape), "comm": m["comm_bytes"]}
     info["reads"] = reads.n
+    info["grad_norm"] = float(m["grad_norm"])  # the whole gradient's: the split pieces summed over the tp ranks
     # this rank's slices, and the whole model's state_dict: a model built unsplit loads it and computes what
     # the split one computes
     info["local"] = step.full_params(state, local=True)
@@ -180,10 +181,16 @@ def references():
 
 
 def _check(results: list, references: dict, tp: int, name: str, kv: int) -> None:
-    ref, ref_loss, _, _ = references[(kv, "amp") if name in MIXED else kv]
+    ref, ref_loss, _, ref_info = references[(kv, "amp") if name in MIXED else kv]
     tol = TOLERANCE.get(name, 1e-5)
     for out in results:
         r = out[(tp, name, kv)]
+        # the gradient norm (what clipping reads) is the whole model's, one process's, on every rank
+        assert abs(r["grad_norm"] - ref_info["grad_norm"]) <= tol * max(1.0, ref_info["grad_norm"]), (
+            name,
+            r["grad_norm"],
+            ref_info["grad_norm"],
+        )
         # full_params: the whole parameters, in the model's dtype (fp32 under amp too), one process's
         assert ref.keys() == r["params"].keys()
         for k in ref:
@@ -234,10 +241,11 @@ def test_tp2_on_two_ranks_trains_as_one_process(ranks, references):
     # comm_bytes: Megatron's count, all on the tensor-parallel group (one data-parallel rank): per block two
     # all-reduces of the activations in forward (o_proj, down_proj) and two in backward (the inputs of
     # attention and of the MLP); the embedding's in forward, the head's input in backward; the batch check
-    # (3 float64 each way for the one input tensor); each all-reduce counted as 2 x its bytes
+    # (3 float64 each way for the one input tensor); the gradient's sum of squares over the tp ranks (one
+    # float64); each all-reduce counted as 2 x its bytes
     activations = GLOBAL_BATCH * SEQ * 64 * 4
     blocks = 2
-    want = 2 * activations * (4 * blocks + 2) + 2 * 6 * 8
+    want = 2 * activations * (4 * blocks + 2) + 2 * 6 * 8 + 2 * 8
     assert [r[(2, "plain", 2)]["comm"] for r in results] == [want, want]
 
 
