@@ -39,7 +39,29 @@ import torch
 
 from zerofn import collectives as C
 
-__all__ = ["load_balancing_loss"]
+__all__ = ["experts_modules", "load_balancing_loss"]
+
+_STACKED = ("gate_up_proj", "up_proj", "down_proj")  # the stacked weights an experts module holds
+
+
+def experts_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """path -> every experts module of transformers' experts interface in ``module``: a module of a class
+    decorated with ``@use_experts_implementation`` (its forward dispatched by ``config._experts_implementation``),
+    holding stacked 3-D weights (``gate_up_proj`` or ``up_proj``, ``down_proj``) whose first dim is its
+    ``num_experts``, as Mixtral's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V3's and GPT-OSS's experts are; one
+    whose stacked weights ``quantize`` holds as parts counts too (``_zf_quantized_experts``)."""
+    out = {}
+    for path, m in module.named_modules():
+        forward = getattr(type(m), "forward", None)
+        n = getattr(m, "num_experts", None)
+        if not (isinstance(n, int) and hasattr(forward, "__wrapped__") and hasattr(m, "config")):
+            continue
+        stacked = [getattr(m, a, None) for a in _STACKED]
+        if "_zf_quantized_experts" in m.__dict__ or any(
+            isinstance(p, torch.nn.Parameter) and p.dim() == 3 and p.shape[0] == n for p in stacked
+        ):
+            out[path] = m
+    return out
 
 
 def load_balancing_loss(

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerofn.transforms.expert_parallel._dispatch import EPLayer, dispatch_forward
-from zerofn.transforms.expert_parallel._hf import IMPLEMENTATION, cut_experts, experts_modules
+from zerofn.transforms.expert_parallel._hf import IMPLEMENTATION, cut_experts
 
 from zerofn.extension import Extension
 from zerofn.mesh import Mesh, make, world_size
+from zerofn.moe import experts_modules
 from zerofn.sharding import Claim, Shard
 from zerofn.step import Step, reapply, transform
 from zerofn.storage import ParamSplit, split_params
@@ -117,7 +118,7 @@ def _prepare(m: Mesh, exchange: Any, split: ParamSplit, functional: Any, where: 
             "step.init(apply.params), apply = zf.functional(model)"
         )
     cut = cut_experts(functional.module, exchange, m.size("ep"), m.coordinate("ep"), where)
-    prepared["names"] = tuple(cut)
+    prepared["module"] = functional.module
     functional.refresh()
     named = {k: cut.get(k, v) for k, v in split.named.items()}
     out = split_params(named, where)
@@ -125,5 +126,17 @@ def _prepare(m: Mesh, exchange: Any, split: ParamSplit, functional: Any, where: 
 
 
 def _placements(prepared: dict) -> dict[str, Shard]:
-    """Each cut parameter's placement on the ``ep`` axis: its experts, dim 0."""
-    return {name: Shard(0) for name in prepared.get("names", ())}
+    """Each parameter of a cut experts module stacked along its experts, as the model holds it now (the
+    weights, their biases, or the parts ``quantize`` holds them as, stacked per expert): ``Shard(0)`` on
+    ``ep``."""
+    module = prepared.get("module")
+    if module is None:
+        return {}
+    out = {}
+    for path, m in experts_modules(module).items():
+        if "_zf_ep" not in m.__dict__:
+            continue
+        for name, p in m.named_parameters(recurse=False):
+            if p.dim() >= 1 and p.shape[0] == m.num_experts:
+                out[f"{path}.{name}" if path else name] = Shard(0)
+    return out

@@ -18,25 +18,11 @@ import torch
 from torch import nn
 from zerofn.transforms.expert_parallel._dispatch import EPLayer, dispatch_forward
 
-__all__ = ["IMPLEMENTATION", "cut_experts", "experts_modules"]
+from zerofn.moe import experts_modules
+
+__all__ = ["IMPLEMENTATION", "cut_experts"]
 
 IMPLEMENTATION = "zerofn_expert_parallel"
-_STACKED = ("gate_up_proj", "up_proj", "down_proj")  # the stacked weights an experts module holds
-
-
-def experts_modules(module: nn.Module) -> dict[str, nn.Module]:
-    """path -> every experts module of transformers' experts interface in ``module`` (stacked 3-D weights
-    whose first dim is the module's ``num_experts``, a forward that the interface dispatches)."""
-    out = {}
-    for path, m in module.named_modules():
-        forward = getattr(type(m), "forward", None)
-        n = getattr(m, "num_experts", None)
-        if not (isinstance(n, int) and hasattr(forward, "__wrapped__") and hasattr(m, "config")):
-            continue
-        stacked = [getattr(m, a, None) for a in _STACKED]
-        if any(isinstance(p, nn.Parameter) and p.dim() == 3 and p.shape[0] == n for p in stacked):
-            out[path] = m
-    return out
 
 
 def cut_experts(module: nn.Module, group: Any, size: int, rank: int, where: str) -> dict[str, torch.Tensor]:

@@ -59,9 +59,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from zerofn.transforms.quantize._codecs import Codec, codec
+from zerofn.transforms.quantize._experts import quantize_experts
 
 from zerofn.extension import Extension
 from zerofn.functional import Functional
+from zerofn.moe import experts_modules
 from zerofn.step import Step, reapply, transform
 from zerofn.storage import ParamSplit, split_params
 
@@ -277,6 +279,10 @@ def _prepare(options: QuantizeOptions, split: ParamSplit, functional: Functional
         _hold_quantized(layer, parts, Quantized(fmt, t.shape, t.dtype, compute), path, where)
         prefix = f"{path}." if path else ""
         named.update((f"{prefix}weight_{k}", layer._parameters[f"weight_{k}"]) for k in parts)
+    # a mixture of experts' frozen stacked expert weights (those of the experts modules the policy picks)
+    picked = {p: m for p, m in experts_modules(module).items() if options.policy is None or options.policy(p, m)}
+    if picked:
+        named = quantize_experts(module, named, fmt, options.compute_dtype, where, picked)
     functional.refresh()
     out = split_params(named, where)
     return out._replace(trainable={k: out.named[k] for k in split.trainable})
@@ -286,6 +292,7 @@ def _targets(policy: Any, module: nn.Module, functional: Functional, split: Para
     """weight name -> its module's path, for every weight held quantized."""
     tied = set(functional.tied) | set(functional.tied.values())
     head = _output_head(module)
+    experts = experts_modules(module)
     out: dict[str, str] = {}
     for path, m in module.named_modules():
         if isinstance(m, _QuantizedLinear):
@@ -297,6 +304,8 @@ def _targets(policy: Any, module: nn.Module, functional: Functional, split: Para
         if not picked:
             continue
         name = f"{path}.weight" if path else "weight"
+        if path in experts:  # stacked experts: held quantized expert by expert (_experts)
+            continue
         w = m._parameters.get("weight") if isinstance(m, nn.Linear) else None
         if policy is None and (w is None or w.requires_grad or name in tied or name not in split.named):
             continue

@@ -15,6 +15,7 @@ from zerofn.transforms import (
     amp,
     expert_parallel,
     offload,
+    quantize,
     remat,
     shard_grads,
     shard_optimizer,
@@ -37,6 +38,7 @@ COMPOSE = {
     "remat": lambda s: remat(shard_params(s)),
     "offload": lambda s: offload(shard_params(s), "cpu"),
     "tp": lambda s: tensor_parallel(shard_params(s), 2),  # attention split over tp, the experts over ep
+    "qlora": lambda s: quantize(shard_params(s), "nf4"),  # the frozen base, experts included, held in NF4
 }
 
 
@@ -45,9 +47,19 @@ def _batch(i: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def _model(kind: str, skew: bool):
-    """``skew``: layer 0's router sends every token to experts 0 and 1 (rank 0's at ep 2 and ep 4)."""
+def _model(kind: str, skew: bool, lora: bool = False):
+    """``skew``: layer 0's router sends every token to experts 0 and 1 (rank 0's at ep 2 and ep 4); ``lora``:
+    peft's LoRA on attention's q and v over the frozen model (its adapters' B drawn, so that all train)."""
     model = moe_model(kind)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        torch.manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+        return model
     if not skew:
         return model
     layer = model.model.layers[0]
@@ -77,7 +89,7 @@ def _loss_fn(apply, aux: bool):
 
 
 def _step(kind: str, ep: int, compose: str, variant: str = ""):
-    apply = zf.functional(_model(kind, variant == "skew"))
+    apply = zf.functional(_model(kind, variant == "skew", compose == "qlora"))
     step = zf.train_step(_loss_fn(apply, variant == "aux"), zf.optim.adamw(1e-3, eps=1e-4, weight_decay=0.1))
     step = COMPOSE[compose](step)
     if ep:
@@ -112,6 +124,7 @@ def _train(case: tuple) -> dict:
         h.remove()
     out = {"params": step.full_params(state), "losses": losses + more, "comm": int(m["comm_bytes"])}
     out |= {"name": step.name, "routed": routed[: len(hooks)]}  # the forward's calls (remat's recompute after)
+    out["frozen"] = sorted(state.spec.layout.frozen)
     return out | {"data_rank": zf.collectives.data_rank(step), "grad_norm": float(m["grad_norm"])}
 
 
@@ -124,7 +137,7 @@ REFS: dict = {}
 
 def _check(results: list, case: tuple, tol: float = 1e-5) -> None:
     kind, ep, compose, variant = case
-    key = (kind, 0, "amp" if compose == "amp" else "plain", variant)
+    key = (kind, 0, compose if compose in ("amp", "qlora") else "plain", variant)
     if key not in REFS:
         REFS[key] = _train(key)
     ref = REFS[key]
@@ -173,10 +186,15 @@ def test_ep2_trains_as_one_process_over_the_concatenated_batch(ranks):
         ("deepseek_v3", 2, "plain", ""),
         ("deepseek_v3", 2, "shard_params", ""),
         ("gpt_oss", 2, "shard_params", ""),
+        ("qwen3_moe", 2, "qlora", ""),
     ]
     results = ranks(2).run(_cases, cases)
     for case in cases:
         _check(results, case, 2e-2 if case[2] == "amp" else 1e-5)
+    # QLoRA: the frozen experts held as NF4 parts stacked along the experts (cut with them), not as weights
+    frozen = results[0][("qwen3_moe", 2, "qlora", "")]["frozen"]
+    assert "base_model.model.model.layers.0.mlp.experts.gate_up_proj_codes" in frozen, frozen
+    assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in frozen), frozen
     # Traffic. The non-expert gradients are all-reduced over both ranks (2 x their bytes), the experts' over
     # the ranks that hold them (each rank alone here: nothing), plus the statistics and the rotary
     # frequencies' average. Each MoE layer's exchanges: the routing counts (8 int64) once, and in forward the
@@ -208,6 +226,7 @@ def test_ep4_and_ep2_by_dp2_train_as_one_process(ranks):
         ("mixtral", 2, "amp", ""),
         ("qwen3_moe", 2, "offload", "skew"),  # the experts' shards in host memory, updated there
         ("mixtral", 2, "tp", ""),  # tp 2 x ep 2
+        ("mixtral", 2, "qlora", ""),  # the experts' NF4 parts sharded over the 2 ranks that hold them
     ]
     results = ranks(4).run(_cases, cases)
     for case in cases:
