@@ -59,7 +59,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from zerofn.transforms.quantize._codecs import Codec, codec
-from zerofn.transforms.quantize._experts import quantize_experts
+from zerofn.transforms.quantize._experts import decode_stacked, quantize_experts, quantized_experts
 
 from zerofn.extension import Extension
 from zerofn.functional import Functional
@@ -203,7 +203,8 @@ def dequantized(params: dict, model: nn.Module, dtype: torch.dtype | None = None
             f"step.state_dict(state)), got {type(params).__name__}"
         )
     layers = quantized_layers(model)
-    if not layers:
+    experts = quantized_experts(model)
+    if not layers and not experts:
         raise ValueError(
             "dequantized(params, model): no layer of model is held quantized. Pass the module the quantized step "
             "runs (the one zf.functional wraps), after step.init(...): a freshly built model holds plain weights."
@@ -228,6 +229,20 @@ def dequantized(params: dict, model: nn.Module, dtype: torch.dtype | None = None
             )
         firsts[min(names, key=order.__getitem__)] = path
         taken.update(names)
+    stacked: dict[str, tuple] = {}  # the first of a stacked experts weight's parts in params -> (its name, how)
+    for path, held_experts in experts.items():
+        for wname, (fmt, shape, was, _, names) in held_experts.weights.items():
+            full = f"{path}.{wname}" if path else wname
+            parts = {k: f"{path}.{n}" if path else n for k, n in names.items()}
+            missing = [n for n in parts.values() if n not in params]
+            if missing:
+                raise ValueError(
+                    f"dequantized(params, model): params lack {missing} of {full!r}, a stacked experts weight held "
+                    f"quantized ({fmt.name}, expert by expert). Pass every full parameter: step.full_params(state) "
+                    "or step.state_dict(state), and the model that step runs."
+                )
+            stacked[min(parts.values(), key=order.__getitem__)] = (full, fmt, shape, was, parts)
+            taken.update(parts.values())
     out: dict[str, torch.Tensor] = {}
     for name, t in params.items():
         if name in firsts:
@@ -235,6 +250,14 @@ def dequantized(params: dict, model: nn.Module, dtype: torch.dtype | None = None
             held = layers[path]
             prefix = f"{path}." if path else ""
             out[f"{prefix}weight"] = _decode_full(params, prefix, held, dtype)
+        elif name in stacked:
+            full, fmt, shape, was, parts = stacked[name]
+            want = fmt.parts(shape.numel(), was)
+            pieces = {}
+            for k, n in parts.items():
+                p = params[n].detach()
+                pieces[k] = p.to(want[k][1]) if p.is_floating_point() and want[k][1].is_floating_point else p
+            out[full] = decode_stacked(fmt, pieces, shape, dtype or was)
         elif name not in taken:
             out[name] = t
     return out

@@ -20,7 +20,22 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from zerofn.transforms.quantize._codecs import Codec
 
-__all__ = ["IMPLEMENTATION", "quantize_experts"]
+__all__ = ["IMPLEMENTATION", "decode_stacked", "quantize_experts", "quantized_experts"]
+
+
+def quantized_experts(module: nn.Module) -> dict[str, _Held]:
+    """path -> how its stacked weights are held, for every experts module of ``module`` held quantized."""
+    return {
+        path: m._zf_quantized_experts for path, m in module.named_modules() if "_zf_quantized_experts" in m.__dict__
+    }
+
+
+def decode_stacked(fmt: Codec, parts: dict[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A stacked weight ``[E, *shape]`` from its parts stacked along the experts (``E`` their first dim)."""
+    n = next(iter(parts.values())).shape[0]
+    with torch.no_grad():
+        return torch.stack([fmt.decode({k: t[e] for k, t in parts.items()}, shape, dtype) for e in range(n)])
+
 
 IMPLEMENTATION = "zerofn_quantized_experts"
 
@@ -30,7 +45,9 @@ class _Held:
     the parts' names), and the implementation its forward had."""
 
     def __init__(self, inner: str | None) -> None:
-        self.weights: dict[str, tuple[Codec, torch.Size, torch.dtype, dict[str, str]]] = {}
+        # name -> (codec, one expert's shape, the dtype it was quantized from, the dtype it computes in, the
+        # parts' names by part)
+        self.weights: dict[str, tuple[Codec, torch.Size, torch.dtype, torch.dtype, dict[str, str]]] = {}
         self.inner = inner
 
 
@@ -74,7 +91,7 @@ def quantize_experts(
                 names[k] = f"{name}_{k}"
                 out[f"{full}_{k}"] = part
             out.pop(full, None)
-            held.weights[name] = (fmt, p.shape[1:], compute or p.dtype, names)
+            held.weights[name] = (fmt, p.shape[1:], p.dtype, compute or p.dtype, names)
         _register()
         ep = m.__dict__.get("_zf_ep")
         if ep is not None:  # inside expert parallelism's exchange: on this rank's experts
@@ -110,7 +127,7 @@ def quantized_experts_forward(module: Any, hidden: torch.Tensor, top_k_index: to
 def _run(module: Any, held: _Held, hidden, top_k_index, top_k_weights):
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    for name, (fmt, shape, dtype, names) in held.weights.items():
+    for name, (fmt, shape, _, dtype, names) in held.weights.items():
         parts = [{k: getattr(module, n)[e] for k, n in names.items()} for e in range(module.num_experts)]
         with torch.no_grad():
             weight = torch.stack([fmt.decode(p, shape, dtype) for p in parts])

@@ -22,6 +22,7 @@ from zerofn.transforms import (
     shard_params,
     tensor_parallel,
 )
+from zerofn.transforms.quantize import dequantized
 
 import zerofn as zf
 
@@ -125,6 +126,10 @@ def _train(case: tuple) -> dict:
     out = {"params": step.full_params(state), "losses": losses + more, "comm": int(m["comm_bytes"])}
     out |= {"name": step.name, "routed": routed[: len(hooks)]}  # the forward's calls (remat's recompute after)
     out["frozen"] = sorted(state.spec.layout.frozen)
+    if compose == "qlora":  # exported: the experts' parts decoded into the stacked weights the model holds
+        whole = dequantized(step.full_params(state), apply.module)
+        _model(kind, False, True).load_state_dict(whole, strict=True)  # a fresh peft model loads them
+        out["dequantized"] = {k: v for k, v in whole.items() if ".experts." in k}
     return out | {"data_rank": zf.collectives.data_rank(step), "grad_norm": float(m["grad_norm"])}
 
 
@@ -155,6 +160,8 @@ def _check(results: list, case: tuple, tol: float = 1e-5) -> None:
             ref["losses"],
         )
         assert abs(got["grad_norm"] - ref["grad_norm"]) <= tol * max(1.0, ref["grad_norm"]), (case, got, ref)
+        if compose == "qlora":  # the frozen experts: the very numbers one process decodes
+            assert all(torch.equal(got["dequantized"][k], v) for k, v in ref["dequantized"].items())
 
 
 def test_the_skewed_router_sends_every_token_to_rank_0s_experts():
