@@ -211,14 +211,17 @@ def _save_partition(
     state: TrainState, path: Any, part: tuple, *, keep: int | None, group: Any, frozen: bool | str
 ) -> SaveHandle:
     """A state holding one part of a model cut over the axes of a mesh (``part``: its index and cuts, from
-    the state's spec): each part's ranks (the mesh's data-parallel group) save it as a checkpoint of its
+    the state's spec): each part's ranks (its step's group: the mesh's axes but the cutting ones) save it as a
+    checkpoint of its
     own, ``path/part{index}``; once all have, the world's rank 0 writes ``partitions.json`` (the cutting
     axes, and each part's coordinates and placements) and renames the directory into place. Blocking;
     collective over the world."""
     index, cuts = part
     world = dist.group.WORLD
     if group is None:  # the mesh the state was made on, made already (zerofn.mesh keeps each shape's groups)
-        group = mesh.make(**{axis: size for axis, size, _ in state.spec.mesh}).data_group
+        made = mesh.make(**{axis: size for axis, size, _ in state.spec.mesh})
+        # the part's ranks: those of the step's group, over every axis but the cutting ones (and a pipeline's)
+        group = made.group_over(*(axis for axis, _, _ in state.spec.mesh if axis not in cuts.axes and axis != "pp"))
     if C.world_size(group=group) != state.spec.world_size:
         raise CheckpointError(
             f"checkpoint.save: this state holds part {index} of a model cut over the mesh axes {list(cuts.axes)}; "

@@ -277,10 +277,10 @@ def test_models_and_sizes_it_cannot_split_are_refused(ranks):
 
 
 def _save(args: tuple) -> dict:
-    """Half the steps at ep 2 under shard_params (the experts sharded over the ranks that hold them at 4
-    ranks), saved."""
-    path, kind = args
-    apply, step = _step(kind, 2, "shard_params")
+    """Half the steps at ep 2 under ``compose`` (shard_params: the experts sharded over the ranks that hold
+    them at 4 ranks), saved."""
+    path, kind, compose = (*args, "shard_params")[:3]
+    apply, step = _step(kind, 2, compose)
     state, _, _ = _steps(step, step.init(apply.params), range(STEPS // 2))
     zf.checkpoint.save(state, path)
     return step.full_params(state)
@@ -299,7 +299,8 @@ def _resume(args: tuple) -> dict:
 def test_a_checkpoint_at_ep2_resumes_at_ep4_ep1_and_without_expert_parallel(ranks, tmp_path):
     """Saved at ep 2 on 4 ranks (experts over 2 ranks each, the rest over 4), it loads at ep 4, at ep 1 on 2
     ranks, under plain shard_params and on one process, and trains on as one process over all the steps;
-    consolidate writes the experts stacked, as the model holds them."""
+    consolidate writes the experts stacked, as the model holds them. Saved at tp 2 x ep 2, it loads there and
+    on one process."""
     path = str(tmp_path / "ep2")
     saved = ranks(4).run(_save, (path, "mixtral"))[0]
     reference = _train(("mixtral", 0, "plain", ""))
@@ -314,6 +315,15 @@ def test_a_checkpoint_at_ep2_resumes_at_ep4_ep1_and_without_expert_parallel(rank
         worst = max(float((run["params"][k] - reference["params"][k]).abs().max()) for k in saved)
         assert worst <= 1e-5, (name, worst)
         assert max(abs(a - b) for a, b in zip(run["losses"], reference["losses"][STEPS // 2 :])) <= 1e-5, name
+    # tp 2 x ep 2: one part per tensor-parallel rank, each saved by its step's group (dp x ep), its experts whole
+    split = str(tmp_path / "tp2_ep2")
+    saved_split = ranks(4).run(_save, (split, "mixtral", "tp"))[0]
+    runs = {"tp 2 x ep 2": ranks(4).run(_resume, (split, "mixtral", 2, "tp"))[0]}
+    runs["one process"] = _resume((split, "mixtral", 0, "plain"))
+    for name, run in runs.items():
+        assert all(torch.equal(run["loaded"][k], saved_split[k]) for k in saved_split), name
+        worst = max(float((run["params"][k] - reference["params"][k]).abs().max()) for k in saved_split)
+        assert worst <= 1e-5, (name, worst)
     out = str(tmp_path / "whole.safetensors")
     zf.checkpoint.consolidate(path, out)
     from safetensors.torch import load_file
