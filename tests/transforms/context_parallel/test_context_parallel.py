@@ -297,6 +297,25 @@ def test_a_state_saved_at_cp2_loads_without_context_parallelism(ranks, tmp_path)
         assert out == {"plain": 0.0, "shard_params": 0.0}, out
 
 
+def _split_checkpoint_case(root: str) -> float:
+    """tp 2 x cp 2 under shard_params: each tensor-parallel part saved by its step's group (dp x cp), loaded
+    back into a fresh state of the same composition."""
+    made = []
+    for _ in range(2):
+        apply = zf.functional(_model("llama"))
+        step = shard_params(zf.train_step(_loss_fn(apply, "model"), zf.optim.adamw(1e-3)))
+        made.append((apply, context_parallel(tensor_parallel(step, 2), 2)))
+    (apply, step), (other, again) = made
+    state, _ = step(step.init(apply.params), rank_slice(_batch(0, True), zf.collectives.data_rank(step), 1))
+    zf.checkpoint.save(state, f"{root}/tp2_cp2")
+    want, got = step.full_params(state), again.full_params(zf.checkpoint.load(f"{root}/tp2_cp2", again))
+    return max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
+def test_a_state_saved_at_tp2_by_cp2_loads_back(ranks, tmp_path):
+    assert ranks(4).run(_split_checkpoint_case, str(tmp_path)) == [0.0] * 4
+
+
 def _long(chunked: bool, tiles: int | None) -> tuple[dict, int, list, bool]:
     """One process (cp 1) on a sequence long enough that the logits and the MLPs' activations lead."""
     from helpers import tiny_llama
