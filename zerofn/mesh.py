@@ -77,7 +77,7 @@ import torch.distributed as dist
 
 from zerofn import collectives as C
 
-__all__ = ["AXES", "DATA_AXES", "Mesh", "make", "world_size"]
+__all__ = ["AXES", "DATA_AXES", "Mesh", "for_step", "make", "world_size"]
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "ep", "tp")  # outermost first
 DATA_AXES = ("dp_replicate", "dp_shard")  # their product: which micro-batch a rank feeds
@@ -344,6 +344,25 @@ def make(*, device_type: str | None = None, **sizes: int) -> Mesh:
         submeshes = {} if whole is None else {a: whole[a] for a in axes}
         made.meshes[device_type] = Mesh(axes, shape, tuple(reversed(coordinates)), device_type, whole, made, submeshes)
     return made.meshes[device_type]
+
+
+def for_step(mesh: Mesh | None, by: str, axis: str, size: int) -> Mesh:
+    """The mesh a parallelism ``by`` runs a step on with ``size`` ranks along ``axis``: the step's ``mesh``
+    with the axis joined (:meth:`Mesh.with_axes`), or, on a step without one, ``axis`` over the world with
+    ``dp_shard`` the rest (:func:`make`).
+
+    Raises:
+        ValueError: on a step without a mesh, a ``size`` that does not divide the world size (named by ``by``).
+    """
+    if mesh is not None:
+        return mesh.with_axes(**{axis: size})
+    world = world_size()
+    if world % size:
+        raise ValueError(
+            f"{by}: size {size} does not divide the world size {world}: the mesh is size x (world // size) ranks. "
+            f"Run on a multiple of {size} ranks, or pick a size that divides {world}."
+        )
+    return make(**{axis: size})
 
 
 def _fill(sizes: dict[str, int], world: int) -> dict[str, int]:

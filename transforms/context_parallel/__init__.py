@@ -55,7 +55,7 @@ from zerofn.transforms.context_parallel._feed import ACTIVE, feed
 from zerofn.transforms.context_parallel._hf import Around, check_model
 
 from zerofn.extension import Extension
-from zerofn.mesh import Mesh, make, world_size
+from zerofn.mesh import for_step
 from zerofn.sharding import Claim
 from zerofn.step import Step, reapply, transform
 
@@ -72,18 +72,6 @@ class ContextParallelOptions:
     method: str
     chunked_loss: bool
     mlp_tiles: int | None
-
-
-def _mesh(step: Step, size: int) -> Mesh:
-    if step.mesh is not None:
-        return step.mesh.with_axes(cp=size)
-    world = world_size()
-    if world % size:
-        raise ValueError(
-            f"context_parallel: size {size} does not divide the world size {world}: the mesh is size x (world // "
-            f"size) ranks. Run on a multiple of {size} ranks, or pick a size that divides {world}."
-        )
-    return make(cp=size)
 
 
 @transform
@@ -122,7 +110,7 @@ def context_parallel(
         raise ValueError(
             f"context_parallel: mlp_tiles must be None or an int >= 1 (tiles of the sequence), got {mlp_tiles!r}"
         )
-    m = _mesh(step, size)
+    m = for_step(step.mesh, "context_parallel", "cp", size)
     options = ContextParallelOptions(size, method, bool(chunked_loss), mlp_tiles)
     have = step.extension("context_parallel")
     if reapply(step, "context_parallel", have and have.options, options, "splits the sequence"):

@@ -31,7 +31,7 @@ from zerofn.transforms.expert_parallel._dispatch import EPLayer, dispatch_forwar
 from zerofn.transforms.expert_parallel._hf import IMPLEMENTATION, cut_experts
 
 from zerofn.extension import Extension
-from zerofn.mesh import Mesh, make, world_size
+from zerofn.mesh import Mesh, for_step
 from zerofn.moe import experts_modules
 from zerofn.sharding import Claim, Shard
 from zerofn.step import Step, reapply, transform
@@ -52,18 +52,6 @@ class ExpertParallelOptions:
     """What ``expert_parallel`` was asked for (compared by value when it is applied again)."""
 
     size: int
-
-
-def _mesh(step: Step, size: int) -> Mesh:
-    if step.mesh is not None:
-        return step.mesh.with_axes(ep=size)
-    world = world_size()
-    if world % size:
-        raise ValueError(
-            f"expert_parallel: size {size} does not divide the world size {world}: the mesh is size x (world // "
-            f"size) ranks. Run on a multiple of {size} ranks, or pick a size that divides {world}."
-        )
-    return make(ep=size)
 
 
 @transform
@@ -87,7 +75,7 @@ def expert_parallel(step: Step, size: int, /) -> Step:
     """
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"expert_parallel: size must be an int >= 1 (ranks per expert-parallel group), got {size!r}")
-    m = _mesh(step, size)
+    m = for_step(step.mesh, "expert_parallel", "ep", size)
     options = ExpertParallelOptions(size)
     have = step.extension("expert_parallel")
     if reapply(step, "expert_parallel", have and have.options, options, "splits the experts"):

@@ -117,7 +117,7 @@ from zerofn.transforms.tensor_parallel._plan import (
 from zerofn.transforms.tensor_parallel._prepare import prepare
 
 from zerofn.extension import Extension
-from zerofn.mesh import Mesh, make, world_size
+from zerofn.mesh import Mesh, for_step
 from zerofn.sharding import Claim, Shard
 from zerofn.step import Step, reapply, transform
 
@@ -151,13 +151,7 @@ def mesh(size: int) -> Mesh:
         ValueError: ``size`` is not a positive int dividing the world size.
     """
     _check_size(size)
-    world = world_size()
-    if world % size:
-        raise ValueError(
-            f"tensor_parallel: size {size} does not divide the world size {world}: the mesh is size x (world // "
-            f"size) ranks. Run on a multiple of {size} ranks, or pick a size that divides {world}."
-        )
-    return make(tp=size)
+    return for_step(None, "tensor_parallel", "tp", size)
 
 
 def _check_size(size: Any) -> None:
@@ -199,11 +193,8 @@ def tensor_parallel(step: Step, size: int, /, *, plan: dict | None = None, seque
         not isinstance(plan, dict) or any(v not in KINDS or not isinstance(k, str) for k, v in plan.items())
     ):
         raise ValueError(f"tensor_parallel: plan must be a dict of module path -> one of {list(KINDS)}, got {plan!r}")
-    if step.mesh is None:
-        m = mesh(size)
-    else:  # tp joins the step's mesh beside the axes another parallelism laid out
-        _check_size(size)
-        m = step.mesh.with_axes(tp=size)
+    _check_size(size)
+    m = for_step(step.mesh, "tensor_parallel", "tp", size)  # on a step's mesh: tp joins beside its other axes
     tp = m.size("tp")
     options = TensorParallelOptions(size, None if plan is None else tuple(sorted(plan.items())), sequence_parallel)
     have = step.extension("tensor_parallel")
