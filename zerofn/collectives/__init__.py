@@ -52,6 +52,7 @@ from zerofn.collectives._accounting import Counter, counting
 from zerofn.collectives._errors import CollectiveError, CollectiveTimeoutError
 from zerofn.collectives._groups import (
     NonMember,
+    along,
     current_group,
     data_rank,
     ensure_initialized,
@@ -59,6 +60,7 @@ from zerofn.collectives._groups import (
     init,
     new_group,
     rank,
+    set_along,
     set_group_timeout,
     set_without,
     with_current_group,
@@ -80,6 +82,13 @@ from zerofn.collectives._ops import (
     reduce_scatter,
     reduce_scatter_tree,
     ring_shift,
+)
+from zerofn.collectives._quantized import (
+    QUANTIZED_DTYPES,
+    all_gather_quantized,
+    dequantize_blocks,
+    quantize_blocks,
+    reduce_scatter_quantized,
 )
 from zerofn.collectives._timeouts import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
 from zerofn.collectives._timeouts import TIMEOUT_ENV as TIMEOUT_ENV
@@ -106,6 +115,8 @@ __all__ = [
     "data_rank",
     "without",
     "set_without",
+    "along",
+    "set_along",
     "all_reduce",
     "any_of",
     "max_min",
@@ -113,6 +124,11 @@ __all__ = [
     "all_gather",
     "all_to_all",
     "ring_shift",
+    "all_gather_quantized",
+    "reduce_scatter_quantized",
+    "quantize_blocks",
+    "dequantize_blocks",
+    "QUANTIZED_DTYPES",
     "barrier",
     "gather_objects",
     "broadcast_object",

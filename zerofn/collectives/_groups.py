@@ -341,23 +341,37 @@ def rank(group: Any = None) -> int:
 
 # ---------------------------------------------------------------- a group without one of its axes
 
-# (the group's key, an axis) -> this rank's group over the group's ranks that share its coordinate on that
-# axis: registered by the mesh when a step's group spans an axis whose ranks hold different pieces of some
-# parameters (expert parallelism's experts), read by the buckets of those parameters.
+# (the group's key, an axis or a sorted tuple of axes) -> this rank's group over the group's ranks that share
+# its coordinate on that axis (those axes): registered by the step when its group spans an axis whose ranks
+# hold different pieces of some parameters (expert parallelism's experts) or replicas of every shard (hybrid
+# sharding's dp_replicate), read by the buckets of those parameters.
 _WITHOUT: dict = {}
+# (the group's key, an axis) -> this rank's group over the group's ranks that share its coordinates on every
+# axis but that one: the line across it (hybrid sharding's replicas of one shard).
+_ALONG: dict = {}
 
 
-def set_without(group: Any, axis: str, subgroup: Any) -> None:
+def _axes_key(axis: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    return axis if isinstance(axis, str) else tuple(sorted(axis))
+
+
+def set_without(group: Any, axis: str | tuple[str, ...], subgroup: Any) -> None:
     """Record ``subgroup`` as :func:`without` ``(axis)`` of ``group``: the ranks of ``group`` that share this
-    rank's coordinate on ``axis`` (``zerofn.mesh`` does, for a step's group)."""
-    _WITHOUT[(group_key(group), axis)] = subgroup
+    rank's coordinate on ``axis`` (on each of several axes, given as a tuple); the step does, for its group."""
+    _WITHOUT[(group_key(group), _axes_key(axis))] = subgroup
 
 
-def without(axis: str, group: Any = None) -> Any:
+def set_along(group: Any, axis: str, line: Any) -> None:
+    """Record ``line`` as :func:`along` ``(axis)`` of ``group`` (the step does, for its group)."""
+    _ALONG[(group_key(group), axis)] = line
+
+
+def without(axis: str | tuple[str, ...], group: Any = None) -> Any:
     """The ranks of ``group`` (default: the current group) that share this rank's coordinate on the mesh axis
-    ``axis``: the group over which the parameters cut along ``axis`` are reduced and sharded (expert
-    parallelism's experts: the ranks that hold the same experts, DeepSpeed's expert-data-parallel group).
-    The group itself where it is one rank; None where there is no group (one process).
+    ``axis`` (or on each of a tuple of axes): the group over which the parameters cut along ``axis`` are
+    reduced and sharded (expert parallelism's experts: the ranks that hold the same experts, DeepSpeed's
+    expert-data-parallel group), or over which hybrid sharding shards every bucket (``dp_replicate``: the
+    ranks of one replica). The group itself where it is one rank; None where there is no group (one process).
 
     Raises:
         ValueError: no such group was made for ``group`` (a step whose group spans ``axis`` makes it).
@@ -365,7 +379,7 @@ def without(axis: str, group: Any = None) -> Any:
     g = _group(group, "without")
     if g is None or g.size() == 1:  # one rank: it is all there is
         return g
-    key = (group_key(g), axis)
+    key = (group_key(g), _axes_key(axis))
     if key not in _WITHOUT:
         raise ValueError(
             f"zerofn.collectives.without({axis!r}): the current group spans no mesh axis {axis!r} whose ranks "
@@ -373,6 +387,27 @@ def without(axis: str, group: Any = None) -> Any:
             f"with a claim on {axis!r} makes it)"
         )
     return _WITHOUT[key]
+
+
+def along(axis: str, group: Any = None) -> Any:
+    """The ranks of ``group`` (default: the current group) that share this rank's coordinates on every mesh
+    axis but ``axis``: the line across it, over which hybrid sharding sums each shard's gradient across the
+    replicas (``dp_replicate``). None where there is no group (one process) or it is one rank.
+
+    Raises:
+        ValueError: no such group was made for ``group`` (a step whose group spans ``axis`` makes it).
+    """
+    g = _group(group, "along")
+    if g is None or g.size() == 1:
+        return None
+    key = (group_key(g), axis)
+    if key not in _ALONG:
+        raise ValueError(
+            f"zerofn.collectives.along({axis!r}): the current group spans no mesh axis {axis!r} across which "
+            f"its shards are replicated; run it inside the step whose group does (a step sharded with "
+            f"replicate= makes it)"
+        )
+    return _ALONG[key]
 
 
 def data_rank(step: Any = None) -> int:
