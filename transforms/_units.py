@@ -57,13 +57,20 @@ class Unit:
 
 
 def unit_buckets(
-    params: dict, world: int, labels: dict | None = None, apart: dict | None = None, cut: dict | None = None
+    params: dict,
+    world: int,
+    labels: dict | None = None,
+    apart: dict | None = None,
+    cut: dict | None = None,
+    replicate: str = "",
 ) -> tuple[Bucket, ...]:
     """One bucket per dtype (and optimizer label, and axis its parameters are cut along: ``apart``, see
     :class:`~zerofn.storage.ParamSplit`) for a unit's parameters, placed where they will be materialised."""
     if not params:
         return ()
-    buckets = Layout.build(params, shards=world, bucket_bytes=1 << 62, labels=labels, apart=apart, cut=cut).buckets
+    buckets = Layout.build(
+        params, shards=world, bucket_bytes=1 << 62, labels=labels, apart=apart, cut=cut, replicate=replicate
+    ).buckets
     return tuple(dataclasses.replace(b, device=str(materialise_device())) if b.device == "meta" else b for b in buckets)
 
 

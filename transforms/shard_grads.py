@@ -32,7 +32,7 @@ Example:
 
 from __future__ import annotations
 
-from zerofn.transforms.shard_optimizer import shard_optimizer
+from zerofn.transforms.shard_optimizer import quantized_reduction, replicated, shard_optimizer
 
 from zerofn.step import Step, reapply, transform
 
@@ -40,7 +40,9 @@ __all__ = ["shard_grads"]
 
 
 @transform
-def shard_grads(step: Step, /, *, bucket_bytes: int | None = None) -> Step:
+def shard_grads(
+    step: Step, /, *, bucket_bytes: int | None = None, replicate: int | None = None, reduce_dtype: str | None = None
+) -> Step:
     """Shard gradients as backward produces them (ZeRO stage 2).
 
     Args:
@@ -48,6 +50,15 @@ def shard_grads(step: Step, /, *, bucket_bytes: int | None = None) -> Step:
             Called without it, returns a decorator.
         bucket_bytes: gradient bucket size; default: the step's
             (``zf.train_step(..., bucket_bytes=...)``, 25 MiB).
+        replicate: hybrid sharding, as ``shard_optimizer(..., replicate=)``: gradients and optimizer state
+            sharded within each of ``replicate`` groups of consecutive ranks, each shard's gradient summed
+            across the groups.
+        reduce_dtype: ``"int8"``: ZeRO++'s qgZ. Each floating bucket's gradient is block-quantized
+            (int8, one fp32 scale per 2048 elements) and reduce-scattered by an all-to-all, each rank
+            summing the pieces it receives in fp32: 0.25 x the bytes of an fp32 reduce-scatter (0.5 x
+            bf16). Each element of the reduced gradient is within the sum over ranks of absmax(that
+            rank's block) / 254 of the exact sum; the running partition carried between micro-steps is
+            added after, unquantized. Default None: the gradients' own dtype.
 
     Returns:
         The rewritten Step, named ``shard_grads(...)`` whether or not
@@ -65,6 +76,8 @@ def shard_grads(step: Step, /, *, bucket_bytes: int | None = None) -> Step:
     want = step.bucket_bytes if bucket_bytes is None else bucket_bytes
     have = step.bucket_bytes if step.reduction.shards_grads else None
     if reapply(step, "shard_grads", have, want, "shards gradients with bucket_bytes"):
-        return step
-    sharded = shard_optimizer(step)
+        return quantized_reduction(replicated(step, replicate, "shard_grads"), reduce_dtype, "shard_grads")
+    sharded = quantized_reduction(
+        replicated(shard_optimizer(step), replicate, "shard_grads"), reduce_dtype, "shard_grads"
+    )
     return sharded.replace(reduction=sharded.reduction.replace(grads=True, name="shard_grads"), bucket_bytes=want)

@@ -278,6 +278,25 @@ class Mesh:
             made.apart[(axis, use)] = mine
         return made.apart[(axis, use)]
 
+    def axes_of(self, group: Any) -> str | None:
+        """The mesh axes ``group`` spans, as ``metrics["comm_bytes_by_axis"]`` names them: an axis
+        (``"dp_shard"``), or several joined by ``" x "`` in the mesh's order (``"dp_replicate x dp_shard"``:
+        the data-parallel group over both); None for a group this mesh did not make. An axis's own group
+        (:meth:`own_group`) and a part of one (:meth:`subgroup`) count as the axis."""
+        made = self._made
+        for axis, g in made.groups.items():
+            if g is group:
+                return axis
+        if made.data is group:
+            return " x ".join(a for a in DATA_AXES if self.size(a) > 1) or "dp_shard"
+        for axes, g in made.products.items():
+            if g is group:
+                return " x ".join(axes)
+        for (axis, _), g in (*made.apart.items(), *made.splits.items()):
+            if g is group:
+                return axis
+        return None
+
     def device_submesh(self, axis: str) -> Any:
         """``device_mesh[axis]``: the 1-D ``DeviceMesh`` over ``axis`` (a ``DTensor`` placed on one axis
         lives on it), sliced once when the mesh is made (slicing makes a new one, reading its ranks on the

@@ -33,20 +33,31 @@ from zerofn import collectives as C
 from zerofn import counters, keys
 from zerofn.state import Bucket, Layout
 
-__all__ = ["GradSink", "Reduction", "bucket_group", "bucket_rank"]
+__all__ = ["GradSink", "Reduction", "bucket_group", "bucket_rank", "replica"]
+
+
+def _apart_axes(bucket: Bucket) -> tuple[str, ...]:
+    return tuple(a for a in (bucket.apart, bucket.replicate) if a)
 
 
 def bucket_group(bucket: Bucket) -> object:
-    """The group ``bucket`` is reduced and sharded over: the current one (None), or for a bucket of
-    parameters cut along an axis of it (:attr:`Bucket.apart`), its ranks that share this rank's coordinate
-    there."""
-    return C.without(bucket.apart) if bucket.apart else None
+    """The group ``bucket`` is sharded over (and, but across its replicas, reduced over): the current one
+    (None), or for a bucket of parameters cut along an axis of it (:attr:`Bucket.apart`) or replicated
+    across one (:attr:`Bucket.replicate`), its ranks that share this rank's coordinate there."""
+    axes = _apart_axes(bucket)
+    return C.without(axes[0] if len(axes) == 1 else axes) if axes else None
 
 
 def bucket_rank(bucket: Bucket, rank: int) -> int:
     """This rank's place in :func:`bucket_group` (``rank``: its place in the current group): which shard
     of ``bucket`` it holds."""
-    return C.rank(C.without(bucket.apart)) if bucket.apart else rank
+    return C.rank(bucket_group(bucket)) if _apart_axes(bucket) else rank
+
+
+def replica(bucket: Bucket) -> int:
+    """This rank's coordinate across ``bucket``'s replicas (0 without any): the first replica counts the
+    bucket's shard in the gradient norm and saves it."""
+    return C.rank(C.along(bucket.replicate)) if bucket.replicate else 0
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,12 @@ class Reduction:
         return 1
 
     @property
+    def replicate(self) -> str:
+        """The mesh axis across which each bucket's shards are replicas (hybrid sharding's ``dp_replicate``:
+        :attr:`zerofn.state.Bucket.replicate`); empty: none."""
+        return ""
+
+    @property
     def replicated(self) -> bool:
         """True when every rank ends with the same reduced gradient (one rank's norm is the global norm)."""
         return True
@@ -83,6 +100,12 @@ class Reduction:
         """Reduce on every accumulation micro-step and carry the reduced partition (sharded
         gradients), instead of carrying full local sums and reducing once."""
         return False
+
+    def folds(self, bucket: Bucket) -> bool:
+        """Whether a running partition (sharded gradients' ``out``) is folded into this rank's slice of the
+        bucket before the reduction, which then lands the new total in place; False: the reduction adds
+        it after (a quantized reduction, which would quantize the running sum too)."""
+        return True
 
     def reduce(self, grad: torch.Tensor, bucket: Bucket, rank: int, out: torch.Tensor | None) -> C.Handle:
         """Launch the reduction of a bucket's gradient; ``wait()`` gives the summed gradient the optimizer sees.
@@ -249,9 +272,11 @@ class GradSink:
                 self.buffer(i).mul_(1.0 / self.predivide[i])
             if self.sums is not None:
                 # Fold the running sum into this rank's own slice of the input: the
-                # reduction then lands the new total in place, with no temporary.
-                lo, hi = bucket.shard_range(bucket_rank(bucket, self.rank))
-                self.buffer(i)[lo:hi].add_(self.sums[i])
+                # reduction then lands the new total in place, with no temporary. Replicas
+                # hold the same sum: one of them folds it, the sum across them adds it once.
+                if replica(bucket) == 0 and self.reduction.folds(bucket):
+                    lo, hi = bucket.shard_range(bucket_rank(bucket, self.rank))
+                    self.buffer(i)[lo:hi].add_(self.sums[i])
                 out = self.sums[i]
             self.handles[i] = self.reduction.reduce(self.buffer(i), bucket, self.rank, out)
             self.launched += 1

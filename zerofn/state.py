@@ -75,6 +75,12 @@ class Bucket:
     than the ranks): its gradient's elements differ between the axis's pieces, so the gradient norm sums
     them over the axis, one rank of each piece counting it, where a bucket of parameters whole along the
     axis is counted once.
+
+    ``replicate``: the mesh axis of the step's group across which its shards are replicas (hybrid
+    sharding's ``dp_replicate``): it is sharded over the ranks of the step's group that share this rank's
+    coordinate there (``zerofn.collectives.without(replicate)``, as ``apart`` is), each shard's reduced
+    gradient is summed across the axis (``zerofn.collectives.along(replicate)``), and its shard is counted
+    once in the gradient norm (on the axis's first coordinate) and saved once.
     """
 
     dtype: torch.dtype
@@ -86,6 +92,7 @@ class Bucket:
     apart: str = ""
     cut: str = ""
     share: int = 1
+    replicate: str = ""
 
     @property
     def shard_numel(self) -> int:
@@ -122,6 +129,7 @@ class Layout:
         labels: Mapping[str, Any] | None = None,
         apart: Mapping[str, tuple[str, int]] | None = None,
         cut: Mapping[str, tuple[str, int]] | None = None,
+        replicate: str = "",
     ) -> Layout:
         """Group ``trainable`` into buckets, last-registered first (backward order).
 
@@ -142,7 +150,8 @@ class Layout:
         buckets of their own, ``shards`` shards each (see :class:`Bucket`),
         ordered among the others in the same way; ``cut`` (name -> (axis, share)) does
         the same for the parameters a model-parallel axis cuts (see
-        :class:`Bucket`).
+        :class:`Bucket`); ``replicate`` names the axis across which every
+        bucket's shards are replicas (hybrid sharding; see :class:`Bucket`).
         """
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -161,13 +170,13 @@ class Layout:
             for name, p in items:
                 n = p.numel()
                 if run and size + n > limit:
-                    buckets.append(_bucket(dtype, device, run, size, n_shards, axis, along))
+                    buckets.append(_bucket(dtype, device, run, size, n_shards, axis, along, replicate))
                     run, size = [], 0
                     limit = max(1, bucket_bytes // dtype.itemsize)
                 run.append(Slot(name, tuple(p.shape), size, n))
                 size += n
             if run:
-                buckets.append(_bucket(dtype, device, run, size, n_shards, axis, along))
+                buckets.append(_bucket(dtype, device, run, size, n_shards, axis, along, replicate))
         if len({k[2:] for k in groups}) > 1:
             buckets.sort(key=lambda b: (max(order[s.name] for s in b.slots), str(b.dtype)))
         return Layout(tuple(buckets), tuple(names or trainable), tuple(frozen))
@@ -199,9 +208,9 @@ class Layout:
         return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.buckets[i].slots}
 
 
-def _bucket(dtype, device, slots, numel, shards, apart="", cut=("", 1)) -> Bucket:
+def _bucket(dtype, device, slots, numel, shards, apart="", cut=("", 1), replicate="") -> Bucket:
     padded = -(-max(numel, 1) // shards) * shards
-    return Bucket(dtype, device, tuple(slots), numel, padded, shards, apart, *cut)
+    return Bucket(dtype, device, tuple(slots), numel, padded, shards, apart, *cut, replicate=replicate)
 
 
 @dataclass(frozen=True)

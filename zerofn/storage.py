@@ -79,6 +79,8 @@ class ParamSplit(NamedTuple):
         cut: name -> (mesh axis, share) for each parameter a model-parallel axis outside the step's group
             cuts (tensor parallelism's; ``step.init`` fills it from the claims): it goes into buckets of its
             own, whose gradient norm is summed over that axis (:attr:`zerofn.state.Bucket.cut`).
+        replicate: the mesh axis across which every bucket's shards are replicas (hybrid sharding's
+            ``dp_replicate``; ``step.init`` fills it from the reduction): :attr:`zerofn.state.Bucket.replicate`.
     """
 
     named: dict
@@ -87,6 +89,7 @@ class ParamSplit(NamedTuple):
     labels: dict = {}
     apart: dict = {}
     cut: dict = {}
+    replicate: str = ""
 
 
 class Held(NamedTuple):
@@ -185,6 +188,7 @@ class Storage:
             labels=split.labels,
             apart=split.apart,
             cut=split.cut,
+            replicate=split.replicate,
         )
         flats = []
         for b in layout.buckets:

@@ -109,10 +109,13 @@ import torch
 from torch import nn
 from zerofn.transforms._units import MinUnitBytes
 from zerofn.transforms.shard_grads import shard_grads
+from zerofn.transforms.shard_optimizer import int8, quantized_reduction, replicated
 from zerofn.transforms.shard_params._gathered import gathered
 from zerofn.transforms.shard_params._runner import ORDER as ORDER  # the state.extra key of the recorded unit order
 from zerofn.transforms.shard_params._storage import UnitStorage
 
+from zerofn import mesh
+from zerofn.sharding import Claim
 from zerofn.step import Step, reapply, transform
 
 __all__ = ["MinUnitBytes", "UnitStorage", "gathered", "shard_params"]
@@ -126,6 +129,10 @@ def shard_params(
     units: Callable[[str, nn.Module], bool] | list[str] | None = None,
     prefetch: int = 1,
     init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    replicate: int | None = None,
+    hpz: int | None = None,
+    gather_dtype: str | None = None,
+    reduce_dtype: str | None = None,
 ) -> Step:
     """Shard parameters at rest and gather them per unit just in time (ZeRO stage 3).
 
@@ -147,6 +154,23 @@ def shard_params(
             ``reset_parameters``, which are used without it, and for each
             parameter it returns None for); ``zf.checkpoint.pretrained_init(
             directory)`` reads a Hugging Face checkpoint's tensors one at a time.
+        replicate: hybrid sharding (FSDP2's HSDP): ``replicate`` replicas, each a group of ``world //
+            replicate`` consecutive ranks (a node) that shards the parameters, gradients and optimizer
+            state among its ranks; the gathers and reduce-scatters stay within the group, and each
+            reduced shard is all-reduced across the replicas (the mesh's ``dp_replicate`` x ``dp_shard``).
+            Default: one group of every rank.
+        hpz: ZeRO++'s hierarchical partitioning (hpZ; FSDP2's ``reshard_after_forward=int``), ``hpz``
+            ranks a node: the parameters, gradients and optimizer state stay sharded over every rank, a
+            unit's forward gather (over every rank) keeps this rank's 1/``hpz`` of it, and backward
+            gathers the unit within the node from those pieces, so that only the forward's gather and
+            the gradients' reduce-scatter cross nodes. It holds 1/``hpz`` of each unit's parameters
+            more during the step. Not with ``replicate``.
+        gather_dtype: ``"int8"``: ZeRO++'s qwZ. Each floating unit buffer is all-gathered as int8 blocks
+            (one fp32 scale per 2048 elements: 0.25 x the bytes of fp32, 0.5 x of bf16) and the forward
+            and backward compute with the dequantized values, each within absmax(its block) / 254 of the
+            parameter; the shards (and amp's fp32 masters) the optimizer updates are untouched, and
+            ``full_params`` and checkpoints gather them exactly. Default None: their own dtype.
+        reduce_dtype: ``"int8"``: ZeRO++'s qgZ, as ``shard_grads(..., reduce_dtype="int8")``.
 
     Returns:
         The rewritten Step, named ``shard_params(...)`` whatever shard
@@ -155,11 +179,21 @@ def shard_params(
 
     Raises:
         TypeError: ``step`` is not a Step.
-        ValueError: a negative ``prefetch``, or a step that already shards
-            parameters with other options.
+        ValueError: a negative ``prefetch``, a step that already shards
+            parameters with other options, or a ``replicate`` that does not
+            divide the world size or differs from the step's.
     """
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"shard_params: prefetch must be an int >= 0, got {prefetch!r}")
+    gather_dtype = int8(gather_dtype, "gather_dtype", "shard_params")
+    if hpz is not None and (not isinstance(hpz, int) or isinstance(hpz, bool) or hpz < 1):
+        raise ValueError(f"shard_params: hpz must be an int >= 1 (ranks a node), got {hpz!r}")
+    if hpz is not None and (replicate or 1) > 1:
+        raise ValueError(
+            "shard_params: hpz and replicate both say how a node's ranks hold the parameters; give one: "
+            "replicate=N shards everything within each of N nodes (HSDP), hpz=k shards over every rank and "
+            "gathers backward's units within nodes of k ranks (ZeRO++'s hpZ)"
+        )
     units = tuple(units) if isinstance(units, (list, tuple)) else units  # hashable, like the rest of a Step
     storage = UnitStorage(
         param_placement=step.storage.param_placement,
@@ -167,9 +201,30 @@ def shard_params(
         units=units,
         prefetch=prefetch,
         init_fn=init_fn,
+        gather_dtype=gather_dtype,
+        hpz=hpz if hpz is not None and hpz > 1 else None,
     )
     have = step.storage if step.storage.gathers_units else None
     if reapply(step, "shard_params", have, storage, "shards parameters"):
-        return step
-    sharded = shard_grads(step)
+        return quantized_reduction(replicated(step, replicate, "shard_params"), reduce_dtype, "shard_params")
+    sharded = replicated(shard_grads(step, reduce_dtype=reduce_dtype), replicate, "shard_params")
+    if storage.hpz is not None:
+        sharded = _nodes(sharded, storage.hpz)
     return sharded.replace(reduction=sharded.reduction.replace(name="shard_params"), storage=storage)
+
+
+def _nodes(step: Step, hpz: int) -> Step:
+    """``step`` on a mesh of nodes of ``hpz`` ranks (``dp_replicate`` x ``dp_shard = hpz``), its shards over
+    every rank: hpZ's secondary pieces are gathered within ``dp_shard``."""
+    if step.reduction.replicas > 1:
+        raise ValueError("shard_params: hpz on a step that replicates its shards (replicate=): give one of the two")
+    world = mesh.world_size()
+    if world % hpz:
+        raise ValueError(
+            f"shard_params: hpz={hpz} does not divide the world size {world}: a node is hpz ranks. Run on a "
+            f"multiple of {hpz} ranks, or give the ranks a node has."
+        )
+    if world == hpz:
+        return step  # one node: backward's gather is within it already
+    m = mesh.for_step(step.mesh, "shard_params", "dp_replicate", world // hpz)
+    return step.claim(Claim("dp_shard", "zero"), m)

@@ -50,8 +50,23 @@ def _grad_node(t: torch.Tensor) -> Any:
 class Runner:
     """Gathers and releases units around the module's forward and backward."""
 
-    def __init__(self, state: TrainState, functional: Functional, prefetch: int, sink: Any, host_shards: bool):
+    def __init__(
+        self,
+        state: TrainState,
+        functional: Functional,
+        prefetch: int,
+        sink: Any,
+        host_shards: bool,
+        gather_dtype: str | None = None,
+        hpz: bool = False,
+    ):
         spec = state.spec
+        # qwZ: floating buckets gathered as int8 blocks (the shards themselves untouched)
+        self.quantized = gather_dtype == "int8"
+        # hpZ: a unit gathered over every rank keeps this rank's piece of it within its node (the ranks of its
+        # replica, without("dp_replicate")), and gathers from those pieces within the node again
+        self.node = C.without("dp_replicate") if hpz else None
+        self.node_rank, self.node_size = (C.rank(self.node), C.world_size(self.node)) if hpz else (0, 1)
         self.functional = functional
         self.module = functional.module
         self.layout = spec.layout
@@ -266,20 +281,29 @@ class Runner:
         unit.lease = lease  # given back once the gather is done (or the unit released, however it ends)
         read = iter(lease.tensors if lease is not None else ())
         copied = None
-        for (full, shard), group in zip(unit.fulls, unit.groups):
+        for k, ((full, shard), group) in enumerate(zip(unit.fulls, unit.groups)):
             full.untyped_storage().resize_(full.numel() * full.element_size())
             if isinstance(shard, FileTensor):  # read from its file (ahead, on the I/O thread), into a host buffer
                 shard = next(read)
             if self.host_shards and shard.device != full.device:  # brought in from host memory
                 shard = self.read_ahead.to_device(shard, full.device)
                 copied = full.device
-            unit.handles.append(C.all_gather(full, shard, async_op=True, group=group))
+            second = unit.secondaries[k] if unit.secondaries else None
+            if second is not None:  # hpZ: from the pieces kept within the node
+                unit.handles.append(self._all_gather(full, second, self.node))
+            else:
+                unit.handles.append(self._all_gather(full, shard, group))
         if lease is not None and copied is not None and copied.type == "cuda":
             # Copied to the device: the buffer is free for another read once the copies are done (otherwise
             # the gather reads the buffer itself).
             self.read_ahead.release_after_copies(lease)
             unit.lease = None
         self._read_ahead(unit)
+
+    def _all_gather(self, full: torch.Tensor, shard: torch.Tensor, group: Any) -> C.Handle:
+        if self.quantized and full.dtype in C.QUANTIZED_DTYPES:
+            return C.all_gather_quantized(full, shard, async_op=True, group=group)
+        return C.all_gather(full, shard, async_op=True, group=group)
 
     def _read_ahead(self, unit: LiveUnit) -> None:
         """Start reading the shards of the units expected after ``unit`` (``prefetch + 1`` of them): the
@@ -303,6 +327,11 @@ class Runner:
         unit.handles = []
         unit.give_back()
         unit.ready = True
+        if self.node is not None and not unit.secondaries:  # hpZ: gathered over every rank; keep the node's piece
+            m = [full.numel() // self.node_size for full, _ in unit.fulls]
+            unit.secondaries = [
+                full[self.node_rank * k : (self.node_rank + 1) * k].clone() for (full, _), k in zip(unit.fulls, m)
+            ]
 
     def _release(self, unit: LiveUnit, final: bool = False, over: bool = False) -> None:
         """Free the unit's full buffers. A pinned unit's only at the step's end (``final``) or, if it has no

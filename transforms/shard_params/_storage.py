@@ -52,6 +52,8 @@ class UnitStorage(Storage):
 
     prefetch: int = 1
     init_fn: Any = None
+    gather_dtype: str | None = None  # "int8": qwZ, the gathers block-quantized
+    hpz: int | None = None  # hpZ: ranks a node, within which backward gathers from a secondary copy
 
     def init(self, split: ParamSplit, *, shards: int, bucket_bytes: int, model: Callable) -> Held:
         functional = model()
@@ -66,8 +68,8 @@ class UnitStorage(Storage):
         for uname in list(reversed(names)) + [ROOT]:
             mine_t = {k: v for k, v in trainable.items() if unit_of[k] == uname}
             mine_f = {k: v for k, v in named.items() if unit_of[k] == uname and k not in trainable}
-            tb = unit_buckets(mine_t, world, split.labels, split.apart, split.cut)
-            fb = unit_buckets(mine_f, world, apart=split.apart, cut=split.cut)
+            tb = unit_buckets(mine_t, shards, split.labels, split.apart, split.cut, split.replicate)
+            fb = unit_buckets(mine_f, shards, apart=split.apart, cut=split.cut, replicate=split.replicate)
             units.append(
                 Unit(
                     uname,
@@ -114,7 +116,18 @@ class UnitStorage(Storage):
     def runner(self, state: TrainState, functional: Functional, sink: GradSink | None = None) -> Runner:
         """A runner of ``state``'s units on ``functional``'s model; ``sink``: where the gradients go (None: a
         forward with no backward)."""
-        return Runner(state, functional, self.prefetch, sink, self.param_placement != "device")
+        return Runner(
+            state,
+            functional,
+            self.prefetch,
+            sink,
+            self.param_placement != "device",
+            self.gather_dtype,
+            # hpZ needs a backward and more than one node (nodes are the mesh's dp_replicate)
+            self.hpz is not None
+            and sink is not None
+            and any(a == "dp_replicate" and n > 1 for a, n, _ in state.spec.mesh),
+        )
 
     def adopt(self, functional: Functional, state: TrainState, share: bool, updates_late: bool = False) -> None:
         functional.adopt({})  # the state holds shards: every parameter becomes a placeholder

@@ -21,6 +21,8 @@ class LiveUnit:
         self.fulls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (full buffer, this rank's shard)
         self.groups: list = []  # the group each of them is gathered over (None: the step's)
         self.handles: list[C.Handle] = []
+        # hpZ: this rank's piece of each full buffer within its node, kept from the first gather of the step
+        self.secondaries: list[torch.Tensor] = []
         self.ready = False
         self.remaining = 0  # trainable leaves whose gradient has not arrived yet
         self.inputs = 0  # its calls whose inputs' gradients backward has not computed yet

@@ -93,33 +93,41 @@ def _whole(bucket: Bucket, size: int) -> Bucket:
     return Bucket(bucket.dtype, bucket.device, tuple(slots), at, at, 1, bucket.apart)
 
 
-def _apart_rank(spec: Any, axis: str) -> int:
-    """This rank's place among the ranks of its step's group that hold the same pieces along ``axis``: its
-    coordinates on the mesh's other axes of the step's group (all but the model-parallel ``tp`` and
-    ``pp``), row-major."""
+def _apart_rank(spec: Any, *axes: str) -> int:
+    """This rank's place among the ranks of its step's group that hold the same pieces along ``axes`` (or
+    replicas across them): its coordinates on the mesh's other axes of the step's group (all but the
+    model-parallel ``tp`` and ``pp``), row-major."""
     out = 0
     for a, size, coord in spec.mesh:
-        if a not in (axis, "tp", "pp"):
+        if a not in (*axes, "tp", "pp"):
             out = out * size + coord
     return out
+
+
+def _replica(spec: Any, bucket: Bucket) -> int:
+    """This rank's coordinate across ``bucket``'s replicas (hybrid sharding; 0 without): replica 0 saves."""
+    return next((c for a, _, c in spec.mesh if a == bucket.replicate), 0) if bucket.replicate else 0
 
 
 def _parts(key: str, kind: str, i: int, value: Any, local: Bucket, rank: int, role: Any, spec: Any) -> list[Part]:
     """The :class:`Part` (or, for a bucket cut along an axis of the step's group, the parts, one per
     parameter, placed in its :func:`_whole` description) of this rank's ``value`` of bucket ``i``."""
     what = f"{key} of bucket {i}"
+    first = _replica(spec, local) == 0  # hybrid sharding: every replica holds the shard, the first saves it
     if not local.apart:
-        return [Part(key, kind, i, *held_range(value.numel(), local, rank, what), value, role)]
+        if local.replicate:  # its shards are numbered within a replica
+            rank = _apart_rank(spec, local.replicate)
+        return [Part(key, kind, i, *held_range(value.numel(), local, rank, what), value, role, first)]
     if isinstance(value, FileTensor):
         raise CheckpointError(
             f"checkpoint: {what} is held in a file, and its parameters are cut along the mesh axis "
             f"{local.apart!r} of the step's group; such a state is not saved or loaded yet. Hold them in memory."
         )
     size, coord = next((n, c) for a, n, c in spec.mesh if a == local.apart)
-    mine = _apart_rank(spec, local.apart)
+    mine = _apart_rank(spec, local.apart, local.replicate)
     lo, hi = held_range(value.numel(), local, mine, what)
     group = spec.world_size // size  # the ranks that hold the same pieces
-    write = not (hi - lo == local.padded and group > 1 and mine != 0)  # held alike by the group: one writes
+    write = first and not (hi - lo == local.padded and group > 1 and mine != 0)  # held alike: one writes
     flat = value.detach().view(-1) if value.dim() != 1 else value
     out, at = [], 0
     for s in local.slots:

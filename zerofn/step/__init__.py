@@ -36,7 +36,7 @@ Example:
     >>> batch = {"x": torch.ones(8, 4), "y": torch.zeros(8, 1)}
     >>> state, metrics = step(state, batch)
     >>> sorted(metrics)
-    ['comm_bytes', 'grad_norm', 'loss', 'skipped']
+    ['comm_bytes', 'comm_bytes_by_axis', 'grad_norm', 'loss', 'skipped']
 
 The package, one job per module:
 

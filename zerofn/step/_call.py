@@ -30,7 +30,7 @@ from zerofn import optim as O
 from zerofn import tree as T
 from zerofn.functional import BINDING
 from zerofn.optim.bucket_view import advance_steps, step_info
-from zerofn.reduction import GradSink, bucket_rank
+from zerofn.reduction import GradSink, bucket_rank, replica
 from zerofn.state import InFlight, TrainState, collecting
 from zerofn.step._checks import (
     IGNORED_PARAMS_HELP,
@@ -137,6 +137,7 @@ class _Call:
             digest=self.digest,
             counted=[
                 (not replicated or bucket_rank(b, self.rank) == 0)
+                and replica(b) == 0  # hybrid sharding: one replica of each shard counts it
                 and all(mesh.coordinate(a) % (b.share if b.cut == a else mesh.size(a)) == 0 for a in model)
                 for b in self.layout.buckets
             ],

@@ -58,7 +58,7 @@ def init_state(step: Any, params: Any, keep_module: bool, structure_only: bool) 
                 for name, p in c.placements().items():
                     if name in split.named:  # consecutive ranks that hold the same piece (shared heads)
                         cut[name] = (c.axis, getattr(p, "share", step.mesh.size(c.axis)))
-    split = split._replace(apart=apart, cut=cut)
+    split = split._replace(apart=apart, cut=cut, replicate=step.reduction.replicate)
     names = names_view(split.treedef, split.named, split.trainable)
     groups = O.labels(step.optimizer, names)  # its masks and groups, if any
     split = split._replace(labels={k: groups[k] for k in split.trainable} if groups else {})

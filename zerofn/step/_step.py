@@ -149,6 +149,9 @@ class Step:
             more = c.groups() if c.groups is not None else ()
             if c.feeds and self.mesh is not None and c.axis in self.mesh.axes:
                 more = (*more, C.without(c.axis, group=self.group))  # the group its cut parameters reduce on
+            if self.mesh is not None and self.mesh.size("dp_replicate") > 1 and self.reduction.replicate:
+                # hybrid sharding: sharded within a replica, each shard summed across the replicas
+                more = (*more, C.without("dp_replicate", group=self.group), self.mesh.group("dp_replicate"))
             axis = self.mesh.group(c.axis) if self.mesh is not None and c.axis in self.mesh.axes else None
             for g in (axis, *more):
                 if g is not None and g is not self.group:
@@ -352,14 +355,20 @@ class Step:
         ``ZEROFN_TIMEOUT_S`` (default 600 s).
         """
         self.check_state(state)
-        also = self.groups()
-        with C.counting(also=also) as counter:
+        groups = (C.current_group(), *self.groups())
+        with contextlib.ExitStack() as stack:
+            counted = [stack.enter_context(C.counting(g)) if g is not None else C.Counter() for g in groups]
             if not self.donate:  # the copy reads state.params, which waits for a publish in flight
                 kept = state.inflight.fault  # a check not read yet goes on with the copy
                 state = T.tree_map(lambda t: counters.clone(t) if isinstance(t, torch.Tensor) else t, state)
                 state.inflight.fault = kept
             new_state, metrics = call(self, state, batch)
-        metrics["comm_bytes"] = counter.bytes
+        metrics["comm_bytes"] = sum(c.bytes for c in counted)
+        by_axis: dict[str, int] = {}
+        for g, c in zip(groups, counted):
+            label = (self.mesh.axes_of(g) if self.mesh is not None else None) or "dp_shard"
+            by_axis[label] = by_axis.get(label, 0) + c.bytes
+        metrics["comm_bytes_by_axis"] = by_axis
         if self.donate:
             state._donate()
         return new_state, metrics
@@ -373,15 +382,24 @@ def step_group(mesh: Any, claims: tuple) -> Any:
     over theirs (:attr:`zerofn.sharding.Claim.reduces`: context parallelism's ``cp``) or feed micro-batches
     of their own (:attr:`zerofn.sharding.Claim.feeds`: expert parallelism's ``ep``). For each axis of the
     latter, the group's ranks that share this rank's coordinate on it are made too, and recorded as
-    ``zerofn.collectives.without(axis)`` of the group."""
+    ``zerofn.collectives.without(axis)`` of the group; on a mesh whose ``dp_replicate`` is above 1 (hybrid
+    sharding's replicas), so are the ranks of one replica (``without("dp_replicate")``, and with each
+    feeding axis, ``without((axis, "dp_replicate"))``) and the line across the replicas
+    (``zerofn.collectives.along("dp_replicate")``)."""
     reducing = [c.axis for c in claims if (c.reduces or c.feeds) and c.axis in mesh.axes]
-    if not reducing:
-        return mesh.data_group
     axes = [a for a in (*DATA_AXES, *reducing) if a in mesh.axes]
-    group = mesh.group_over(*axes)
-    for c in claims:
-        if c.feeds and c.axis in mesh.axes and group is not None:
-            C.set_without(group, c.axis, mesh.group_over(*(a for a in axes if a != c.axis)))
+    group = mesh.group_over(*axes) if reducing else mesh.data_group
+    if group is None:
+        return group
+    feeding = [c.axis for c in claims if c.feeds and c.axis in mesh.axes]
+    for axis in feeding:
+        C.set_without(group, axis, mesh.group_over(*(a for a in axes if a != axis)))
+    if mesh.size("dp_replicate") > 1:
+        rest = [a for a in axes if a != "dp_replicate"]
+        C.set_without(group, "dp_replicate", mesh.group_over(*rest))
+        C.set_along(group, "dp_replicate", mesh.group("dp_replicate"))
+        for axis in feeding:
+            C.set_without(group, (axis, "dp_replicate"), mesh.group_over(*(a for a in rest if a != axis)))
     return group
 
 
@@ -477,7 +495,10 @@ def train_step(
         A :class:`Step`: ``state = step.init(params)``, ``state, metrics =
         step(state, batch)``, ``step.full_params(state)``. ``metrics`` has
         ``loss`` (mean over ranks), ``grad_norm`` (global, before clipping),
-        ``comm_bytes`` (this rank's collective traffic), ``skipped`` (a
+        ``comm_bytes`` (this rank's collective traffic), ``comm_bytes_by_axis``
+        (the same by the mesh axes each group spans: ``{"dp_shard": ...,
+        "dp_replicate": ...}``, ``"dp_replicate x dp_shard"`` for a group
+        over both; a step on no mesh: ``"dp_shard"``), ``skipped`` (a
         non-finite loss or gradient: no update), ``count`` (a ``zf.Mean``'s
         count over the ranks and the update's micro-steps so far; its
         ``loss`` is their mean) and the aux values. Under N
