@@ -395,6 +395,26 @@ def _table(tmp: str) -> dict:
                 params="nvme",
             ),
         ),
+        "zeropp": (  # ZeRO++'s qwZ and qgZ, and hpZ within nodes of one rank (two "nodes" of one)
+            {
+                "train_batch_size": 8,
+                "optimizer": adamw,
+                "zero_optimization": {
+                    "stage": 3,
+                    "zero_hpz_partition_size": 1,
+                    "zero_quantized_weights": True,
+                    "zero_quantized_nontrainable_weights": True,
+                    "zero_quantized_gradients": True,
+                },
+            },
+            lambda f, _: shard_params(
+                zf.train_step(f, O.adamw(1e-2, weight_decay=0.1)), gather_dtype="int8", reduce_dtype="int8"
+            ),
+        ),
+        "mics": (  # MiCS: sharded within groups of mics_shard_size ranks, replicated across (hybrid sharding)
+            {"train_batch_size": 8, "optimizer": adamw, "zero_optimization": {"stage": 2, "mics_shard_size": 1}},
+            lambda f, _: shard_grads(zf.train_step(f, O.adamw(1e-2, weight_decay=0.1)), replicate=C.world_size()),
+        ),
         "remat_small_buckets": (  # reduce_bucket_size counts elements: 50 fp32 elements are 200 bytes
             {
                 "train_micro_batch_size_per_gpu": 2,
@@ -788,7 +808,16 @@ BAD = [
         r"offload_param.nvme_path '/nvme/params' and zero_optimization.offload_optimizer.nvme_path "
         r"'/nvme/optimizer' differ: .*one directory tree.*give both blocks the same \"nvme_path\"",
     ),
-    ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}, r"zero_quantized_gradients true"),
+    (
+        {"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}},
+        r"zero_quantized_gradients needs sharded gradients \(stage 2 or 3\), got stage 1",
+    ),
+    ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, r"zero_quantized_weights is ZeRO-3's"),
+    (
+        {"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
+        r"zero_quantized_nontrainable_weights without zero_quantized_weights",
+    ),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 3}}, r"mics_shard_size 3 does not divide the 1 ranks"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, r'amp is enabled: apex AMP.*"bf16": \{"enabled": true\}'),
     ({"curriculum_learning": {"enabled": True}}, r"curriculum_learning is enabled: it changes the data"),
 ]

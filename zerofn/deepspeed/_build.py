@@ -177,12 +177,20 @@ def from_deepspeed(
     held = precision.dtype if precision is not None else torch.float32  # a held parameter element's dtype
     bucket_bytes = zero.bucket_elems * held.itemsize if zero.bucket_elems is not None else DEFAULT_BUCKET_BYTES
     step = train_step(loss_fn, spec.build(), sizes.gradient_accumulation_steps, bucket_bytes=bucket_bytes, group=group)
+    replicate = _mics_replicas(zero.replicate, group)
     if zero.stage == 1:
-        step = shard_optimizer(step)
+        step = shard_optimizer(step, replicate=replicate)
     elif zero.stage == 2:
-        step = shard_grads(step)
+        step = shard_grads(step, replicate=replicate, reduce_dtype=zero.reduce_dtype)
     elif zero.stage == 3:
-        step = shard_params(step, prefetch=zero.prefetch)
+        step = shard_params(
+            step,
+            prefetch=zero.prefetch,
+            replicate=replicate,
+            hpz=zero.hpz,
+            gather_dtype=zero.gather_dtype,
+            reduce_dtype=zero.reduce_dtype,
+        )
     if precision is not None:
         step = amp(step, precision.dtype, **precision.options)
     if zero.offload_device == "nvme":
@@ -287,3 +295,16 @@ def _state_bytes_per_element(step: Step, precision: AmpSpec | None) -> int:
                 held[name] = held.get(name, 0) + leaf.numel() * leaf.dtype.itemsize
     per = [math.ceil(b / numel[n]) for n, b in held.items() if numel[n]]
     return max(per) if per else (O.probe_state(opt, dtype).bytes_per_element or 4)
+
+
+def _mics_replicas(shard_size: int | None, group) -> int | None:
+    """The replicas of ``mics_shard_size`` ranks each over the step's ranks (None: shard over all)."""
+    if shard_size is None:
+        return None
+    world = C.world_size(group)
+    if world % shard_size:
+        raise ValueError(
+            f"from_deepspeed: zero_optimization.mics_shard_size {shard_size} does not divide the {world} ranks: "
+            "each replica shards over that many ranks; give a divisor of the world size"
+        )
+    return world // shard_size

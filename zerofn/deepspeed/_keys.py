@@ -34,9 +34,7 @@ __all__ = [
     "OFFLOAD_KNOWN",
     "ZERO_ANYWAY",
     "ZERO_BLOCK_ERRORS",
-    "ZERO_ERRORS",
     "ZERO_IGNORED",
-    "ZERO_QUIET",
     "ZERO_READ",
     "Anyway",
 ]
@@ -180,8 +178,6 @@ ZERO_IGNORED = {
     "stage3_module_granularity_threshold": "ZeRO-3 units are the model's blocks (shard_params(units=...) by hand)",
     "stage3_use_all_reduce_for_fetch_params": "ZeRO-3 fetches with all-gathers",
     "memory_efficient_linear": "linear layers are the model's own",
-    "zero_hpz_partition_size": "no hierarchical partitioning",
-    "mics_shard_size": "no MiCS sub-groups: state is sharded over all ranks",
     "mics_hierarchical_params_gather": "no MiCS sub-groups",
     "use_multi_rank_bucket_allreduce": "one collective per bucket",
     "legacy_stage1": "one stage-1 implementation",
@@ -190,7 +186,6 @@ ZERO_IGNORED = {
     "log_trace_cache_warnings": "no trace cache",
     "zeropp_loco_param": "no quantized communication",
 }
-ZERO_QUIET = {"zero_hpz_partition_size": (1,), "mics_shard_size": (-1, 0)}  # values that ask for nothing
 ZERO_ALIASES = {  # DeepSpeed's names without the stage3_ prefix
     "prefetch_bucket_size": "stage3_prefetch_bucket_size",
     "param_persistence_threshold": "stage3_param_persistence_threshold",
@@ -202,17 +197,14 @@ ZERO_ALIASES = {  # DeepSpeed's names without the stage3_ prefix
     "module_granularity_threshold": "stage3_module_granularity_threshold",
     "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
 }
-ZERO_ERRORS = {  # true would change the numbers
-    "zero_quantized_weights": "quantized weight communication changes the numbers; zerofn gathers full-precision "
-    "shards: remove it",
-    "zero_quantized_nontrainable_weights": "quantized weight communication changes the numbers: remove it",
-    "zero_quantized_gradients": "quantized gradient communication changes the numbers; zerofn reduces in the "
-    "gradient dtype (bf16/fp16 under amp): remove it",
-}
-
 # zero_optimization keys the reader reads itself (the stage, sizes, offload and their older spellings).
 ZERO_READ = {
     "stage",
+    "zero_hpz_partition_size",
+    "mics_shard_size",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
     "reduce_bucket_size",
     "stage3_prefetch_bucket_size",
     "sub_group_size",

@@ -10,9 +10,7 @@ from zerofn.deepspeed._keys import (
     ZERO_ALIASES,
     ZERO_ANYWAY,
     ZERO_BLOCK_ERRORS,
-    ZERO_ERRORS,
     ZERO_IGNORED,
-    ZERO_QUIET,
     ZERO_READ,
 )
 from zerofn.deepspeed._reader import Block, value_as
@@ -34,6 +32,11 @@ class ZeroSpec:
         param_device: where ``offload_param`` (stage 3) puts the parameter shards, ``"cpu"`` or ``"nvme"``
             (None: on the device).
         pin_memory: pinned host buffers.
+        replicate: ``mics_shard_size``'s replicas (MiCS: shard within groups of that many ranks, replicate
+            across): the ZeRO stage's ``replicate`` (None: shard over all ranks).
+        hpz: ``zero_hpz_partition_size`` (ZeRO++'s hpZ): ``shard_params``'s ``hpz`` (None: none).
+        gather_dtype: ``"int8"`` with ``zero_quantized_weights`` (qwZ).
+        reduce_dtype: ``"int8"`` with ``zero_quantized_gradients`` (qgZ).
     """
 
     stage: int = 0
@@ -44,6 +47,10 @@ class ZeroSpec:
     nvme_path: str | None = None
     param_device: str | None = None  # "cpu" | "nvme"
     pin_memory: bool = False
+    replicate: int | None = None
+    hpz: int | None = None
+    gather_dtype: str | None = None
+    reduce_dtype: str | None = None
 
 
 def read_zero(r: Block, ignored: dict) -> ZeroSpec:
@@ -116,9 +123,7 @@ def read_zero(r: Block, ignored: dict) -> ZeroSpec:
     z.pin_memory = next((p for p in pins if p is not None), False)  # DeepSpeed's default: not pinned
     if z.sub_group_elems is not None and z.offload_device != "nvme":
         ignored[blk.key("sub_group_size")] = "sub-groups stream NVMe-offloaded state only"
-    for k, msg in ZERO_ERRORS.items():
-        if blk.get(k, False, "bool"):
-            raise ValueError(f"from_deepspeed: {blk.key(k)} true: {msg}")
+    _read_zeropp(blk, z)
     for k, msg in ZERO_BLOCK_ERRORS.items():
         v = blk.raw(k)
         if v is not None and v is not False and not (isinstance(v, dict) and v.get("enabled", True) is False):
@@ -130,15 +135,57 @@ def read_zero(r: Block, ignored: dict) -> ZeroSpec:
             if v != anyway.value:
                 ignored[blk.key(k)] = f"zerofn's behaviour is fixed: {anyway.why}"
         elif k in ZERO_IGNORED:
-            if v is not False and v is not None and v not in ZERO_QUIET.get(k, ()):
+            if v is not False and v is not None:
                 ignored[blk.key(k)] = ZERO_IGNORED[k]
         else:
             raise ValueError(
                 f"from_deepspeed: {blk.key(k)}: not a zero_optimization key zerofn knows (DeepSpeed refuses unknown "
                 "keys here too, and ignoring it could change the numbers): check its spelling, or remove it. Known: "
-                + ", ".join(sorted(ZERO_READ | set(ZERO_ANYWAY) | set(ZERO_IGNORED) | set(ZERO_ERRORS)))
+                + ", ".join(sorted(ZERO_READ | set(ZERO_ANYWAY) | set(ZERO_IGNORED)))
             )
     return z
+
+
+def _read_zeropp(blk: Block, z: ZeroSpec) -> None:
+    """ZeRO++ and MiCS: ``zero_hpz_partition_size`` (hpZ), ``mics_shard_size`` (hybrid sharding),
+    ``zero_quantized_weights`` / ``zero_quantized_nontrainable_weights`` (qwZ) and
+    ``zero_quantized_gradients`` (qgZ), as the ZeRO stage's options."""
+    hpz = blk.get("zero_hpz_partition_size", 1, "int", low=1)
+    mics = blk.get("mics_shard_size", -1, "int")
+    weights = blk.get("zero_quantized_weights", False, "bool")
+    frozen = blk.get("zero_quantized_nontrainable_weights", False, "bool")
+    grads = blk.get("zero_quantized_gradients", False, "bool")
+    if hpz > 1 or weights or frozen:
+        if z.stage != 3:
+            which = "zero_hpz_partition_size" if hpz > 1 else "zero_quantized_weights"
+            raise ValueError(
+                f"from_deepspeed: {blk.key(which)} is ZeRO-3's (parameters gathered per unit), got stage {z.stage}: "
+                'set "stage": 3 or remove it'
+            )
+        z.hpz = hpz if hpz > 1 else None
+    if frozen and not weights:
+        raise ValueError(
+            f"from_deepspeed: {blk.key('zero_quantized_nontrainable_weights')} without zero_quantized_weights: "
+            "zerofn's qwZ (shard_params(gather_dtype='int8')) gathers every unit's floating buffers as int8, trainable "
+            "and frozen alike: set zero_quantized_weights true too, or remove it"
+        )
+    z.gather_dtype = "int8" if weights else None
+    if grads:
+        if z.stage < 2:
+            raise ValueError(
+                f"from_deepspeed: {blk.key('zero_quantized_gradients')} needs sharded gradients (stage 2 or 3), got "
+                f'stage {z.stage}: set "stage": 2 or 3, or remove it'
+            )
+        z.reduce_dtype = "int8"
+    if mics > 0:
+        if z.stage == 0:
+            raise ValueError(f'from_deepspeed: {blk.key("mics_shard_size")} needs a ZeRO stage: set "stage" or remove it')
+        if z.hpz is not None:
+            raise ValueError(
+                f"from_deepspeed: {blk.key('mics_shard_size')} and zero_hpz_partition_size both say how a node's ranks "
+                "hold the parameters: give one"
+            )
+        z.replicate = mics  # the shard size here; the builder divides the world by it
 
 
 def _nvme_path(blk: Block) -> str:
