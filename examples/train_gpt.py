@@ -9,6 +9,7 @@ Two ranks on this machine (gloo on CPU, nccl on GPUs), ZeRO stage 1, 2 or 3:
     torchrun --nproc_per_node=2 examples/train_gpt.py --zero 1
     torchrun --nproc_per_node=2 examples/train_gpt.py --zero 2 --accumulate 2
     torchrun --nproc_per_node=2 examples/train_gpt.py --zero 3 --amp bf16 --remat
+    torchrun --nproc_per_node=4 examples/train_gpt.py --zero 3 --replicate 2     # HSDP: 2 "nodes" of 2
 
 Every rank feeds its own slice of the global batch; the result equals one
 process fed the whole batch. The loss should fall far below the corpus's
@@ -57,6 +58,26 @@ def parse_args(argv=None):
     """The command line, its paths checked (standard library only: run before torch is imported)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (0 = plain data parallel)")
+    p.add_argument(
+        "--replicate",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --zero 1-3: hybrid sharding, N replicas (nodes) each sharding over its ranks",
+    )
+    p.add_argument(
+        "--hpz",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --zero 3: ZeRO++'s hpZ, backward gathers within nodes of K ranks",
+    )
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="ZeRO++'s int8 collectives: gradients reduce-scattered as int8 (--zero 2, 3; qgZ), "
+        "parameters gathered as int8 (--zero 3; qwZ)",
+    )
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch", type=int, default=32, help="global batch (sequences), split over ranks")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per update on each rank")
@@ -158,7 +179,18 @@ def build_step(args, apply):
         else zf.optim.warmup_cosine_decay_schedule(0.0, args.lr, total // 10, total, args.lr / 10)
     )
     optimizer = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(schedule, weight_decay=0.1))
-    step = STAGES[args.zero](zf.train_step(loss_fn_for(apply), optimizer, args.accumulate))
+    options = {}  # multi-node options of the ZeRO stages (docs/transforms/multinode.md)
+    if args.replicate is not None:
+        options["replicate"] = args.replicate
+    if args.hpz is not None:
+        options["hpz"] = args.hpz
+    if args.int8 and args.zero >= 2:
+        options["reduce_dtype"] = "int8"
+    if args.int8 and args.zero == 3:
+        options["gather_dtype"] = "int8"
+    if options and args.zero == 0:
+        raise SystemExit("--replicate, --hpz and --int8 are options of a ZeRO stage: give --zero 1, 2 or 3")
+    step = STAGES[args.zero](zf.train_step(loss_fn_for(apply), optimizer, args.accumulate), **options)
     if args.amp:
         step = amp(step, {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp])
     if args.remat:

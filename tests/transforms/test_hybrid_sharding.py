@@ -211,3 +211,39 @@ def test_one_process_replicate_1_is_the_plain_stage(stage):
     assert step.mesh is None and step.reduction.replicas == 1
     state, m = _train(step, step.init(apply.params), 0, 2)
     assert m["comm_bytes_by_axis"] == {"dp_shard": 0}
+
+
+# ---------------------------------------------------------------- beside tensor and context parallelism
+
+
+def _llama_run(case: str) -> dict:
+    from helpers import tiny_llama
+    from zerofn.transforms import context_parallel, tensor_parallel
+
+    apply = zf.functional(tiny_llama(max_position_embeddings=64))
+    step = zf.train_step(lambda p, b: apply(p, **b).loss, zf.optim.adamw(1e-3, eps=1e-4))
+    if case == "tp":  # tp 2 inside each replica: dp_replicate 2 x tp 2
+        step = tensor_parallel(shard_params(step, replicate=2), 2)
+    elif case == "cp":  # the sequence split over cp 2 inside each replica: ZeRO-2 over the cp ranks
+        step = context_parallel(shard_grads(step, replicate=2), 2)
+    state = step.init(apply.params)
+    here, data = (zf.collectives.data_rank(step), step.mesh.data_size) if step.mesh is not None else (0, 1)
+    for i in range(STEPS):
+        ids = torch.randint(0, 64, (BATCH, 16), generator=torch.Generator().manual_seed(100 + i))
+        state, m = step(state, rank_slice({"input_ids": ids, "labels": ids}, here, data))
+    return {"params": step.full_params(state), "mesh": repr(step.mesh), "axes": dict(m["comm_bytes_by_axis"])}
+
+
+def _llama_runs(cases: list) -> dict:
+    return {c: _llama_run(c) for c in cases}
+
+
+def test_hybrid_sharding_beside_tensor_and_context_parallelism(ranks):
+    pytest.importorskip("transformers")
+    ref = _llama_run("")
+    for r in ranks(4).run(_llama_runs, ["tp", "cp"]):
+        assert r["tp"]["mesh"] == "Mesh(dp_replicate=2, dp_shard=1, tp=2)"
+        assert r["cp"]["mesh"] == "Mesh(dp_replicate=2, dp_shard=1, cp=2)"
+        for case in ("tp", "cp"):
+            assert _worst(r[case]["params"], ref["params"]) <= 1e-5, case
+            assert r[case]["axes"]["dp_replicate"] > 0, r[case]["axes"]  # each shard's gradient across
