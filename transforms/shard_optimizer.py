@@ -98,7 +98,7 @@ class ShardedReduction(Reduction):
         total = None
         if self.quantizes(bucket):  # qgZ: into a new partition, added to a running one last (see folds)
             total, out = out, torch.empty(bucket.shard_numel, dtype=grad.dtype, device=grad.device)
-            handle = C.reduce_scatter_quantized(out, grad, async_op=True, group=bucket_group(bucket))
+            handle = _int8_reduce_scatter(out, grad, bucket)
         else:
             if out is None:
                 out = torch.empty(bucket.shard_numel, dtype=grad.dtype, device=grad.device)
@@ -108,6 +108,37 @@ class ShardedReduction(Reduction):
         if total is not None:
             handle = _Then(handle, lambda r: total.add_(r))
         return handle
+
+
+def _nodes(bucket: Bucket) -> tuple | None:
+    """``(node, across)``: the groups of a two-hop reduction of ``bucket`` (the ranks of this rank's node, and
+    the line of ranks across the nodes that hold the same place in theirs), where the step's group spans
+    nodes (a mesh whose ``dp_replicate`` is above 1: ``hpz=``) and the bucket is sharded over all of it;
+    None otherwise."""
+    if bucket.apart or bucket.replicate:
+        return None
+    try:
+        across = C.along("dp_replicate")
+    except ValueError:  # the step's group spans no nodes
+        return None
+    return (C.without("dp_replicate"), across) if across is not None else None
+
+
+def _int8_reduce_scatter(out: torch.Tensor, grad: torch.Tensor, bucket: Bucket):
+    """qgZ's reduce-scatter of ``grad`` into ``out`` as int8 blocks: one all-to-all over the bucket's group, or,
+    where the step knows its nodes, ZeRO++'s two hops: within the node (each rank receives, summed over the
+    node, the shards of its place in every node), then across the nodes (its own shard, summed over them).
+    The second hop sends ``1 / (ranks a node)`` of what one flat exchange sends across nodes."""
+    nodes = _nodes(bucket)
+    if nodes is None:
+        return C.reduce_scatter_quantized(out, grad, async_op=True, group=bucket_group(bucket))
+    node, across = nodes
+    n, s, k = C.world_size(across), C.world_size(node), bucket.shard_numel
+    # ranks are numbered node-major (shard r = node r // s, place r % s): place j gathers shard j of every node
+    mixed = grad.view(n, s, k).transpose(0, 1).reshape(-1)
+    mid = torch.empty(n * k, dtype=grad.dtype, device=grad.device)
+    first = C.reduce_scatter_quantized(mid, mixed, async_op=True, group=node)
+    return _Then(first, lambda m: C.reduce_scatter_quantized(out, m, async_op=True, group=across))
 
 
 class _Then:

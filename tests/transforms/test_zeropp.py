@@ -5,6 +5,7 @@ about a quarter of its bytes, and leave the masters and checkpoints exact."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import make_transformer, rank_slice, transformer_batch
 from zerofn.transforms import amp, offload, shard_grads, shard_params
@@ -19,7 +20,8 @@ STEPS, BATCH = 4, 8
 def _hpz(case: tuple) -> dict:
     hpz, extra = case
     _, apply, loss_fn = make_transformer(extras=extra != "amp")
-    step = shard_params(zf.train_step(loss_fn, zf.optim.adamw(1e-2, weight_decay=0.1)), hpz=hpz)
+    int8 = {"reduce_dtype": "int8"} if extra == "qgz" else {}
+    step = shard_params(zf.train_step(loss_fn, zf.optim.adamw(1e-2, weight_decay=0.1)), hpz=hpz, **int8)
     if extra == "amp":
         step = amp(step, torch.bfloat16)
     if extra == "offload":
@@ -38,10 +40,15 @@ def _hpz(case: tuple) -> dict:
     return {
         "mesh": repr(step.mesh),
         "params": step.full_params(state),
+        "loss": float(m["loss"]),
         "axes": dict(m["comm_bytes_by_axis"]),
         "comm": int(m["comm_bytes"]),
         "held": zf.memory.state_bytes(state)["total"],
         "regathered": sum(unit_bytes(u) for u in lay.units[1:-1]),
+        # qgZ's second hop, across the 2 nodes: each rank's node-summed piece, 2 shards, as int8 blocks
+        "across": sum(
+            2 * (b.shard_numel + 4 * -(-b.shard_numel // 2048)) for b in lay.buckets if b.dtype == torch.float32
+        ),
     }
 
 
@@ -54,7 +61,7 @@ def _worst(a: dict, b: dict) -> float:
 
 
 def test_hpz_trains_as_one_process_and_gathers_backward_within_the_node(ranks):
-    cases = [(2, ""), (2, "amp"), (2, "offload"), (None, ""), (None, "amp"), (None, "offload")]
+    cases = [(2, ""), (2, "amp"), (2, "offload"), (2, "qgz"), (None, ""), (None, "amp"), (None, "offload")]
     results = ranks(4).run(_hpz_cases, cases)
     one = {extra: _hpz((None, extra)) for extra in ("", "amp")}  # one process over the whole batch
     for r in results:
@@ -71,6 +78,35 @@ def test_hpz_trains_as_one_process_and_gathers_backward_within_the_node(ranks):
             assert got["comm"] == plain["comm"], (extra, got["axes"], plain["comm"])
             assert got["axes"]["dp_shard"] == got["regathered"] > 0, (extra, got["axes"], got["regathered"])
             assert plain["axes"] == {"dp_shard": plain["comm"]}
+        # qgZ where the step knows its nodes: two hops, the int8 gradient within the node, then 1/2 of it across
+        # the nodes (one flat all-to-all would send half of it across)
+        qgz = r[(2, "qgz")]
+        assert qgz["axes"]["dp_replicate"] == qgz["across"] > 0, (qgz["axes"], qgz["across"])
+        assert qgz["loss"] == pytest.approx(r[(None, "")]["loss"], rel=1e-2)
+
+
+def _two_hops() -> dict:
+    """qgZ's two-hop reduce-scatter of a bucket on 4 ranks as 2 nodes of 2, against the exact sum."""
+    from zerofn.transforms.shard_optimizer import ShardedReduction
+
+    _, apply, loss_fn = make_transformer()
+    step = shard_params(zf.train_step(loss_fn, zf.optim.adamw(1e-2)), hpz=2, reduce_dtype="int8")
+    state = step.init(apply.params)
+    bucket = max(state.spec.layout.buckets, key=lambda b: b.padded)
+    g = torch.randn(bucket.padded, generator=torch.Generator().manual_seed(C.rank())) * (1 + C.rank())
+    with C.group_scope(step.group):
+        exact = torch.empty(bucket.shard_numel)
+        C.reduce_scatter(exact, g.clone())
+        got = ShardedReduction(reduce_dtype="int8").reduce(g.clone(), bucket, C.rank(), None).wait()
+        top = C.all_reduce(g.abs().max().reshape(1), "max")
+    # each hop within its bound: the node's 2 ranks' blocks (each at most top / 254), then the 2 nodes'
+    # node-summed blocks (each at most 2 top, / 254)
+    return {"err": float((got - exact).abs().max()), "bound": float(2 * top / 254 + 2 * 2 * top / 254)}
+
+
+def test_qgz_two_hops_stay_within_their_bound(ranks):
+    for r in ranks(4).run(_two_hops):
+        assert 0 < r["err"] <= r["bound"], r
 
 
 # ---------------------------------------------------------------- qwZ and qgZ on the example GPT

@@ -23,7 +23,12 @@ parallelism's cut of a mixture-of-experts model's experts and its all-to-alls: :
 :func:`longest_sequence`; a module a job: the defaults, the optimizer's bytes, the record, the refusals, the
 estimate, the compositions, the longest sequence), ``cli``
 (:func:`main`, :func:`parse_size`, :func:`parse_count`), ``text``
-(:func:`plan_text`, :func:`fmt_bytes`) and ``plotting`` (:func:`plot`); every
+(:func:`plan_text`, :func:`fmt_bytes`), ``plotting`` (:func:`plot`), and how fast:
+``hardware`` (a GPU and its links, the presets and the hardware file: :class:`Hardware`,
+:func:`load_hardware`, :func:`hardware_from_dict`), ``speed`` (a step's time per composition from its FLOPs
+and its collectives on each link: :func:`speeds`, :func:`step_speed`, :class:`Speed`, :func:`ring_bytes`,
+:func:`link_bytes`, :func:`flops_per_token`), ``speed_text`` (:func:`speed_text`) and ``calibrate``
+(this machine's collectives measured on gloo ranks: :func:`calibrate`, :func:`fit`); every
 name is importable from ``zerofn.plan``.
 
 Notation: Psi trainable parameters, N = GPUs per node x nodes ranks,
@@ -146,6 +151,7 @@ Example:
 """
 
 from zerofn.plan.activations import activation_bytes
+from zerofn.plan.calibrate import calibrate, fit, write_hardware
 from zerofn.plan.cli import main, parse_count, parse_size
 from zerofn.plan.context import ContextParallelPlan, context_parallel_plan, layout_unit
 from zerofn.plan.estimates import (
@@ -163,36 +169,63 @@ from zerofn.plan.estimates import (
     optimizer_bytes,
 )
 from zerofn.plan.expert import ExpertParallelPlan, expert_parallel_plan
+from zerofn.plan.hardware import PRESETS, Hardware, LinkCost, hardware_from_dict, load_hardware
 from zerofn.plan.local import local_params, local_shape
 from zerofn.plan.lora import LoraPlan, dequant_bytes, lora_plan
 from zerofn.plan.plotting import plot
 from zerofn.plan.shapes import ModelShape, model_shape, shape_from_dims
+from zerofn.plan.speed import (
+    EFFICIENCY,
+    Comm,
+    Composition,
+    Speed,
+    flops_per_token,
+    link_bytes,
+    ring_bytes,
+    speed_compositions,
+    speeds,
+    step_speed,
+)
+from zerofn.plan.speed_text import speed_text
 from zerofn.plan.tensor import TensorParallelPlan, split_shapes, tensor_parallel_plan
 from zerofn.plan.text import fmt_bytes, format_count, plan_text
 
 __all__ = [
     "ADAM_COUNT_BYTES",
     "BUCKET_BYTES",
+    "EFFICIENCY",
+    "PRESETS",
     "NVME_LANDING_BUFFERS",
     "NVME_SUB_GROUP_BYTES",
     "NVME_UPDATE_BUFFERS",
     "PREFETCH",
+    "Comm",
+    "Composition",
     "ContextParallelPlan",
     "Estimate",
     "ExpertParallelPlan",
+    "Hardware",
+    "LinkCost",
     "LoraPlan",
     "ModelShape",
     "OptimizerBytes",
+    "Speed",
     "TensorParallelPlan",
     "activation_bytes",
+    "calibrate",
     "compositions",
     "context_parallel_plan",
     "dequant_bytes",
     "estimate",
     "expert_parallel_plan",
+    "fit",
+    "flops_per_token",
     "fmt_bytes",
     "format_count",
+    "hardware_from_dict",
     "layout_unit",
+    "link_bytes",
+    "load_hardware",
     "local_params",
     "local_shape",
     "longest_sequence",
@@ -204,7 +237,13 @@ __all__ = [
     "parse_size",
     "plan_text",
     "plot",
+    "ring_bytes",
     "shape_from_dims",
+    "speed_compositions",
+    "speed_text",
+    "speeds",
     "split_shapes",
+    "step_speed",
     "tensor_parallel_plan",
+    "write_hardware",
 ]

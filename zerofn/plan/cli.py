@@ -10,13 +10,17 @@ import sys
 import torch
 
 from zerofn import optim as O
+from zerofn.plan.calibrate import DEFAULT_RANKS, DEFAULT_REPEATS, DEFAULT_SIZES, calibrate, write_hardware
 from zerofn.plan.context import METHODS, layout_unit
 from zerofn.plan.estimates import compositions, longest_sequence
+from zerofn.plan.hardware import PRESETS, load_hardware
 from zerofn.plan.plotting import plot
 from zerofn.plan.shapes import ModelShape, model_shape, shape_from_dims
+from zerofn.plan.speed import EFFICIENCY, speeds
+from zerofn.plan.speed_text import calibration_text, speed_text
 from zerofn.plan.text import fmt_bytes, format_count, plan_text
 
-__all__ = ["main", "parse_count", "parse_seq", "parse_size"]
+__all__ = ["fmt_size", "main", "parse_count", "parse_seq", "parse_size"]
 
 _SIZE_UNITS = {
     "": 1,
@@ -94,9 +98,21 @@ def _parser() -> argparse.ArgumentParser:
         help="trainable parameters (70e9, 70B, 124M); absent, counted from the shapes (--layers, --hidden, --vocab)",
     )
     p.add_argument("--model", metavar="CONFIG", help="a Hugging Face config.json or its directory: size and shapes")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
+    p.add_argument(
+        "--gpus",
+        "--gpus-per-node",
+        dest="gpus",
+        type=int,
+        default=None,
+        help="GPUs per node (default 1, or the --hardware's GPUs per node)",
+    )
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument("--gpu-memory", type=parse_size, required=True, help="memory of one GPU (80GB, 24GB)")
+    p.add_argument(
+        "--gpu-memory",
+        type=parse_size,
+        default=None,
+        help="memory of one GPU (80GB, 24GB); required unless --hardware gives it",
+    )
     p.add_argument("--cpu-memory", type=parse_size, default=None, help="CPU RAM per node (not checked if absent)")
     p.add_argument("--nvme", type=parse_size, default=None, help="NVMe space per node (not checked if absent)")
     p.add_argument("--layers", type=int, help="transformer blocks")
@@ -207,14 +223,122 @@ def _parser() -> argparse.ArgumentParser:
         "CPU/node and against --cpu-memory, the GPU holding one block's (default: on with --cp)",
     )
     p.add_argument("--plot", metavar="FILE.png", help="draw bytes per GPU by composition against the GPU memory")
+    speed = p.add_argument_group(
+        "speed",
+        "how fast each composition that fits runs (docs/planning.md, Speed): needs --hardware, the "
+        "shapes (--model, or --layers and --hidden), --seq and --micro-batch",
+    )
+    speed.add_argument(
+        "--hardware",
+        metavar="NAME|FILE.json",
+        help=f"predict the step time, tokens/s and MFU on this hardware: a preset ({', '.join(PRESETS)}) or a "
+        "hardware JSON file (tflops, hbm_bytes, hbm_gbps, intra_node_gbps, inter_node_gbps, gpus_per_node); its "
+        "memory and GPUs per node are the defaults of --gpu-memory and --gpus",
+    )
+    speed.add_argument(
+        "--efficiency",
+        type=float,
+        default=None,
+        help=f"the fraction of the dense bf16 peak the step's compute achieves (default {EFFICIENCY})",
+    )
+    speed.add_argument(
+        "--calibrate",
+        metavar="FILE.json",
+        help="measure this machine's collectives on local gloo ranks (all-gather, reduce-scatter, all-reduce, "
+        "all-to-all of a few sizes), fit a bandwidth and a latency to each and write them as a hardware file for "
+        "--hardware; nothing else is planned",
+    )
+    speed.add_argument(
+        "--calibrate-ranks", type=int, default=DEFAULT_RANKS, help=f"ranks --calibrate runs (default {DEFAULT_RANKS})"
+    )
+    speed.add_argument(
+        "--calibrate-sizes",
+        default=",".join(fmt_size(s) for s in DEFAULT_SIZES),
+        metavar="SIZES",
+        help="the full tensors' sizes --calibrate times, comma-separated (default "
+        f"{','.join(fmt_size(s) for s in DEFAULT_SIZES)})",
+    )
+    speed.add_argument(
+        "--calibrate-repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help=f"timed runs per kind and size (their median counts; default {DEFAULT_REPEATS})",
+    )
     return p
+
+
+def fmt_size(n: int) -> str:
+    """``65536`` as ``64KiB``, ``16777216`` as ``16MiB``: a size :func:`parse_size` reads back exactly."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def _calibrate(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--calibrate FILE.json``: measure, fit, write and say so."""
+    out = args.calibrate
+    where = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        p.error(f"--calibrate {out} is a directory; pass the name of the hardware JSON file to write")
+    if not os.path.isdir(where):
+        p.error(f"--calibrate {out}: the directory it goes in, {where}, does not exist; create it (mkdir -p {where})")
+    if args.calibrate_ranks < 2:
+        p.error(f"--calibrate-ranks {args.calibrate_ranks}: a collective needs at least 2 ranks")
+    if args.calibrate_repeats < 1:
+        p.error(f"--calibrate-repeats {args.calibrate_repeats}: time each collective at least once")
+    try:
+        sizes = [int(parse_size(x)) for x in args.calibrate_sizes.split(",") if x.strip()]
+    except argparse.ArgumentTypeError as e:
+        p.error(f"--calibrate-sizes: {e}")
+    if not sizes:
+        p.error("--calibrate-sizes: give at least one size, such as 1MiB,4MiB,16MiB")
+    too_small = [x for x in sizes if x < 4 * args.calibrate_ranks]
+    if too_small:
+        p.error(
+            f"--calibrate-sizes: {too_small[0]} bytes is less than one fp32 element a rank over "
+            f"{args.calibrate_ranks} ranks ({4 * args.calibrate_ranks} bytes)"
+        )
+    print(
+        f"calibrating: {args.calibrate_ranks} gloo ranks on this machine's CPU, all-gather, reduce-scatter, "
+        f"all-reduce and all-to-all of {', '.join(fmt_bytes(x) for x in sizes)}, {args.calibrate_repeats} runs each",
+        flush=True,
+    )
+    hw, record = calibrate(ranks=args.calibrate_ranks, sizes=sizes, repeats=args.calibrate_repeats)
+    write_hardware(hw, out, record)
+    print(calibration_text(hw, record))
+    print(f"written to {out}; plan with it: python -m zerofn plan ... --hardware {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m zerofn plan ...``: print the table and the recommendation; returns the exit status."""
     p = _parser()
     args = p.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.calibrate is not None:
+        return _calibrate(p, args)
     shaped = bool(args.layers and args.hidden)
+    hardware = None
+    if args.hardware is not None:
+        if args.hardware.strip().lower() not in PRESETS and not os.path.isfile(args.hardware):
+            p.error(
+                f"--hardware {args.hardware}: neither a preset ({', '.join(PRESETS)}) nor a file; pass a preset or a "
+                "hardware JSON file (python -m zerofn plan --calibrate FILE.json writes one for this machine)"
+            )
+        try:
+            hardware = load_hardware(args.hardware)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        _check_speed(p, args, shaped)
+    elif args.efficiency is not None:
+        p.error(f"--efficiency {args.efficiency} scales the compute of a predicted step; pass --hardware too")
+    if args.gpus is None:
+        args.gpus = hardware.gpus_per_node if hardware is not None else 1
+    if args.gpu_memory is None:
+        if hardware is None:
+            p.error("the following arguments are required: --gpu-memory (or --hardware, whose memory it takes)")
+        args.gpu_memory = hardware.hbm_bytes
     if args.params is not None and args.model is not None:
         p.error("give either --params or --model, not both")
     if args.params is None and args.model is None:
@@ -381,6 +505,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.seq == "max":
         print(_longest_line(longest, kw, args, source))
     print(plan_text(rows, gpu=args.gpu_memory, cpu=args.cpu_memory, nvme=args.nvme, psi=psi, title=title))
+    if hardware is not None:
+        efficiency = EFFICIENCY if args.efficiency is None else args.efficiency
+        skw = {k: v for k, v in kw.items() if k not in ("gpus", "nodes")}
+        try:
+            fast = speeds(
+                source,
+                hardware=hardware,
+                nodes=args.nodes,
+                gpus_per_node=args.gpus,
+                efficiency=efficiency,
+                gpu_memory=args.gpu_memory,
+                **skw,
+            )
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print()
+        print(
+            speed_text(
+                fast,
+                hardware=hardware,
+                nodes=args.nodes,
+                gpus_per_node=args.gpus,
+                efficiency=efficiency,
+                gpu_memory=args.gpu_memory,
+                mixed_precision=not args.fp32,
+            )
+        )
     if args.plot:
         try:
             plot(rows, args.gpu_memory, args.plot, title)
@@ -389,6 +541,30 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _check_speed(p: argparse.ArgumentParser, args: argparse.Namespace, shaped: bool) -> None:
+    """What ``--hardware`` needs and what it does not model: usage errors."""
+    if args.inference:
+        p.error("--hardware predicts a training step's time; --inference is not modelled: leave one of the two out")
+    if args.lora_rank is not None:
+        p.error(
+            "--hardware with --lora-rank is not modelled (the adapters' traffic beside a frozen base's gathers): "
+            "plan LoRA's memory without --hardware"
+        )
+    if args.ep is not None:
+        p.error("--hardware with --ep is not modelled (the experts' all-to-alls): plan its memory without --hardware")
+    if args.model is None and not shaped:
+        p.error(
+            "--hardware predicts the step from the model's FLOPs and ZeRO-3's units, which need the shapes: pass "
+            "--model config.json, or --layers and --hidden (with --vocab, --heads, --kv-heads, --ffn, --gated)"
+        )
+    if args.seq is None or (args.micro_batch is None and args.seq != "max"):
+        p.error("--hardware predicts the step from its tokens: pass --seq and --micro-batch (sequences per GPU)")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        p.error(
+            f"--efficiency {args.efficiency}: the fraction of the peak the compute achieves, in (0, 1]; 0.6 is typical"
+        )
 
 
 def _longest_line(longest, kw: dict, args: argparse.Namespace, source) -> str:

@@ -149,8 +149,9 @@ class Step:
             more = c.groups() if c.groups is not None else ()
             if c.feeds and self.mesh is not None and c.axis in self.mesh.axes:
                 more = (*more, C.without(c.axis, group=self.group))  # the group its cut parameters reduce on
-            if self.mesh is not None and self.mesh.size("dp_replicate") > 1 and self.reduction.replicate:
-                # hybrid sharding: sharded within a replica, each shard summed across the replicas
+            if self.mesh is not None and self.mesh.size("dp_replicate") > 1:
+                # nodes: hybrid sharding's shards within a replica summed across the replicas, hpZ's gathers
+                # within a node, qgZ's two hops
                 more = (*more, C.without("dp_replicate", group=self.group), self.mesh.group("dp_replicate"))
             axis = self.mesh.group(c.axis) if self.mesh is not None and c.axis in self.mesh.axes else None
             for g in (axis, *more):
