@@ -143,15 +143,27 @@ def _int8_reduce_scatter(out: torch.Tensor, grad: torch.Tensor, bucket: Bucket):
 
 class _Then:
     """What follows a collective when it lands (a second collective, waited for in turn, or a tensor
-    operation): ``wait()`` gives the follower's result."""
+    operation): ``wait()`` gives the follower's result. ``progress()`` waits for the first collective only
+    and starts the follower, so that the gradient sink can have the second in flight while it launches the
+    next bucket's first (hybrid sharding's all-reduce across nodes beside the next reduce-scatter)."""
 
-    __slots__ = ("first", "then")
+    __slots__ = ("first", "then", "started")
 
-    def __init__(self, first: C.Handle, then):
-        self.first, self.then = first, then
+    def __init__(self, first, then):
+        self.first, self.then, self.started = first, then, None
+
+    def progress(self) -> None:
+        if self.started is not None:
+            return
+        if isinstance(self.first, _Then):  # a chain: advance its own first step; this one's follows at wait()
+            self.first.progress()
+            return
+        self.started = (self.then(self.first.wait()),)
 
     def wait(self):
-        out = self.then(self.first.wait())
+        if self.started is None:
+            self.started = (self.then(self.first.wait()),)
+        out = self.started[0]
         return out.wait() if isinstance(out, (C.Handle, _Then)) else out
 
 

@@ -266,7 +266,17 @@ class GradSink:
         while self.launched < upto:
             i = self.launched
             if (self.release or self.on_result is not None) and i > 0:
-                self._settle(i - 1)
+                if hasattr(self.handles[i - 1], "progress"):
+                    # a reduction of two collectives (hybrid sharding's across-node all-reduce after the
+                    # reduce-scatter): its second stays in flight beside this bucket's reduction; the one
+                    # before it lands now
+                    if i > 1:
+                        self._settle(i - 2)
+                    self._progress(i - 1)
+                else:
+                    if i > 1:  # one progressed before, if any, lands first
+                        self._settle(i - 2)
+                    self._settle(i - 1)
             bucket, out = self.layout.buckets[i], None
             if self.predivide[i] != 1:
                 self.buffer(i).mul_(1.0 / self.predivide[i])
@@ -280,6 +290,15 @@ class GradSink:
                 out = self.sums[i]
             self.handles[i] = self.reduction.reduce(self.buffer(i), bucket, self.rank, out)
             self.launched += 1
+
+    def _progress(self, i: int) -> None:
+        """Bucket ``i``'s first collective landed and its second started; its full buffer, which the first
+        read, goes (a sharded reduction's result is a partition of its own)."""
+        self.handles[i].progress()
+        if self.release:
+            self.buffers[i] = None
+            for s in self.layout.buckets[i].slots:
+                self.views.pop(s.name, None)
 
     def _settle(self, i: int) -> None:
         if self.results[i] is None and self.handles[i] is not None:

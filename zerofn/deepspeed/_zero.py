@@ -179,7 +179,9 @@ def _read_zeropp(blk: Block, z: ZeroSpec) -> None:
         z.reduce_dtype = "int8"
     if mics > 0:
         if z.stage == 0:
-            raise ValueError(f'from_deepspeed: {blk.key("mics_shard_size")} needs a ZeRO stage: set "stage" or remove it')
+            raise ValueError(
+                f'from_deepspeed: {blk.key("mics_shard_size")} needs a ZeRO stage: set "stage" or remove it'
+            )
         if z.hpz is not None:
             raise ValueError(
                 f"from_deepspeed: {blk.key('mics_shard_size')} and zero_hpz_partition_size both say how a node's ranks "
