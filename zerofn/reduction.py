@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -243,24 +244,26 @@ class GradSink:
         view.add_(grad.reshape(view.shape))
 
     def _take(self, name: str) -> Callable[[torch.Tensor], None]:
-        def on_grad(leaf: torch.Tensor) -> None:
-            i = self.where[name]
-            if self.buffers[i] is None:
-                self.pending[i].append((name, leaf.grad))
-            else:
-                self.buffer(i)
-                self._add(name, leaf.grad)
-            leaf.grad = None
-            self.received += 1
-            self.got.add(name)
-            self.remaining[i] -= 1
-            if self.reduce and self.remaining[i] == 0:
-                j = self.launched
-                while j < len(self.remaining) and self.remaining[j] == 0:
-                    j += 1
-                self._launch_upto(j)
+        return functools.partial(self.take, name)
 
-        return on_grad
+    def take(self, name: str, leaf: torch.Tensor) -> None:
+        """Take parameter ``name``'s gradient from ``leaf`` (its post-accumulate-grad hook): into its bucket,
+        and launch the bucket's reduction once it is complete."""
+        i = self.where[name]
+        if self.buffers[i] is None:
+            self.pending[i].append((name, leaf.grad))
+        else:
+            self.buffer(i)
+            self._add(name, leaf.grad)
+        leaf.grad = None
+        self.received += 1
+        self.got.add(name)
+        self.remaining[i] -= 1
+        if self.reduce and self.remaining[i] == 0:
+            j = self.launched
+            while j < len(self.remaining) and self.remaining[j] == 0:
+                j += 1
+            self._launch_upto(j)
 
     def _launch_upto(self, upto: int) -> None:
         while self.launched < upto:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -204,19 +205,18 @@ class Storage:
     def bind(self, state: TrainState, sink: GradSink, model: Callable, extra: dict):
         """Yield the params tree ``loss_fn`` receives, alive through backward.
 
-        Each trainable parameter is a fresh leaf viewing its bucket; its
-        gradient goes to ``sink``. A storage may record entries for the next
+        Each trainable parameter is a leaf viewing its bucket, made once
+        per run and set of buckets (:func:`_kept_leaves`); its gradient goes
+        to ``sink``. A storage may record entries for the next
         state in ``extra``. Buckets whose publish is still in flight are
         waited for when first read (see :class:`~zerofn.functional.PendingParams`),
         and all of them before backward's gradients are used.
         """
         layout = state.spec.layout
         flats = state.arriving_params()
-        leaves: dict[str, torch.Tensor] = {}
-        hooks: list = []
-        for name, view in layout.views(flats).items():
-            leaves[name], h = sink.leaf(name, view)
-            hooks += h
+        made = _kept_leaves(state, flats)
+        made.sink = sink
+        leaves = made.leaves
         inflight = state.inflight
         try:
             tree = _tree(state, leaves)
@@ -227,9 +227,8 @@ class Storage:
                     inflight.wait_params()
             yield tree
         finally:
+            made.sink = None  # a backward after the step (a graph kept past it) reaches no sink
             inflight.wait_params()
-            for h in hooks:
-                h.remove()
 
     def opt_view(self, flat: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
         """The tensor the optimizer updates for one bucket: all of it, or this rank's shard."""
@@ -340,6 +339,40 @@ def gathered(part: torch.Tensor, bucket: Bucket) -> torch.Tensor:
     full = torch.empty(bucket.padded, dtype=part.dtype, device=part.device)
     C.all_gather(full, part.detach(), group=bucket_group(bucket))
     return full
+
+
+class _Leaves:
+    """A run's parameter leaves over its buckets, made once (see :func:`_kept_leaves`): each views its slot of
+    ``flats`` and hands its gradient to ``sink``, the running step's, through a hook registered once."""
+
+    def __init__(self, flats: tuple, layout: Layout):
+        self.flats, self.sink = flats, None
+        self.leaves: dict[str, torch.Tensor] = {}
+        for name, view in layout.views(flats).items():
+            leaf = self.leaves[name] = view.detach().requires_grad_(True)
+            # In the step's process group also where autograd runs the hook on a thread of its own (CUDA).
+            leaf.register_post_accumulate_grad_hook(C.with_current_group(functools.partial(self.take, name)))
+
+    def take(self, name: str, leaf: torch.Tensor) -> None:
+        if self.sink is not None:
+            self.sink.take(name, leaf)
+
+
+_LEAVES = "storage.leaves"  # the state.run entry of the kept leaves
+
+
+def _kept_leaves(state: TrainState, flats: tuple) -> _Leaves:
+    """The leaves over ``flats`` for this step: made when the run's buckets are new (the first step, a state
+    copied, loaded or moved), else the ones the run's last step used, their gradients cleared (a step that
+    raised in backward may have left some). Leaves and hooks made once per layout, not per step, as torch's
+    own parameters are: a step no longer detaches a view and registers a hook for every parameter."""
+    kept = state.run.entries.get(_LEAVES)
+    if kept is None or len(kept.flats) != len(flats) or any(a is not b for a, b in zip(kept.flats, flats)):
+        kept = state.run.entries[_LEAVES] = _Leaves(flats, state.spec.layout)
+    else:
+        for leaf in kept.leaves.values():
+            leaf.grad = None
+    return kept
 
 
 def _tree(state: TrainState, trainable: dict) -> Any:
