@@ -90,7 +90,7 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool,
                 continue
             at = view
             if view is not None and all(t.device.type == "cpu" for t in cols[1]):
-                at, cols = _cut(runs_of, view, *cols)
+                at, cols = _cut(runs_of, view, *cols, keep=(0, 2, 3))  # params and moments: the same tensors
             for t, (p_, g_, mu_, nu_) in by_step(at, cols[0], info, count, *cols[1:]):
                 for p2, g2, mu2, nu2 in foreach_groups(p_, g_, mu_, nu_):
                     if found is None:
@@ -154,14 +154,32 @@ def _runs(view: ParamView, keys: list[str], itemsizes: list[int]) -> tuple[list[
     return run_keys, ParamView(leaves, view.treedef, view.names, view.shapes, view.dtypes, view.trainable), where
 
 
-def _cut(cache: dict, view: ParamView, keys: list[str], *columns: list) -> tuple:
-    """``(view of the runs, (run keys, *columns cut into runs))`` for the kernel on CPU (see :func:`_runs`)."""
+def _cut(cache: dict, view: ParamView, keys: list[str], *columns: list, keep: tuple[int, ...] = ()) -> tuple:
+    """``(view of the runs, (run keys, *columns cut into runs))`` for the kernel on CPU (see :func:`_runs`).
+    The columns at the positions ``keep`` (the parameters and the moments: the same memory from update to
+    update) are cut once and their runs kept while they lie where they lay; the others (the gradients, new
+    each update) every time."""
     sizes = [t.element_size() for t in columns[0]]
     key = (tuple(keys), tuple(sizes))
     if key not in cache:
         cache[key] = _runs(view, keys, sizes)
     run_keys, at, where = cache[key]
-    out = tuple([c[i] if lo is None else c[i].view(-1)[lo:hi] for i, lo, hi in where] for c in columns)
+
+    def runs(c: list) -> list:
+        return [c[i] if lo is None else c[i].view(-1)[lo:hi] for i, lo, hi in where]
+
+    out = []
+    for j, c in enumerate(columns):
+        if j not in keep:
+            out.append(runs(c))
+            continue
+        # The same memory (a shard's slice is a new tensor each update, over the same bytes): the kept runs
+        # view it. They hold its storage, so no other tensor can have these addresses meanwhile.
+        where_now = [(t.data_ptr(), t.numel(), t.dtype) for t in c]
+        kept = cache.get((key, j))
+        if kept is None or kept[0] != where_now:
+            kept = cache[(key, j)] = (where_now, runs(c))
+        out.append(kept[1])
     return at, (run_keys, *out)
 
 
