@@ -57,6 +57,7 @@ import zerofn as zf
 from zerofn import collectives as C
 from zerofn.bench import SHAPES, Config
 from zerofn.bench.gpt import GPT, MarkovCorpus, loss_fn_for
+from zerofn.bench.harness import machine_busy
 from zerofn.bench.systems import fully_sharded
 
 SYSTEMS = ("ddp", "zf1", "zf0", "ddp-nosync", "ddp-fused", "zf2", "zf3", "fsdp2")
@@ -123,15 +124,6 @@ def _patch() -> None:
             _add(f"  (inside the above) wait for {kind}", time.perf_counter() - t, time.thread_time() - c)
 
     C.Handle.wait = timed_wait
-
-
-def _machine_busy() -> float | None:
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
 
 
 def _usage() -> tuple[float, int]:
@@ -229,11 +221,11 @@ def rank_fn(cfg: Config, names: list[str]) -> dict:
             WALL.clear()
             CPU.clear()
             C.barrier()
-            t0, p0, b0, u0 = time.perf_counter(), time.process_time(), _machine_busy(), _usage()
+            t0, p0, b0, u0 = time.perf_counter(), time.process_time(), machine_busy(), _usage()
             for _ in range(cfg.steps):
                 systems[n](batch)
             C.barrier()
-            b1, u1 = _machine_busy(), _usage()
+            b1, u1 = machine_busy(), _usage()
             out[n]["loop"].append((time.perf_counter() - t0) / cfg.steps)
             out[n]["proc"].append((time.process_time() - p0) / cfg.steps)
             out[n]["kernel"].append((u1[0] - u0[0]) / cfg.steps)

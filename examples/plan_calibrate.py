@@ -61,16 +61,6 @@ def parse_args(argv=None):
     return args
 
 
-def _busy() -> float | None:
-    """Seconds of CPU the whole machine has spent busy, from /proc/stat (None where there is none)."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
-
-
 def _measure(cfg: dict, batch: int, sizes: tuple, repeats: int, rounds: int, steps: int) -> dict:
     """On every rank: the rounds of collective timings and of timed steps."""
     import resource
@@ -81,6 +71,7 @@ def _measure(cfg: dict, batch: int, sizes: tuple, repeats: int, rounds: int, ste
     import zerofn as zf
     from zerofn import collectives as C
     from zerofn.bench.gpt import GPT, GPTConfig, loss_fn_for
+    from zerofn.bench.harness import machine_busy
     from zerofn.plan.calibrate import measure_collectives
 
     systems = {}
@@ -122,7 +113,7 @@ def _measure(cfg: dict, batch: int, sizes: tuple, repeats: int, rounds: int, ste
     samples, out = [], {name: [] for name in systems}
     C.barrier()
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    cpu0, wall0, busy0 = usage.ru_utime + usage.ru_stime, time.perf_counter(), _busy()
+    cpu0, wall0, busy0 = usage.ru_utime + usage.ru_stime, time.perf_counter(), machine_busy()
     for _ in range(rounds):
         samples += measure_collectives(sizes, repeats)
         for name, pair in systems.items():
@@ -143,7 +134,7 @@ def _measure(cfg: dict, batch: int, sizes: tuple, repeats: int, rounds: int, ste
                     }
                 )
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    wall, busy1 = time.perf_counter() - wall0, _busy()
+    wall, busy1 = time.perf_counter() - wall0, machine_busy()
     C.barrier()
     model = GPT(GPTConfig(**cfg))
     return {

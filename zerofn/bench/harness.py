@@ -53,7 +53,19 @@ from zerofn import collectives as C
 from zerofn.bench.gpt import GPT, GPTConfig, MarkovCorpus
 from zerofn.bench.systems import DDP, DEEPSPEED, SYSTEMS, AdamWConfig, build
 
-__all__ = ["BUSY", "QUICK", "SHAPES", "Config", "Measured", "Results", "bench_rank", "gather_results", "run", "run_all"]
+__all__ = [
+    "BUSY",
+    "QUICK",
+    "SHAPES",
+    "Config",
+    "Measured",
+    "Results",
+    "bench_rank",
+    "gather_results",
+    "machine_busy",
+    "run",
+    "run_all",
+]
 
 
 @dataclass(frozen=True)
@@ -204,7 +216,7 @@ class Results:
     others_cpu: tuple[float, float] | None = None
 
 
-def _machine_busy() -> float | None:
+def machine_busy() -> float | None:
     """Seconds of CPU time the whole machine has spent busy since boot, all cores (None: not on Linux)."""
     try:
         with open("/proc/stat") as f:
@@ -271,11 +283,11 @@ def bench_rank(cfg: Config) -> tuple[dict[str, dict], dict[str, str]]:
 
     def loop(name: str, system) -> float:
         C.barrier()
-        t0, own, busy = time.perf_counter(), time.process_time(), _machine_busy()
+        t0, own, busy = time.perf_counter(), time.process_time(), machine_busy()
         for _ in range(cfg.steps):
             out = system.step(batch)
         C.barrier()  # gloo's barrier also waits for what the last step left in flight
-        wall, after = time.perf_counter() - t0, _machine_busy()
+        wall, after = time.perf_counter() - t0, machine_busy()
         reading = (wall, time.process_time() - own, None if busy is None or after is None else after - busy)
         if system is reference:
             load_beside[name].append(reading)
