@@ -157,6 +157,19 @@ def rank_slice(batch, rank, world):
     return batch[rank * n : (rank + 1) * n]
 
 
+def refusals(calls: dict, errors: tuple = (ValueError,)) -> dict:
+    """``{key: the message of the error calls[key]() raised}`` (None where it raised none), for checking that
+    each bad call is refused with what to do; an error of another type propagates."""
+    out = {}
+    for key, fn in calls.items():
+        try:
+            fn()
+            out[key] = None
+        except errors as e:
+            out[key] = str(e)
+    return out
+
+
 def max_abs_diff(a: dict, b: dict) -> float:
     """The largest |a - b| over every key, each pair compared on the host (offload's masters live there, the
     step's parameters on the GPU); nan when any difference is nan (a nan parameter on either side), so that

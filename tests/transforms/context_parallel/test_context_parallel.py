@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY_DECODER, rank_slice, stats_bytes, tiny_llama
+from helpers import TINY_DECODER, rank_slice, refusals, stats_bytes, tiny_llama
 from torch import nn
 from zerofn.transforms import (
     amp,
@@ -230,27 +230,24 @@ def test_tp2_by_cp2_by_dp2_on_eight_ranks_trains_as_one_process(ranks):
 
 
 def _refusals() -> dict:
-    out = {}
     apply = zf.functional(_model("llama"))
     step = context_parallel(zf.train_step(_loss_fn(apply, "model"), zf.optim.adamw(1e-3)), 2, method="ring")
     state = step.init(apply.params)
-    for key, fn in {
-        "length": lambda: step(state, _batch(0, False, seq=14)),
-        "tuple": lambda: step(state, (torch.zeros(2, 16, dtype=torch.long),)),
-        "size": lambda: context_parallel(zf.train_step(_loss_fn(apply, "model"), zf.optim.adamw(1e-3)), 3),
-        "method": lambda: context_parallel(
-            zf.train_step(_loss_fn(apply, "model"), zf.optim.adamw(1e-3)), 2, method="x"
-        ),
-        "labels": lambda: _labels_read(apply),
-        "plain": lambda: context_parallel(zf.train_step(lambda p, b: p["w"].sum(), zf.optim.sgd(0.1)), 2).init(
-            {"w": torch.ones(2)}
-        ),
-    }.items():
-        try:
-            fn()
-            out[key] = None
-        except (ValueError, KeyError) as e:
-            out[key] = str(e)
+    out = refusals(
+        {
+            "length": lambda: step(state, _batch(0, False, seq=14)),
+            "tuple": lambda: step(state, (torch.zeros(2, 16, dtype=torch.long),)),
+            "size": lambda: context_parallel(zf.train_step(_loss_fn(apply, "model"), zf.optim.adamw(1e-3)), 3),
+            "method": lambda: context_parallel(
+                zf.train_step(_loss_fn(apply, "model"), zf.optim.adamw(1e-3)), 2, method="x"
+            ),
+            "labels": lambda: _labels_read(apply),
+            "plain": lambda: context_parallel(zf.train_step(lambda p, b: p["w"].sum(), zf.optim.sgd(0.1)), 2).init(
+                {"w": torch.ones(2)}
+            ),
+        },
+        (ValueError, KeyError),
+    )
     out["count"] = int(state.count)
     return out
 

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 import torch
-from helpers import TINY_DECODER, counting, rank_slice, tiny_llama
+from helpers import TINY_DECODER, counting, rank_slice, refusals, tiny_llama
 from torch import nn
 from zerofn.transforms import amp, offload, remat, shard_grads, shard_optimizer, shard_params, tensor_parallel
 
@@ -261,25 +261,21 @@ def test_tp2_by_dp2_and_tp4_with_shared_key_value_heads_train_as_one_process(ran
 
 
 def _refusals() -> dict:
-    out = {}
     model = _llama(2)
     apply = zf.functional(model)
     step = zf.train_step(_loss_fn(apply), zf.optim.adamw(1e-3))
     conv = zf.functional(nn.Sequential(nn.Conv1d(2, 2, 1)))
     apply_kv3 = zf.functional(_llama(3, heads=12))  # 3 query heads per rank, which read 2 key/value heads
     step_kv3 = zf.train_step(_loss_fn(apply_kv3), zf.optim.adamw(1e-3))
-    for key, fn in {
-        "size": lambda: tensor_parallel(step, 3),
-        "kv": lambda: tensor_parallel(step_kv3, 4).init(apply_kv3.params),
-        "plan": lambda: tensor_parallel(zf.train_step(lambda p, b: conv(p, b).sum(), zf.optim.sgd(0.1)), 2).init(
-            conv.params
-        ),
-    }.items():
-        try:
-            fn()
-            out[key] = None
-        except ValueError as e:
-            out[key] = str(e)
+    out = refusals(
+        {
+            "size": lambda: tensor_parallel(step, 3),
+            "kv": lambda: tensor_parallel(step_kv3, 4).init(apply_kv3.params),
+            "plan": lambda: tensor_parallel(zf.train_step(lambda p, b: conv(p, b).sum(), zf.optim.sgd(0.1)), 2).init(
+                conv.params
+            ),
+        }
+    )
     fresh = zf.functional(_llama(2))  # the refused init above left its model as it was; a fresh one all the same
     tp = tensor_parallel(zf.train_step(_loss_fn(fresh), zf.optim.adamw(1e-3)), 2)
     state = tp.init(fresh.params)
