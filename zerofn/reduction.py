@@ -269,16 +269,13 @@ class GradSink:
         while self.launched < upto:
             i = self.launched
             if (self.release or self.on_result is not None) and i > 0:
+                if i > 1:  # a reduction left in flight by the last launch (see below) lands now
+                    self._settle(i - 2)
                 if hasattr(self.handles[i - 1], "progress"):
                     # a reduction of two collectives (hybrid sharding's across-node all-reduce after the
-                    # reduce-scatter): its second stays in flight beside this bucket's reduction; the one
-                    # before it lands now
-                    if i > 1:
-                        self._settle(i - 2)
+                    # reduce-scatter): its second stays in flight beside this bucket's reduction
                     self._progress(i - 1)
                 else:
-                    if i > 1:  # one progressed before, if any, lands first
-                        self._settle(i - 2)
                     self._settle(i - 1)
             bucket, out = self.layout.buckets[i], None
             if self.predivide[i] != 1:

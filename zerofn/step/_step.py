@@ -144,19 +144,21 @@ class Step:
     def groups(self) -> tuple:
         """The groups beside the step's own that its collectives run on: its claimed axes' and those the
         claims name (their traffic counts in ``metrics["comm_bytes"]``)."""
-        out: dict[int, Any] = {}
+        found: list = []
         for c in self.claims:
             more = c.groups() if c.groups is not None else ()
             if c.feeds and self.mesh is not None and c.axis in self.mesh.axes:
                 more = (*more, C.without(c.axis, group=self.group))  # the group its cut parameters reduce on
-            if self.mesh is not None and self.mesh.size("dp_replicate") > 1:
-                # nodes: hybrid sharding's shards within a replica summed across the replicas, hpZ's gathers
-                # within a node, qgZ's two hops
-                more = (*more, C.without("dp_replicate", group=self.group), self.mesh.group("dp_replicate"))
             axis = self.mesh.group(c.axis) if self.mesh is not None and c.axis in self.mesh.axes else None
-            for g in (axis, *more):
-                if g is not None and g is not self.group:
-                    out.setdefault(id(g), g)
+            found += [axis, *more]
+        if self.mesh is not None and self.mesh.size("dp_replicate") > 1:
+            # nodes: hybrid sharding's shards within a replica summed across the replicas, hpZ's gathers
+            # within a node, qgZ's two hops
+            found += [C.without("dp_replicate", group=self.group), self.mesh.group("dp_replicate")]
+        out: dict[int, Any] = {}
+        for g in found:
+            if g is not None and g is not self.group:
+                out.setdefault(id(g), g)
         return tuple(out.values())
 
     @property
