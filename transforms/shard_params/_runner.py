@@ -328,10 +328,7 @@ class Runner:
         unit.give_back()
         unit.ready = True
         if self.node is not None and not unit.secondaries:  # hpZ: gathered over every rank; keep the node's piece
-            m = [full.numel() // self.node_size for full, _ in unit.fulls]
-            unit.secondaries = [
-                full[self.node_rank * k : (self.node_rank + 1) * k].clone() for (full, _), k in zip(unit.fulls, m)
-            ]
+            unit.secondaries = [full.chunk(self.node_size)[self.node_rank].clone() for full, _ in unit.fulls]
 
     def _release(self, unit: LiveUnit, final: bool = False, over: bool = False) -> None:
         """Free the unit's full buffers. A pinned unit's only at the step's end (``final``) or, if it has no
