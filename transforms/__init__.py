@@ -18,6 +18,7 @@ from zerofn.transforms.amp import amp
 from zerofn.transforms.context_parallel import context_parallel
 from zerofn.transforms.expert_parallel import expert_parallel
 from zerofn.transforms.offload import offload
+from zerofn.transforms.pipeline_parallel import pipeline_parallel
 from zerofn.transforms.quantize import quantize
 from zerofn.transforms.remat import remat
 from zerofn.transforms.shard_grads import shard_grads
@@ -30,6 +31,7 @@ __all__ = [
     "context_parallel",
     "expert_parallel",
     "offload",
+    "pipeline_parallel",
     "quantize",
     "remat",
     "shard_grads",

@@ -29,6 +29,13 @@ optional:
 - ``reports``: its forward reports checks made on the device
   (:func:`zerofn.step.report`): every update's statistics then carry
   whether one failed, so that every rank skips alike.
+- ``runs``: ``runs(step, state, sink, scale) -> runner``, which takes the
+  forward and backward over: ``runner.sink`` is where the parameters'
+  gradients go in its place (the step's sink behind it), and
+  ``runner(params, batch)`` runs forward and backward and returns what
+  ``loss_fn`` would (its loss detached). ``pipeline_parallel`` runs a
+  schedule of micro-batches over the stages this way. At most one
+  extension runs.
 - ``updates_late``: ``updates_late(device_type) -> bool``, whether its
   optimizer wrapper may leave the update running after the step returns
   when the parameters compute on ``device_type`` (the tensors it writes
@@ -84,6 +91,8 @@ class Extension:
         prepare: ``(split, functional, where) -> split``: the parameters ``init`` holds, rewritten.
         updates_late: ``device_type -> bool``: the optimizer wrapper may still be writing after the
             step returns, for parameters on that device type (None: never).
+        runs: ``(step, state, sink, scale) -> runner`` that runs forward and backward in the step's place
+            (None: the step calls ``loss_fn`` and runs backward itself).
         prepare_first: its ``prepare`` runs before the other extensions'.
         reports: its forward reports checks made on the device (:func:`zerofn.step.report`): every
             update's statistics then carry whether one failed, so that every rank skips alike.
@@ -99,3 +108,4 @@ class Extension:
     updates_late: Callable[[str], bool] | None = None
     prepare_first: bool = False
     reports: bool = False
+    runs: Callable | None = None

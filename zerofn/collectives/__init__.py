@@ -69,6 +69,7 @@ from zerofn.collectives._groups import (
 )
 from zerofn.collectives._handle import Handle
 from zerofn.collectives._ops import (
+    account,
     all_gather,
     all_gather_tree,
     all_reduce,
@@ -79,9 +80,11 @@ from zerofn.collectives._ops import (
     broadcast_object,
     gather_objects,
     max_min,
+    recv,
     reduce_scatter,
     reduce_scatter_tree,
     ring_shift,
+    send,
 )
 from zerofn.collectives._quantized import (
     QUANTIZED_DTYPES,
@@ -124,6 +127,9 @@ __all__ = [
     "all_gather",
     "all_to_all",
     "ring_shift",
+    "send",
+    "recv",
+    "account",
     "all_gather_quantized",
     "reduce_scatter_quantized",
     "quantize_blocks",

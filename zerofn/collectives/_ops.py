@@ -263,6 +263,48 @@ def ring_shift(recv: torch.Tensor, send: torch.Tensor, *, shift: int = 1, async_
     return h if async_op else h.wait()
 
 
+def _peer(g: Any, peer: int) -> int:
+    """The global rank of ``peer``, a rank of ``g``."""
+    return peer if is_default(g) else dist.get_global_rank(g, peer)
+
+
+def send(t: torch.Tensor, to: int, *, async_op: bool = False, group: Any = None):
+    """Send ``t`` to rank ``to`` of ``group`` (default: the current group), which receives it with
+    :func:`recv`. Counts bytes(t) on the sender. Returns ``t`` (a Handle with ``async_op``)."""
+    g = joined(group, "send")
+    if _size(g) == 1:
+        return done(t) if async_op else t
+    count("send", tensor_bytes(t), g)
+    with named("send", tensor_bytes(t), group=g) as started:
+        work = dist.isend(t.contiguous(), _peer(g, to), group=g)
+    h = Handle(work, t, None, "send", tensor_bytes(t), started, g)
+    return h if async_op else h.wait()
+
+
+def recv(t: torch.Tensor, frm: int, *, async_op: bool = False, group: Any = None):
+    """Receive into ``t`` (contiguous, of the shape and dtype sent) what rank ``frm`` of ``group`` (default:
+    the current group) sends with :func:`send`. Counts nothing (the sender counts). Returns ``t`` (a Handle
+    with ``async_op``)."""
+    g = joined(group, "recv")
+    if _size(g) == 1:
+        return done(t) if async_op else t
+    if not t.is_contiguous():
+        raise ValueError("recv: receive into a contiguous tensor")
+    with named("recv", tensor_bytes(t), group=g) as started:
+        work = dist.irecv(t, _peer(g, frm), group=g)
+    h = Handle(work, t, None, "recv", tensor_bytes(t), started, g)
+    return h if async_op else h.wait()
+
+
+def account(kind: str, nbytes: int, *, group: Any = None) -> None:
+    """Count ``nbytes`` this rank sent on ``group`` (default: the current group) by a library's own
+    communication, outside these functions (``torch.distributed.pipelining``'s sends of activations), in
+    every :func:`counting` open on it."""
+    g = joined(group, "account")
+    if _size(g) > 1 and nbytes:
+        count(kind, int(nbytes), g)
+
+
 def barrier(*, group: Any = None) -> None:
     """Wait until every rank of ``group`` (default: the current group) reached its ``barrier()``."""
     g = joined(group, "barrier")

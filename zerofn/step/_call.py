@@ -141,7 +141,9 @@ class _Call:
                 and all(mesh.coordinate(a) % (b.share if b.cut == a else mesh.size(a)) == 0 for a in model)
                 for b in self.layout.buckets
             ],
-            model_groups=tuple(mesh.group(a) for a in model),
+            # a pipeline's stages hold different parameters: their norms are summed over its axis too
+            model_groups=tuple(mesh.group(a) for a in model)
+            + ((mesh.group("pp"),) if mesh is not None and mesh.size("pp") > 1 else ()),
         )
 
     def _final(self, i: int, r: torch.Tensor) -> None:
@@ -312,10 +314,13 @@ def forward_backward(step: Any, state: TrainState, batch: Any, sink: GradSink, s
     model = functools.partial(run_model, step, state.run)
     extra = dict(state.extra)
     before = float_buffers(state.buffers, copy=True)
+    runs = next((e.runs for e in step.extensions if e.runs is not None), None)
     with contextlib.ExitStack() as stack:
         if state.buffers:
             stack.callback(model().bind_buffers(state.buffers))
-        params = stack.enter_context(step.storage.bind(state, sink, model, extra))
+        # an extension that runs forward and backward itself (a pipeline's schedule) takes the gradients first
+        runner = runs(step, state, sink, scale) if runs is not None else None
+        params = stack.enter_context(step.storage.bind(state, runner.sink if runner else sink, model, extra))
         for e in step.extensions:
             if e.around is not None:
                 stack.enter_context(e.around(model, state))
@@ -327,7 +332,7 @@ def forward_backward(step: Any, state: TrainState, batch: Any, sink: GradSink, s
             if e.feed is not None:
                 batch = e.feed(batch)
         with step.precision.autocast(device_of(state.spec.layout)):
-            out = step.loss_fn(params, batch)
+            out = runner(params, batch) if runner is not None else step.loss_fn(params, batch)
         loss, aux, mean = split_loss(step.name, out)
         loss = loss.float()
         items = None

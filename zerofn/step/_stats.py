@@ -110,7 +110,8 @@ def gather_stats(
         sumsq = const(0.0)
     else:
         sumsq = torch.stack([n.double().square() for n in mine]).sum().to(dev)
-    if norms:  # summed over the model-parallel axes too: their ranks hold different pieces (tensor parallelism)
+    if norms is not None:  # summed over the model-parallel axes too: their ranks hold different pieces (tensor
+        # parallelism's slices, a pipeline's stages; a stage with nothing to train adds 0)
         for g in model_groups:
             C.all_reduce(sumsq, "sum", group=g)
     d = digest or 0

@@ -1,0 +1,396 @@
+"""One step's forward and backward under a pipeline: the micro-batches run by a schedule of
+``torch.distributed.pipelining`` over this rank's stages, the gradients handed to the step's sink once every
+micro-batch's backward has added to them, a weight tied across stages lent and its gradient returned, and
+the loss (with ``loss_fn``'s scalar aux values) brought to every stage.
+
+The stages and the schedule are made once per run and shape of micro-batch (kept in ``state.run``), as the
+model's modules are: the first step infers the shapes the stages send (``PipelineStage``'s dynamic mode),
+later ones reuse them.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import pipelining
+from zerofn.transforms.pipeline_parallel._cut import Stages, Stopped, assign, find_parts, patched
+
+from zerofn import collectives as C
+from zerofn import tree as T
+from zerofn.functional import PendingParams
+from zerofn.losses import Mean
+
+__all__ = ["SCHEDULES", "Runner", "local_stages", "stages_of"]
+
+SCHEDULES = {
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+}
+
+_KEY = "pipeline_parallel"  # the state.run entry: what the run keeps
+
+
+def local_stages(options: Any, mesh: Any) -> list[int]:
+    """The stages this rank runs: ``r, r + p, r + 2 p, ...`` (``p`` pipeline ranks, ``r`` this one's
+    coordinate), ``virtual_stages`` of them: the loop order of torch's interleaved schedules."""
+    p, r = options.stages, mesh.coordinate("pp")
+    return [r + k * p for k in range(options.virtual_stages)]
+
+
+def stages_of(model: nn.Module, options: Any, where: str) -> Stages:
+    """How ``model`` is cut for ``options`` (its parts found or given)."""
+    parts = options.parts or find_parts(model)
+    if parts is None:
+        raise ValueError(
+            f"{where}: cannot find where to cut {type(model).__name__} into stages: no module of it holds a "
+            "ModuleList of blocks beside an input embedding and a final norm under the names pipeline_parallel "
+            "knows (Llama's model.layers/embed_tokens/norm, GPT-2's transformer.h/wte/ln_f). Name its parts: "
+            "pipeline_parallel(step, stages, microbatches=m, parts=Parts(blocks='body.blocks', "
+            "embedding='body.embed', norm='body.final_norm', first=('body.pos',)))"
+        )
+    return assign(model, parts, options.stages * options.virtual_stages, options.split, where)
+
+
+class _Stage(pipelining.PipelineStage):
+    """A stage that tells its module which micro-batch it runs (the module reads that micro-batch's other
+    inputs: the token ids, masks and labels every stage is given)."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
+        self.submod.chunk = fwd_chunk_id
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+
+class _Module(nn.Module):
+    """What a stage runs: stage ``index`` of the model on the micro-batch the stage says (see
+    :meth:`Runner.forward`); the parameters it trains are its own (``PipelineStage``'s weight gradients,
+    zero bubble's, are taken over them)."""
+
+    def __init__(self, kept: _Kept, index: int):
+        super().__init__()
+        self.kept, self.index, self.chunk = kept, index, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kept.runner.forward(self.index, self.chunk, x)
+
+    def hold(self, leaves: list[torch.Tensor]) -> None:
+        """Make ``leaves`` (this step's) the module's parameters."""
+        self._parameters.clear()
+        for i, leaf in enumerate(leaves):
+            self._parameters[f"p{i}"] = leaf
+
+
+class _Kept:
+    """What a run keeps for one shape of micro-batch: its stages' modules, the stages and the schedule, and
+    the runner of the step under way."""
+
+    def __init__(self, runner: Runner, mine: list[int], stages: Stages, options: Any, mesh: Any, device: Any):
+        self.runner = runner
+        count = stages.count
+        self.modules = [_Module(self, s) for s in mine]
+        group = mesh.group("pp")
+        made = [_Stage(m, s, count, device, group=group) for m, s in zip(self.modules, mine)]
+        kind = getattr(pipelining, SCHEDULES[options.schedule])
+        loss = self._loss
+        if options.schedule == "1f1b":
+            self.schedule = kind(made[0], options.microbatches, loss_fn=loss, scale_grads=False)
+        else:
+            self.schedule = kind(made, options.microbatches, loss_fn=loss, scale_grads=False)
+        self.stages = made
+
+    def _loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        """The schedule's loss of a micro-batch: the last stage's output, scaled for backward."""
+        return output * self.runner.factor
+
+
+class _Sink:
+    """The step's sink, reached once a parameter's gradient holds every micro-batch's part: on its
+    ``micro``-th accumulation (1F1B's backward), or after the schedule for what is left (zero bubble's
+    weight gradients, written without the hook; a tied weight, whose lent part comes back first)."""
+
+    def __init__(self, sink: Any, micro: int, hold: set):
+        self.inner, self.micro, self.hold = sink, micro, hold
+        self.calls: dict[str, int] = {}
+        self.sent: set = set()
+
+    def take(self, name: str, leaf: torch.Tensor) -> None:
+        n = self.calls[name] = self.calls.get(name, 0) + 1
+        if n == self.micro and name not in self.hold:
+            self.sent.add(name)
+            self.inner.take(name, leaf)
+
+    def rest(self, leaves: dict) -> None:
+        """Hand over every gradient not handed over yet, in bucket order."""
+        for name, leaf in leaves.items():
+            if name not in self.sent and leaf.grad is not None:
+                self.sent.add(name)
+                self.inner.take(name, leaf)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class Runner:
+    """One step's forward and backward on this rank's stages (see the module); made by the extension's
+    ``runs`` for each step."""
+
+    def __init__(self, step: Any, state: Any, sink: Any, scale: Any, options: Any, mesh: Any):
+        self.step, self.state, self.options, self.mesh = step, state, options, mesh
+        self.scale = scale
+        self.functional = step.model()
+        entry = state.run.get(_KEY, dict)
+        if "stages" not in entry:
+            entry["stages"] = stages_of(self.functional.module, options, step.name)
+        self.entry = entry
+        self.plan: Stages = entry["stages"]
+        self.mine = local_stages(options, mesh)
+        self.last = self.plan.count - 1
+        layout = state.spec.layout
+        own = set(layout.names)
+        self.lent = sorted(n for n in own if any(self.plan.owner[n] == s for s in self.mine) and self._readers_away(n))
+        self.borrowed = sorted({n for s in self.mine for n in self.plan.borrowed(s)} - own)
+        self.sink = _Sink(sink, options.microbatches, set(self.lent))
+        self.factor: Any = 1.0
+        self.records: dict = {}
+        self.sent: dict[int, int] = {}  # stage -> bytes of the hidden states it sends per micro-batch
+        self.received: dict[int, int] = {}  # stage -> bytes of the hidden states it receives per micro-batch
+
+    def _readers_away(self, name: str) -> bool:
+        """Whether a stage of another rank reads parameter ``name`` (a tied weight lent to it)."""
+        p = self.options.stages
+        here = self.mesh.coordinate("pp")
+        return any(s % p != here for s in self.plan.readers[name])
+
+    # ------------------------------------------------------------ the step's forward and backward
+
+    def __call__(self, params: Any, batch: Any) -> Any:
+        opts, plan = self.options, self.plan
+        m = opts.microbatches
+        self.micro = _microbatches(batch, m, self.step.name)
+        leaves = _leaves(params)
+        lent = self._lend(leaves)
+        self.params = self._all_params(params, lent)
+        key = tuple((tuple(t.shape), t.dtype) for t in T.tree_leaves(self.micro[0]) if isinstance(t, torch.Tensor))
+        kept = self.entry.get(key)
+        if kept is None:
+            device = torch.device(self.state.spec.layout.buckets[0].device if self.state.spec.layout.buckets else "cpu")
+            kept = self.entry[key] = _Kept(self, self.mine, plan, opts, self.mesh, device)
+        kept.runner = self
+        for module, s in zip(kept.modules, self.mine):
+            module.hold(
+                [leaves[n] for n in plan.names(s) if n in leaves] + [lent[n] for n in lent if s in plan.readers[n]]
+            )
+        self.sink.backward_started = True
+        index = torch.arange(m)
+        args = (index,) if 0 in self.mine else ()
+        target = index if self.last in self.mine else None
+        try:
+            kept.schedule.step(*args, target=target, return_outputs=False)
+        finally:
+            for module in kept.modules:
+                module.hold([])
+        self._return(lent, leaves)
+        self.sink.rest({n: leaves[n] for n in self._bucket_order() if n in leaves})
+        self._account()
+        return self._result()
+
+    def forward(self, stage: int, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        """Stage ``stage`` on micro-batch ``chunk``: ``loss_fn`` with the model cut to the stage; a stage
+        before the last returns the hidden states that reached the final norm, the last the loss."""
+        batch = self.micro[chunk]
+        module = self.functional.module
+        if stage > 0:
+            self.received[stage] = x.numel() * x.element_size()
+        with patched(module, self.plan, stage, None if stage == 0 else x):
+            try:
+                out = self.step.loss_fn(self.params, batch)
+            except Stopped as stop:
+                if stage == self.last:
+                    raise
+                self.sent[stage] = stop.hidden.numel() * stop.hidden.element_size()
+                return stop.hidden
+        if stage != self.last:
+            raise ValueError(
+                f"{self.step.name}: loss_fn returned on stage {stage} of {self.plan.count} without reaching the final "
+                f"norm ({self.plan.parts.norm}), where a stage before the last ends. Name the module the blocks' "
+                "output enters first: pipeline_parallel(..., parts=Parts(..., norm=...))"
+            )
+        return self._record(out, chunk)
+
+    def _record(self, out: Any, chunk: int) -> torch.Tensor:
+        """Keep the last stage's loss of micro-batch ``chunk`` (detached), its count and aux (once: the first
+        step's shape inference runs the first micro-batch twice); return what backward starts from."""
+        aux: dict = {}
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+            out, aux = out
+        if isinstance(out, Mean):
+            loss, count = out.total, out.counted(out.total.device)
+            self.factor = self.scale
+        else:
+            if not isinstance(out, torch.Tensor) or out.dim() != 0 or not out.is_floating_point():
+                raise ValueError(
+                    f"{self.step.name}: loss_fn must return a scalar (0-dim) floating-point tensor, a zf.Mean or "
+                    "(loss, aux_dict)"
+                )
+            loss, count = out, None
+            self.factor = self.scale / self.options.microbatches
+        self.records[chunk] = (loss.detach().float(), count, aux)
+        return loss.float()
+
+    # ------------------------------------------------------------ weights read by two stages
+
+    def _lend(self, leaves: dict) -> dict:
+        """Send the weights this rank holds that a stage of another rank reads; receive those it reads and
+        another holds (a head tied to the input embedding), as leaves of their own."""
+        if not self.lent and not self.borrowed:
+            return {}
+        p, group, handles = self.options.stages, self.mesh.group("pp"), []
+        for name in self.lent:
+            for to in sorted({s % p for s in self.plan.readers[name]} - {self.mesh.coordinate("pp")}):
+                handles.append(C.send(leaves[name].detach(), to, async_op=True, group=group))
+        out = {}
+        for name in self.borrowed:
+            like = self.functional.params[name]
+            dtype = self.step.precision.cast(torch.empty(0, dtype=like.dtype), self.functional.owner(name)).dtype
+            device = self.state.spec.layout.buckets[0].device if self.state.spec.layout.buckets else "cpu"
+            buf = torch.empty(like.shape, dtype=dtype, device=device)
+            handles.append(C.recv(buf, self.plan.owner[name] % p, async_op=True, group=group))
+            out[name] = buf
+        for h in handles:
+            h.wait()
+        return {n: t.requires_grad_(True) for n, t in out.items()}
+
+    def _return(self, lent: dict, leaves: dict) -> None:
+        """The lent weights' gradients back to their holder, added to its own (DeepSpeed's tied layers sum
+        theirs the same way)."""
+        if not self.lent and not self.borrowed:
+            return
+        p, group, handles, back = self.options.stages, self.mesh.group("pp"), [], []
+        for name in self.borrowed:
+            g = lent[name].grad
+            g = torch.zeros_like(lent[name]) if g is None else g
+            handles.append(C.send(g, self.plan.owner[name] % p, async_op=True, group=group))
+        for name in self.lent:
+            for frm in sorted({s % p for s in self.plan.readers[name]} - {self.mesh.coordinate("pp")}):
+                buf = torch.empty_like(leaves[name])
+                handles.append(C.recv(buf, frm, async_op=True, group=group))
+                back.append((name, buf))
+        for h in handles:
+            h.wait()
+        for name, g in back:
+            leaf = leaves[name]
+            leaf.grad = g if leaf.grad is None else leaf.grad.add_(g)
+
+    # ------------------------------------------------------------ after the schedule
+
+    def _bucket_order(self) -> list[str]:
+        return [s.name for b in self.state.spec.layout.buckets for s in b.slots]
+
+    def _account(self) -> None:
+        """Count the hidden states and their gradients this rank's stages sent to another rank."""
+        p, m, total = self.options.stages, self.options.microbatches, 0
+        here = self.mesh.coordinate("pp")
+        for s in self.mine:
+            if s != self.last and (s + 1) % p != here:
+                total += m * self.sent.get(s, 0)  # forward: the hidden states
+            if s != 0 and (s - 1) % p != here:
+                total += m * self.sent_into(s)  # backward: their gradient, as large
+        C.account("pipeline", total, group=self.mesh.group("pp"))
+
+    def sent_into(self, stage: int) -> int:
+        """The bytes of the hidden states stage ``stage`` received per micro-batch (what its gradient sends)."""
+        return self.received.get(stage, 0)
+
+    def _result(self) -> Any:
+        """What ``loss_fn`` would have returned over the whole batch, on every stage alike: the last stage's
+        micro-batch losses combined, with their scalar aux values, sent over the pipeline's ranks."""
+        records, self.records = [self.records[k] for k in sorted(self.records)], {}
+        structure = None
+        if records:
+            mean = records[0][1] is not None
+            scalars = tuple(sorted(k for k, v in records[0][2].items() if _scalar(v)))
+            structure = (mean, scalars)
+        group = self.mesh.group("pp")
+        known = self.entry.get("structure")
+        if known is None:
+            known = self.entry["structure"] = C.broadcast_object(
+                structure, src=self.last % self.options.stages, group=group
+            )
+        mean, scalars = known
+        dev = self.params_device()
+        vec = torch.zeros(3 + len(scalars), dtype=torch.float64, device=dev)
+        if records:
+            losses = torch.stack([r[0].double() for r in records])
+            if mean:
+                vec[0] = losses.sum()
+                vec[1] = torch.stack([r[1].double() for r in records]).sum()
+            else:
+                vec[0] = losses.mean()
+            for j, k in enumerate(scalars):
+                vals = [r[2][k] for r in records if k in r[2]]
+                vec[2 + j] = torch.stack(
+                    [torch.as_tensor(v, dtype=torch.float64, device=dev).reshape(()) for v in vals]
+                ).mean()
+            vec[-1] = _signature(structure)
+        C.all_reduce(vec, "sum", group=group)
+        if (self.last in self.mine and structure != known) or float(vec[-1]) != _signature(known):
+            raise ValueError(
+                f"{self.step.name}: loss_fn's result changed form between steps ({known} before); under "
+                "pipeline_parallel every step's loss_fn returns the same kind of loss (a scalar or a zf.Mean) with "
+                "the same scalar aux keys"
+            )
+        aux = {k: vec[2 + j].float() for j, k in enumerate(scalars)}
+        if records:  # aux values that are not scalars stay on the last stage
+            aux.update({k: v for k, v in records[-1][2].items() if k not in aux})
+        loss = vec[0].float()
+        out = Mean(loss, vec[1]) if mean else loss
+        return (out, aux) if aux or (records and records[0][2]) else out
+
+    def params_device(self) -> torch.device:
+        b = self.state.spec.layout.buckets
+        return torch.device(b[0].device if b else "cpu")
+
+    def _all_params(self, params: Any, lent: dict) -> Any:
+        """The params ``loss_fn`` is given on this rank: its stages' (and the weights lent to them), the
+        placeholders of the parameters other ranks hold elsewhere (never read: their modules do not run)."""
+        held = self.functional.params
+        rest = {n: t for n, t in held.items() if n not in params and n not in lent}
+        if isinstance(params, PendingParams):
+            mine = {n: params.peek(n) for n in dict.keys(params)}
+            return PendingParams({**rest, **mine, **lent}, params.on_read)
+        return {**rest, **dict(params), **lent}
+
+
+def _leaves(params: Any) -> dict:
+    """name -> the tensor the step bound for each trainable parameter (read without waiting)."""
+    if isinstance(params, PendingParams):
+        return {n: params.peek(n) for n in dict.keys(params) if params.peek(n).requires_grad}
+    return {n: t for n, t in params.items() if isinstance(t, torch.Tensor) and t.requires_grad}
+
+
+def _microbatches(batch: Any, m: int, where: str) -> list:
+    """``batch`` cut into ``m`` micro-batches along the first dimension of every tensor in it."""
+    leaves, spec = T.tree_flatten(batch)
+    rows = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(rows) != 1 or next(iter(rows)) % m:
+        raise ValueError(
+            f"{where}: pipeline_parallel cuts each batch into microbatches={m} along its first dimension; this "
+            f"batch's tensors have {sorted(rows)} rows. Feed a batch whose rows divide by {m} (every tensor the "
+            "same number of rows), or choose microbatches that divide them."
+        )
+    cut = [t.chunk(m, 0) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * m for t in leaves]
+    return [T.tree_unflatten(spec, [c[i] for c in cut]) for i in range(m)]
+
+
+def _scalar(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.numel() == 1
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _signature(structure: Any) -> float:
+    """A number that differs between two forms of ``loss_fn``'s result (exact in float64)."""
+    return float(zlib.crc32(repr(structure).encode()) % (1 << 24) + 1)
