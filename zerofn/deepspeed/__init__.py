@@ -8,10 +8,12 @@ keys ask for, the same Step one would write by hand::
       -> shard_optimizer / shard_grads / shard_params(prefetch=...)   zero_optimization.stage 1 / 2 / 3
       -> amp(torch.float16 | torch.bfloat16, loss scale ...)          fp16 / bf16
       -> offload("cpu" | "nvme", params=..., sub_group_bytes=...)     offload_optimizer / offload_param
-      -> remat(offload="cpu" with cpu_checkpointing)                  activation_checkpointing
+      -> remat(offload="cpu" with cpu_checkpointing)                  activation_checkpointing,
+                                                                      pipeline.activation_checkpoint_interval
       -> tensor_parallel(N)                                           tensor_parallel.autotp_size
       -> expert_parallel(N)                                           expert_parallel.autoep_size (AutoEP)
       -> context_parallel(N)                                          sequence_parallel_size (Ulysses, ALST)
+      -> pipeline_parallel(N, microbatches=accumulation, "1f1b")      pipeline_stages=N (PipelineModule's num_stages)
 
 It returns ``DeepSpeedRun(step, batch)``: the step, whose name and state are
 those of the composition written by hand (a state of either steps the other),
@@ -22,7 +24,12 @@ all ranks, as under DeepSpeed. The batch sizes count the data-parallel ranks,
 ``world // (autotp_size x sequence_parallel_size)``: the ranks of a tensor- or
 sequence-parallel group feed one micro-batch, while every rank of an
 expert-parallel group feeds its own (``autoep_size`` divides them, and is not
-divided out).
+divided out). Under a pipeline (``from_deepspeed(..., pipeline_stages=N)``:
+DeepSpeed's ``PipelineModule(num_stages=N)`` is code, not config) the
+``gradient_accumulation_steps`` micro-batches are the pipeline's: every call
+updates (``step.accumulate_steps`` is 1), a rank feeds
+``batch.samples_per_call`` (micro x accumulation) samples, which the step cuts
+into them, and ``N`` divides the data-parallel ranks out too.
 
 The rules (the key-by-key table is in docs/migrating/deepspeed.md):
 
@@ -59,8 +66,8 @@ The modules: ``_reader`` (the file and its blocks, key by key), ``_auto``
 (``"auto"`` as the Trainer fills it), ``_keys`` (the tables of known keys), ``_batch`` (the batch sizes), ``_optimizer``
 (optimizer, scheduler, clipping), ``_precision`` (fp16 / bf16), ``_zero``
 (ZeRO, offload, activation checkpointing), ``_tensor`` (AutoTP's ``tensor_parallel`` block), ``_expert``
-(AutoEP's ``expert_parallel`` block, and the arguments of DeepSpeed's MoE layer a config may carry) and
-``_build`` (the step).
+(AutoEP's ``expert_parallel`` block, and the arguments of DeepSpeed's MoE layer a config may carry),
+``_pipeline`` (``pipeline_stages`` and the ``pipeline`` block) and ``_build`` (the step).
 
 Example:
     >>> import torch, zerofn as zf

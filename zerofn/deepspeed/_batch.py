@@ -28,15 +28,21 @@ class DeepSpeedConfig:
 
     A rank feeds ``micro_batch_size`` samples per call, and every
     ``gradient_accumulation_steps``-th call updates: ``train_batch_size``
-    samples over all ranks, as under DeepSpeed.
+    samples over all ranks, as under DeepSpeed. Under a pipeline
+    (``pipeline_stages``) each call updates, and a rank feeds
+    ``micro_batch_size x gradient_accumulation_steps`` samples per call, which
+    the step cuts into the pipeline's micro-batches (DeepSpeed's
+    ``PipelineEngine.train_batch()``): ``samples_per_call`` says which.
 
     Attributes:
         train_batch_size: samples per update over all ranks.
-        micro_batch_size: samples each rank feeds per call
-            (``train_micro_batch_size_per_gpu``).
-        gradient_accumulation_steps: calls per update (the step's ``accumulate_steps``).
-        world_size: the ranks the batch sizes were resolved for.
+        micro_batch_size: samples per micro-batch of a rank
+            (``train_micro_batch_size_per_gpu``): per call, without a pipeline.
+        gradient_accumulation_steps: micro-batches per update: calls (the step's ``accumulate_steps``), or
+            under a pipeline its micro-batches (``pipeline_parallel``'s ``microbatches``).
+        world_size: the data-parallel ranks the batch sizes were resolved for.
         ignored: the keys listed in the construction warning (no equivalent in zerofn).
+        pipeline_stages: the pipeline's stages (None: no pipeline).
     """
 
     train_batch_size: int
@@ -44,6 +50,15 @@ class DeepSpeedConfig:
     gradient_accumulation_steps: int
     world_size: int
     ignored: tuple[str, ...] = ()
+    pipeline_stages: int | None = None
+
+    @property
+    def samples_per_call(self) -> int:
+        """The samples a rank feeds per call of the step: ``micro_batch_size``, or under a pipeline the
+        whole batch of its update, ``micro_batch_size x gradient_accumulation_steps``."""
+        if self.pipeline_stages is None:
+            return self.micro_batch_size
+        return self.micro_batch_size * self.gradient_accumulation_steps
 
 
 def batch_sizes(config: Any, world_size: int | None = None) -> BatchSizes:

@@ -25,6 +25,7 @@ from zerofn.deepspeed._compression import read_compression
 from zerofn.deepspeed._expert import MOE_TOP_LEVEL, read_expert_parallel
 from zerofn.deepspeed._keys import TOP_ERRORS, TOP_IGNORED, TOP_QUIET
 from zerofn.deepspeed._optimizer import read_optimizer
+from zerofn.deepspeed._pipeline import check_pipeline, read_pipeline
 from zerofn.deepspeed._precision import AmpSpec, read_precision
 from zerofn.deepspeed._reader import Block, asks_nothing, load_config
 from zerofn.deepspeed._tensor import read_tensor_parallel
@@ -69,6 +70,7 @@ def from_deepspeed(
     group: Any = None,
     training_args: Any = None,
     hidden_size: int | None = None,
+    pipeline_stages: int | None = None,
 ) -> DeepSpeedRun:
     """The Step a DeepSpeed config asks for, composed from zerofn's transforms, and its batch settings.
 
@@ -99,6 +101,15 @@ def from_deepspeed(
             ``h*h``, ``int(0.9*h*h)``, ``10*h``); default with ``training_args``: the Hugging Face
             config of the model ``loss_fn`` calls (``config.hidden_size``, or the largest of
             ``config.hidden_sizes``).
+        pipeline_stages: DeepSpeed's ``PipelineModule(layers, num_stages=N)``, which is code, not config (or
+            the config's ``"pipeline": {"stages": N}``): ``pipeline_parallel(step, N,
+            microbatches=gradient_accumulation_steps, schedule="1f1b")`` applied last, DeepSpeed's
+            ``PipelineEngine`` (its 1F1B ``TrainSchedule``, ``gradient_accumulation_steps`` micro-batches per
+            ``train_batch()``): the step updates on every call (``accumulate_steps`` 1), a rank feeding
+            ``batch.samples_per_call`` samples, and the batch sizes count the ``world // (N x autotp_size)``
+            data-parallel ranks; the config's ``pipeline.activation_checkpoint_interval`` > 0 adds ``remat``.
+            The model must be one ``pipeline_parallel`` cuts (a Hugging Face decoder, or zerofn's example GPT).
+            ZeRO stages 0 to 2 compose (DeepSpeed allows 0 and 1); stage 3 is refused.
 
     The config's ``"optimizer"`` applies to every parameter, as in DeepSpeed (``weight_decay``
     included). Parameter groups (torch's ``param_groups``: no decay for biases and norms, a learning
@@ -139,6 +150,9 @@ def from_deepspeed(
     # AutoTP: the batch sizes are DeepSpeed's over the data-parallel ranks, world // autotp_size
     tp = read_tensor_parallel(raw, world, group, ignored)
     world //= tp
+    # PipelineModule's num_stages: stages of world // (tp x stages) data-parallel ranks each, which the batch sizes count
+    pipe = read_pipeline(raw, world, group, ignored, pipeline_stages)
+    world //= pipe.stages or 1
     # Ulysses (ALST): sequence_parallel_size ranks share each micro-batch; the batch sizes count the rest
     sp = read_sequence_parallel(raw, world)
     world //= sp
@@ -151,6 +165,7 @@ def from_deepspeed(
     r = Block("", raw)
     r.raw("tensor_parallel")  # read above
     r.raw("sequence_parallel_size")
+    r.raw("pipeline")
     for k in ("expert_parallel", "moe", *MOE_TOP_LEVEL):
         r.raw(k)
     sizes = resolve_batch_sizes(r, world)
@@ -161,7 +176,10 @@ def from_deepspeed(
     spec = with_trainer_schedule(spec, trainer_schedule(raw, training_args))
     precision = read_precision(r, ignored)
     zero = read_zero(r, ignored)
+    check_pipeline(pipe, zero.stage, zero.replicate, sizes.gradient_accumulation_steps, sp)
     remat_options = read_remat(r, ignored)
+    if remat_options is None and pipe.remat:  # pipeline.activation_checkpoint_interval
+        remat_options = {}
     read_compression(r)
     for k in r.leftover():
         v = r.raw(k)
@@ -176,7 +194,9 @@ def from_deepspeed(
     # Build: the optimizer, the step, then each transform the config asks for.
     held = precision.dtype if precision is not None else torch.float32  # a held parameter element's dtype
     bucket_bytes = zero.bucket_elems * held.itemsize if zero.bucket_elems is not None else DEFAULT_BUCKET_BYTES
-    step = train_step(loss_fn, spec.build(), sizes.gradient_accumulation_steps, bucket_bytes=bucket_bytes, group=group)
+    # under a pipeline the micro-batches are the pipeline's, cut from each call's batch: every call updates
+    accumulate = 1 if pipe.stages else sizes.gradient_accumulation_steps
+    step = train_step(loss_fn, spec.build(), accumulate, bucket_bytes=bucket_bytes, group=group)
     replicate = _mics_replicas(zero.replicate, group)
     if zero.stage == 1:
         step = shard_optimizer(step, replicate=replicate)
@@ -211,8 +231,12 @@ def from_deepspeed(
         from zerofn.transforms import expert_parallel  # on first use: a config without it imports nothing more
 
         step = expert_parallel(step, ep)
-    if sp > 1:  # last: its axis joins the mesh outside tensor_parallel's and expert_parallel's
+    if sp > 1:  # its axis joins the mesh outside tensor_parallel's and expert_parallel's
         step = context_parallel(step, sp)
+    if pipe.stages:  # last: pp is the mesh's outermost axis
+        from zerofn.transforms import pipeline_parallel  # on first use: a config without it imports nothing more
+
+        step = pipeline_parallel(step, pipe.stages, microbatches=sizes.gradient_accumulation_steps, schedule="1f1b")
     if ignored:
         lines = "\n".join(f"  {k}: {why}" for k, why in ignored.items())
         chosen = f"from_deepspeed: {spec.note}\n" if spec.note else ""
@@ -225,7 +249,12 @@ def from_deepspeed(
     elif spec.note:
         warnings.warn(f"from_deepspeed: {spec.note}", UserWarning, stacklevel=2)
     batch = DeepSpeedConfig(
-        sizes.train_batch_size, sizes.micro_batch_size, sizes.gradient_accumulation_steps, world, tuple(ignored)
+        sizes.train_batch_size,
+        sizes.micro_batch_size,
+        sizes.gradient_accumulation_steps,
+        world,
+        tuple(ignored),
+        pipe.stages,
     )
     return DeepSpeedRun(step, batch)
 

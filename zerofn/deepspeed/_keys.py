@@ -20,6 +20,8 @@ __all__ = [
     "MOE_LAYER_IGNORED",
     "LAMB_PARAMS",
     "OPTIMIZERS",
+    "PIPE_IGNORED",
+    "PIPE_QUIET",
     "PRECISION_IGNORED",
     "SCHEDULERS",
     "SGD_PARAMS",
@@ -112,7 +114,6 @@ TOP_IGNORED = {
     "prescale_gradients": "gradients are averaged once, after the reduction (the same average up to rounding)",
     "gradient_predivide_factor": "gradients are averaged once, after the reduction (the same average up to rounding)",
     "disable_allgather": "stages 1-3 always all-gather the updated shards",
-    "pipeline": "no pipeline parallelism",
     "eigenvalue": "no eigenvalue computation",
     "sparse_attention": "no sparse-attention kernels: the model computes its own attention",
     "hybrid_engine": "no inference engine: step.apply(state, ...) runs the model",
@@ -181,7 +182,8 @@ ZERO_IGNORED = {
     "mics_hierarchical_params_gather": "no MiCS sub-groups",
     "use_multi_rank_bucket_allreduce": "one collective per bucket",
     "legacy_stage1": "one stage-1 implementation",
-    "pipeline_loading_checkpoint": "no pipeline parallelism",
+    "pipeline_loading_checkpoint": "it makes the ranks of a node load a ZeRO-3 checkpoint one after another; "
+    "zf.checkpoint.load reads each rank's part of the state on every rank at once (the same state)",
     "override_module_apply": "no module patching",
     "log_trace_cache_warnings": "no trace cache",
     "zeropp_loco_param": "no quantized communication",
@@ -253,6 +255,31 @@ COMPRESSION_TECHNIQUES = {
 PRECISION_IGNORED = {
     "immediate_grad_update": "gradients accumulate into their bucket as backward produces them",
     "check_grad_overflow": "a step whose loss or gradient is not finite is always skipped",
+}
+
+# The pipeline block (DeepSpeed's PipelineEngine; the stages are PipelineModule's num_stages, from_deepspeed's
+# pipeline_stages=): stages and activation_checkpoint_interval are read (_pipeline.py). The values of the other keys
+# that ask for nothing: DeepSpeed's no-op defaults (its "partition" default, "best", is never read), and zerofn's
+# behaviour (whole activations sent, non-reentrant checkpointing, blocks split evenly).
+PIPE_QUIET = {
+    "pipe_partitioned": (False,),
+    "grad_partitioned": (False,),
+    "use_reentrant": (False,),
+    "seed_layers": (False,),
+    "partition": ("best", "uniform"),
+}
+# Keys that only tune DeepSpeed's engine or where the layers sit: warned with any other value.
+PIPE_IGNORED = {
+    "pipe_partitioned": "zerofn's stages send each activation whole to the next stage's ranks (DeepSpeed splits it "
+    "over the tensor-parallel ranks, and only beside tensor parallelism)",
+    "grad_partitioned": "zerofn's stages send each activation's gradient whole to the previous stage's ranks "
+    "(DeepSpeed splits it over the tensor-parallel ranks, and only beside tensor parallelism)",
+    "use_reentrant": "remat checkpoints with torch's non-reentrant checkpoint (the same numbers)",
+    "seed_layers": "zerofn does not build the model: it trains the parameters step.init is given (seed their "
+    "initialisation yourself)",
+    "partition": "pipeline_parallel divides the decoder's blocks evenly over the stages (the first stages one more), "
+    "the embedding on the first stage and the final norm, head and loss on the last; to place the blocks yourself "
+    "build the step by hand with pipeline_parallel(step, N, microbatches=m, split=[...])",
 }
 
 # The tensor_parallel block (AutoTP training): autotp_size N is tensor_parallel(step, N); tp.tp_size, mpu,
