@@ -18,7 +18,9 @@ placements stated by the transform's rules: :class:`TensorParallelPlan`, :func:`
 :func:`split_shapes`), ``context`` (context parallelism's cut of the sequence and its traffic:
 :class:`ContextParallelPlan`, :func:`context_parallel_plan`, :func:`layout_unit`), ``expert`` (expert
 parallelism's cut of a mixture-of-experts model's experts and its all-to-alls: :class:`ExpertParallelPlan`,
-:func:`expert_parallel_plan`), ``estimates/``
+:func:`expert_parallel_plan`), ``pipeline`` (pipeline parallelism's stages, the micro-batches each keeps in
+flight, the bubble and the sends between stages: :class:`PipelineParallelPlan`, :func:`pipeline_parallel_plan`,
+:func:`bubble_fraction`), ``estimates/``
 (:class:`Estimate`, :func:`estimate`, :func:`compositions`, :func:`optimizer_bytes`,
 :func:`longest_sequence`; a module a job: the defaults, the optimizer's bytes, the record, the refusals, the
 estimate, the compositions, the longest sequence), ``cli``
@@ -113,6 +115,14 @@ above applies to each part with its own N: the rest over ``N / tp`` as without i
 over the ``N / (tp x e)`` GPUs holding the same ones. The routed tokens' all-to-alls, four a block per
 micro-batch, are ``Estimate.ep_traffic``. See :mod:`zerofn.plan.expert`.
 
+Pipeline parallelism (``estimate(..., pp=p, microbatches=m)``, ``pipeline_parallel(step, p, microbatches=m)``): the
+blocks cut into ``p`` stages (``p v`` chunks under the interleaved schedules), the outermost axis of the mesh
+(``pp x dp x cp x tp``); each GPU holds its stage's blocks (the first stage the embeddings, the last the final
+norm and an untied head), and the table above applies to them with N the stage's ``world / (p x tp)`` GPUs. Its
+activations are those of the micro-batches its schedule keeps in flight (1F1B: ``min(p - i, m)`` on stage
+``i``), of its own blocks; the estimate is the largest stage's. The bubble, ``(p - 1) / (m + p - 1)`` for 1F1B,
+and the stages' sends, ``Estimate.pp_traffic``, are in :mod:`zerofn.plan.pipeline`.
+
 Optimizer state in CPU RAM (``"cpu"``): the GPU keeps only parameters and
 the gradients of the buckets backward is landing; the host holds, per
 rank, the optimizer state (K S), an fp32 gradient buffer kept from step
@@ -172,6 +182,7 @@ from zerofn.plan.expert import ExpertParallelPlan, expert_parallel_plan
 from zerofn.plan.hardware import PRESETS, Hardware, LinkCost, hardware_from_dict, load_hardware
 from zerofn.plan.local import local_params, local_shape
 from zerofn.plan.lora import LoraPlan, dequant_bytes, lora_plan
+from zerofn.plan.pipeline import PipelineParallelPlan, bubble_fraction, pipeline_parallel_plan
 from zerofn.plan.plotting import plot
 from zerofn.plan.shapes import ModelShape, model_shape, shape_from_dims
 from zerofn.plan.speed import (
@@ -209,9 +220,11 @@ __all__ = [
     "LoraPlan",
     "ModelShape",
     "OptimizerBytes",
+    "PipelineParallelPlan",
     "Speed",
     "TensorParallelPlan",
     "activation_bytes",
+    "bubble_fraction",
     "calibrate",
     "compositions",
     "context_parallel_plan",
@@ -235,6 +248,7 @@ __all__ = [
     "optimizer_bytes",
     "parse_count",
     "parse_size",
+    "pipeline_parallel_plan",
     "plan_text",
     "plot",
     "ring_bytes",

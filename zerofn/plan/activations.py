@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["LOSS_CHUNK_BYTES", "activation_bytes"]
+__all__ = ["LOSS_CHUNK_BYTES", "activation_bytes", "weight_grad_bytes"]
 
 # The logits one chunk of zf.losses.chunked_cross_entropy holds in float32 (zerofn.losses.CHUNK_BYTES)
 LOSS_CHUNK_BYTES = 64 * 2**20
@@ -30,6 +30,9 @@ def activation_bytes(
     cp_method: str = "ulysses",
     chunked_loss: bool = False,
     remat_offload: bool = False,
+    in_flight: int = 1,
+    chunks: int = 1,
+    waiting: int = 0,
 ) -> int:
     """Activation bytes alive at a training step's peak on one GPU, for a GPT-like model.
 
@@ -99,6 +102,15 @@ def activation_bytes(
       inputs wait in host memory (the estimate counts them there), the
       device holding only the one input being recomputed. On the CPU
       (``device="cpu"``) host memory is the device's: nothing moves.
+    - ``in_flight``, ``chunks``, ``waiting``: a pipeline stage
+      (:mod:`zerofn.plan.pipeline`) holding ``layers`` blocks in
+      ``chunks`` model chunks keeps the saved activations (remat: the kept
+      inputs) of ``in_flight`` micro-batches of one chunk each, every one
+      with its input (``x``, the hidden states it received), and the
+      weight-gradient inputs (:func:`weight_grad_bytes`) of ``waiting``
+      more (zero bubble); the head's terms (a last stage's logits, pass
+      ``vocab``) and a block's backward are one micro-batch's. The
+      defaults (1, 1, 0) are one micro-batch of every block.
 
     Returns:
         Bytes (an int).
@@ -147,12 +159,67 @@ def activation_bytes(
         head = x + sb * (norm32 * h + 8 + 12 * v)
     if chunked_loss or cp is not None:
         head = max(head, work)  # the head's terms are gone by the time a block's backward runs
+    # a pipeline stage: in_flight micro-batches of one of its chunks (layers / chunks blocks each) held at once
+    held = L * int(in_flight) if chunks == 1 else L * int(in_flight) / int(chunks)
+    waits = 0.0
+    if waiting:  # zero bubble: micro-batches whose weight gradients wait, holding the W pass's inputs
+        w = weight_grad_bytes(
+            hidden=h,
+            seq=s,
+            micro_batch=b,
+            heads=a_heads,
+            kv_heads=kv_heads,
+            ffn=f,
+            gated=gated,
+            mixed_precision=mixed_precision,
+            tp=t,
+            cp=cp,
+        )
+        waits = int(waiting) * L / int(chunks) * w
     if not remat:
-        return int(x + L * per_layer + head)
-    kept = 1 if (remat_offload and device != "cpu") else L  # the inputs on the device
+        total = x * int(in_flight) + held * per_layer + head
+        return int(total + waits if waiting else total)
+    kept = 1 if (remat_offload and device != "cpu") else held  # the inputs on the device
     start = (kept + 1) * x + head
     first_block = kept * x + per_layer + work
-    return int(max(start, first_block))
+    return int(max(start, first_block) + waits if waiting else max(start, first_block))
+
+
+def weight_grad_bytes(
+    *,
+    hidden: int,
+    seq: int,
+    micro_batch: int,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    ffn: int | None = None,
+    gated: bool = False,
+    mixed_precision: bool = True,
+    tp: int = 1,
+    cp: int | None = None,
+) -> int:
+    """Bytes one block keeps for one micro-batch whose input gradient has run and whose weight gradient (zero
+    bubble's W pass) waits: each Linear's input and the gradient of its output, which ``dW = dY^T X`` reads.
+
+    Per token, ``a`` bytes each: the inputs, the two norms' outputs (``2 h``, whole under tensor parallelism),
+    the attention output and the MLP's activation (``(h + f) / tp``); the output gradients of q, k and v, gate
+    and up (``(h + 2 h_kv + 2 f) / tp``, ``f`` for GPT's up alone) and of o and down (``2 h``, whole):
+    ``a (4 h + (2 h + 2 h_kv + f + f_up) / tp)``, about one block's saved activations. ``seq / cp`` tokens a
+    sequence under context parallelism.
+
+    Example:
+        >>> from zerofn.plan.activations import weight_grad_bytes
+        >>> weight_grad_bytes(hidden=4096, seq=4096, micro_batch=1, ffn=11008, gated=True) / 2**20  # MiB
+        514.0
+    """
+    h, b = int(hidden), int(micro_batch)
+    a_heads = int(heads or max(1, h // 64))
+    h_kv = h * int(kv_heads or a_heads) // a_heads
+    f = int(ffn or 4 * h)
+    t = int(tp)
+    tokens = int(seq) * b // (int(cp) if cp else 1)
+    act = 2 if mixed_precision else 4
+    return int(tokens * act * (4 * h + (2 * h + 2 * h_kv + f + (2 * f if gated else f)) / t))
 
 
 # What a block's backward holds beside the saved tensors, per token, in units of ``a h / tp`` (Ulysses: the

@@ -14,6 +14,7 @@ from zerofn.plan.calibrate import DEFAULT_RANKS, DEFAULT_REPEATS, DEFAULT_SIZES,
 from zerofn.plan.context import METHODS, layout_unit
 from zerofn.plan.estimates import compositions, longest_sequence
 from zerofn.plan.hardware import PRESETS, load_hardware
+from zerofn.plan.pipeline import SCHEDULES, bubble_formula
 from zerofn.plan.plotting import plot
 from zerofn.plan.shapes import ModelShape, model_shape, shape_from_dims
 from zerofn.plan.speed import EFFICIENCY, speeds
@@ -140,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
         "--micro-batch",
         type=int,
         help="sequences per GPU per micro-step (with --tp or --cp: per data-parallel rank, the GPUs of a group "
-        "feeding the same)",
+        "feeding the same; with --pp: of one pipeline micro-batch, a step taking --micro-batch x --microbatches)",
     )
     p.add_argument("--inference", action="store_true", help="weights only, 2 bytes per parameter (fp16/bf16)")
     p.add_argument("--fp32", action="store_true", help="full precision training (4 + 4 + 8 bytes per parameter)")
@@ -207,6 +208,41 @@ def _parser() -> argparse.ArgumentParser:
         "experts over the GPUs holding the same ones (GPUs / (tp x N)) and the rest over GPUs / tp. N divides the "
         "experts of a block and GPUs x nodes / (tp x cp); the routed tokens' all-to-alls are counted with --seq "
         "and --micro-batch",
+    )
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="pipeline parallelism over N stages (zerofn.transforms.pipeline_parallel(step, N, microbatches=M)), the "
+        "outermost axis of the mesh (pp x dp x cp x tp): each stage holds 1/N of the blocks (the first the "
+        "embeddings, the last the final norm and head), the ZeRO stages shard it over its GPUs x nodes / (N x tp) "
+        "GPUs, and it holds the activations of the micro-batches its schedule keeps in flight; the table is the "
+        "largest stage's. N divides GPUs x nodes / (tp x cp); needs --microbatches and the layer count (--model "
+        "or --layers); --micro-batch is then the sequences of one pipeline micro-batch",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        metavar="M",
+        help="the micro-batches a step pipelines under --pp (a step takes --micro-batch x M sequences a data-parallel "
+        "rank): at least N for 1f1b; the bubble, (p - 1) / (m + p - 1) for 1F1B, shrinks as M grows",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default=None,
+        help="the pipeline schedule under --pp: 1f1b (default; torch's Schedule1F1B), interleaved "
+        "(ScheduleInterleaved1F1B, --virtual-stages V >= 2 chunks a GPU) or zero_bubble "
+        "(ScheduleInterleavedZeroBubble, ZB-H1)",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        metavar="V",
+        help="model chunks per GPU under --pp (interleaved: 2 or more; the bubble shrinks by V, the activations in "
+        "flight grow by (1 + (N - 1) / (N V)) over 1F1B's)",
     )
     p.add_argument(
         "--chunked-loss",
@@ -387,6 +423,29 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             f"--ep {args.ep}: the GPUs per expert-parallel group must be at least 1 (1: every GPU holds every expert)"
         )
+    if args.pp < 1:
+        p.error(f"--pp {args.pp}: the pipeline stages must be at least 1 (1: no pipeline, every GPU holds every block)")
+    if args.pp == 1:
+        given = [
+            f"--{flag} {value}"
+            for flag, value in (
+                ("microbatches", args.microbatches),
+                ("schedule", args.schedule),
+                ("virtual-stages", args.virtual_stages),
+            )
+            if value is not None
+        ]
+        if given:
+            p.error(
+                f"{', '.join(given)}: how --pp N pipelines a step, and without --pp (or with --pp 1) there is no "
+                f"pipeline; pass --pp N with N >= 2 stages too, or leave {'them' if len(given) > 1 else 'it'} out"
+            )
+    elif args.microbatches is None:
+        p.error(
+            f"--pp {args.pp} pipelines each step in micro-batches: pass --microbatches M (at least {args.pp} for "
+            f"1f1b; the bubble {bubble_formula(args.schedule or '1f1b')} shrinks as M grows, e.g. --microbatches "
+            f"{4 * args.pp})"
+        )
     if args.cp_method is not None and args.cp is None:
         p.error(f"--cp-method {args.cp_method} says how --cp N splits attention; pass --cp N too")
     if args.seq == "max" and args.model is None and not shaped:
@@ -452,6 +511,9 @@ def main(argv: list[str] | None = None) -> int:
         kw["tp"] = args.tp
     if args.ep is not None:
         kw["ep"] = args.ep
+    if args.pp != 1:
+        kw["pp"], kw["microbatches"] = args.pp, args.microbatches
+        kw["schedule"], kw["virtual_stages"] = args.schedule or "1f1b", args.virtual_stages or 1
     recipe = args.cp is not None  # --cp implies the long-context recipe unless told otherwise
     if args.cp is not None:
         kw["cp"], kw["cp_method"] = args.cp, args.cp_method or "ulysses"
@@ -485,16 +547,20 @@ def main(argv: list[str] | None = None) -> int:
         what += f"; LoRA rank {lora.rank} ({format_count(lora.trainable)} trainable), the base frozen"
         what += f" in {lora.quantize.upper()}" if lora.quantize else ""
     tensor, context, expert = rows[0].tensor_parallel, rows[0].context_parallel, rows[0].expert_parallel
-    mesh = []  # the mesh, innermost first: tp, ep, cp, then dp
+    pipeline = rows[0].pipeline_parallel
+    mesh = []  # the mesh, innermost first: tp, ep, cp, then dp, then pp
     if tensor is not None:
         mesh.append(f"tensor parallel {tensor.size}")
     if expert is not None:
         mesh.append(f"expert parallel {expert.size}")
     if context is not None:
         mesh.append(f"context parallel {context.size} ({context.method})")
-    if mesh:
-        data = next(x.data for x in (context, tensor, expert) if x is not None)
-        what += f"; {' x '.join(mesh)} x data parallel {data // (expert.size if expert is not None else 1)}"
+    if mesh or pipeline is not None:
+        data = next(x.data for x in (context, tensor, expert, pipeline) if x is not None)
+        mesh.append(f"data parallel {data // (expert.size if expert is not None else 1)}")
+        if pipeline is not None:
+            mesh.append(f"pipeline parallel {pipeline.size}")
+        what += f"; {' x '.join(mesh)}"
     name = f" ({source.name})" if isinstance(source, ModelShape) and source.name else ""
     title = (
         f"{format_count(psi)} parameters{name} on {n} GPU(s) ({args.nodes} node(s) x {args.gpus}), "
@@ -531,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                 efficiency=efficiency,
                 gpu_memory=args.gpu_memory,
                 mixed_precision=not args.fp32,
+                pipeline=pipeline,
             )
         )
     if args.plot:

@@ -29,7 +29,17 @@ The model, kept simple so that each part shows in ``python -m zerofn plan --hard
   HBM bandwidth) never overlaps, nor do qwZ's and qgZ's int8 codecs (a pass over each tensor they encode
   or decode, ``p + 1`` bytes an element at the HBM bandwidth). Tensor-parallel all-reduces and
   context-parallel exchanges sit on the critical path (not overlapped).
-- **Step** = compute + exposed communication + update + codec; tokens/s = tokens of a step / step;
+- **Pipeline** (``pp`` stages, ``m`` micro-batches; :mod:`zerofn.plan.pipeline`). The compute is the slowest
+  stage's (the most blocks; the last adds the head's FLOPs) for its ``m`` micro-batches; the bubble idles the GPUs
+  ``compute x bubble / (1 - bubble)`` more (1F1B's ``(p - 1) / (m + p - 1)``: a step of ``m + p - 1``
+  micro-batches' time). Each micro-batch's output goes to the next stage and its gradient back (per GPU at most
+  two sends a micro-batch and chunk), on the link between neighbour stages: ``pp`` is the outermost axis, so they
+  are on different nodes when there are several and a stage spans a node or more. Each send overlaps the next
+  micro-batch's compute, but those on the fill's and the drain's critical path, ``2 (p v - 1)`` sends of one
+  micro-batch's output, which are exposed. The ZeRO stages' collectives run over the stage's own parameters
+  and its ``world / (pp x tp)`` GPUs: DDP/ZeRO-1/2 reduce the gradients accumulated over the micro-batches once a
+  step, ZeRO-3 gathers and reduce-scatters its blocks once a micro-batch (the root unit once a step).
+- **Step** = compute + bubble + exposed communication + update + codec; tokens/s = tokens of a step / step;
   MFU = model FLOPs / (step x peak).
 
 Traffic, per step (one micro-batch), Psi the parameters the ZeRO group shards, p the bytes of a gathered
@@ -55,6 +65,7 @@ from dataclasses import dataclass, field
 
 from zerofn.plan.estimates import BUCKET_BYTES, estimate
 from zerofn.plan.hardware import Hardware
+from zerofn.plan.pipeline import PipelineParallelPlan
 from zerofn.plan.shapes import ModelShape
 
 __all__ = [
@@ -80,7 +91,9 @@ INT8_BYTES = 1 + 4 / INT8_BLOCK  # an int8 code and an fp32 scale per block: byt
 UPDATE_BYTES = {True: 36, False: 28}  # bytes the optimizer's update reads and writes per parameter
 FORWARD = "forward"
 BACKWARD = "backward"
+PIPELINE = "pipeline"  # a pipeline's sends: each overlaps the next micro-batch's compute, but on the fill and drain
 NONE = "none"  # does not overlap
+SEND = "send_recv"  # a pipeline's point-to-point sends between neighbour stages (the link's own cost)
 
 
 def ring_bytes(kind: str, full_bytes: float, ranks: int) -> float:
@@ -232,13 +245,17 @@ class Speed:
         exposed_s: communication seconds not hidden behind compute.
         codec_s: qwZ's and qgZ's int8 encoding and decoding, memory-bound passes over the tensors (not
             overlapped; 0 without them).
-        step_s: compute + exposed + update + codec.
+        step_s: compute + bubble + exposed + update + codec.
         tokens: tokens a step trains on (every GPU's).
         model_flops: model FLOPs one GPU computes in a step (``6 N + 12 L w s`` per token, no recompute).
         peak_flops: one GPU's dense peak, FLOP/s.
         remat: whether the step recomputes activations (chosen when it is what fits).
         memory: bytes per GPU at the step's peak (the memory estimate), None if not estimated.
         fits: whether ``memory`` fits the GPU.
+        bubble_s: a pipeline's idle time, filling and draining it: ``compute x bubble / (1 - bubble)`` (0
+            without ``pp``).
+        fill_s: a pipeline's sends on the fill's and the drain's critical path, ``2 (p v - 1)`` of one
+            micro-batch's output, counted exposed (0 without ``pp``).
     """
 
     composition: Composition
@@ -258,6 +275,8 @@ class Speed:
     memory: int | None = None
     fits: bool = True
     short: tuple[str, ...] = field(default=())
+    bubble_s: float = 0.0
+    fill_s: float = 0.0
 
     @property
     def label(self) -> str:
@@ -343,6 +362,8 @@ def step_speed(
     cp_size: int = 1,
     memory: int | None = None,
     short: tuple[str, ...] = (),
+    pipeline: PipelineParallelPlan | None = None,
+    compute_flops: float | None = None,
 ) -> Speed:
     """One composition's predicted step (see the module docs for the model).
 
@@ -362,6 +383,12 @@ def step_speed(
         cp_bytes, cp_count, cp_size: context parallelism: the bytes a rank sends on its group per step, in
             how many exchanges, over how many GPUs (spaced ``tp`` apart).
         memory, short: the memory estimate's bytes per GPU and what does not fit (empty: it fits).
+        pipeline, compute_flops: pipeline parallelism (:class:`~zerofn.plan.PipelineParallelPlan`): ``params``,
+            ``root``, ``block`` and ``layers`` are then one stage's, the ZeRO group ``nodes x gpus_per_node /
+            (pp x tp)``; ``compute_flops`` the model FLOPs of the slowest stage's GPU in a step (its
+            ``microbatches`` micro-batches; default ``model_flops``), which sets the pace; the bubble idles the
+            GPUs ``bubble / (1 - bubble)`` of it; ``tp_bytes`` and ``cp_bytes`` are per micro-batch; and the
+            stages' sends go on the link between neighbour stages' GPUs.
     """
     hw = hardware
     if not 0 < efficiency <= 1:
@@ -371,10 +398,12 @@ def step_speed(
     pb = 2 if mixed_precision else 4
     gather_b = INT8_BYTES if composition.int8_gather else pb
     reduce_b = INT8_BYTES if composition.int8_reduce else pb
-    n = nodes * gpus_per_node // tp  # the ZeRO (data-parallel) group
-    s = max(1, gpus_per_node // tp)  # of it on one node
+    pp = pipeline.size if pipeline is not None else 1
+    mb = pipeline.microbatches if pipeline is not None else 1  # micro-batches a step
+    n = nodes * gpus_per_node // (tp * pp)  # the ZeRO (data-parallel) group: one stage's
+    s = max(1, min(gpus_per_node, nodes * gpus_per_node // pp) // tp)  # of it on one node
     peak = hw.tflops * 1e12
-    hw_flops = model_flops * (4 / 3 if remat else 1)
+    hw_flops = (model_flops if compute_flops is None else compute_flops) * (4 / 3 if remat else 1)
     compute = hw_flops / (peak * efficiency)
     forward = compute * (0.25 if remat else 1 / 3)
     backward = compute - forward
@@ -410,15 +439,25 @@ def step_speed(
             1,
             NONE,
         )
-        add("parameter all-gather, blocks in forward", "all_gather", blocks * gather_b, group, s, layers, FORWARD)
-        what = "parameter all-gather, blocks in backward" + (" (within the node)" if composition.hpz else "")
-        add(what, "all_gather", again * gather_b, back, s, max(0, layers - 1), BACKWARD)
+        # a pipeline's stage runs its forward and backward once a micro-batch, each gathering the blocks
+        each = f", each of {mb} micro-batches" if mb > 1 else ""
+        add(
+            f"parameter all-gather, blocks in forward{each}",
+            "all_gather",
+            mb * blocks * gather_b,
+            group,
+            s,
+            mb * layers,
+            FORWARD,
+        )
+        what = "parameter all-gather, blocks in backward" + (" (within the node)" if composition.hpz else "") + each
+        add(what, "all_gather", mb * again * gather_b, back, s, mb * max(0, layers - 1), BACKWARD)
         red, word = ("reduce_scatter", "reduce-scatter")
         if composition.int8_reduce:  # two hops where the step knows its nodes (hpz=), one flat exchange otherwise
             red, word = (
                 (TWO_HOP, "int8 all-to-all in two hops") if composition.hpz else ("all_to_all", "int8 all-to-all")
             )
-        add(f"gradient {word}, blocks", red, blocks * reduce_b, group, s, layers, BACKWARD)
+        add(f"gradient {word}, blocks{each}", red, mb * blocks * reduce_b, group, s, mb * layers, BACKWARD)
         add(f"gradient {word}, root unit (after backward computes)", red, root * reduce_b, group, s, 1, NONE)
         if composition.replicate and nodes > 1:
             add(
@@ -435,11 +474,13 @@ def step_speed(
         # the int8 codec's passes over the tensors, memory-bound: every gathered element decoded (qwZ), every
         # gradient element encoded before its all-to-all (qgZ); 1 byte of code beside the element's own bytes
         if composition.int8_gather:
-            codec_elems += root + blocks + again
+            codec_elems += root + blocks + again if mb == 1 else root + mb * (blocks + again)
         if composition.int8_reduce:
-            codec_elems += params
+            codec_elems += params if mb == 1 else root + mb * blocks
     if tp > 1 and tp_bytes:
-        add(f"tensor-parallel all-reduces (tp {tp})", "all_reduce", tp_bytes, tp, tp, max(1, 4 * layers), NONE)
+        what = f"tensor-parallel all-reduces (tp {tp})"
+        add(what, "all_reduce", mb * tp_bytes, tp, tp, mb * max(1, 4 * layers), NONE)
+    cp_bytes, cp_count = mb * cp_bytes, mb * cp_count
     if cp_size > 1 and cp_bytes:
         # the group's cp GPUs, tp apart: those on one node exchange over NVLink, the rest across nodes
         on_node = max(1, min(cp_size, gpus_per_node // tp))
@@ -460,9 +501,15 @@ def step_speed(
                 window=NONE,
             )
         )
+    fill = 0.0
+    if pipeline is not None and pipeline.send:
+        fill = _pipeline_sends(comms, hw, pipeline, nodes, gpus_per_node)
     exposed = sum(c.seconds for c in comms if c.window == NONE)
     exposed += max(0.0, sum(c.seconds for c in comms if c.window == FORWARD) - forward)
     exposed += max(0.0, sum(c.seconds for c in comms if c.window == BACKWARD) - backward)
+    sends = sum(c.seconds for c in comms if c.window == PIPELINE)
+    exposed += min(sends, fill + max(0.0, sends - compute))  # the fill and drain, and what compute cannot hide
+    bubble = compute * pipeline.bubble / (1 - pipeline.bubble) if pipeline is not None else 0.0
     update = shard * UPDATE_BYTES[mixed_precision] / (hw.hbm_gbps * 1e9)
     codec = codec_elems * (pb + 1) / (hw.hbm_gbps * 1e9)
     return Speed(
@@ -475,7 +522,7 @@ def step_speed(
         comms=tuple(comms),
         exposed_s=exposed,
         codec_s=codec,
-        step_s=compute + exposed + update + codec,
+        step_s=compute + bubble + exposed + update + codec,
         tokens=tokens,
         model_flops=model_flops,
         peak_flops=peak,
@@ -483,7 +530,44 @@ def step_speed(
         memory=memory,
         fits=not short,
         short=tuple(short),
+        bubble_s=bubble,
+        fill_s=min(sends, fill),
     )
+
+
+def _pipeline_sends(comms: list, hw: Hardware, pipeline: PipelineParallelPlan, nodes: int, gpus_per_node: int) -> float:
+    """Add the sends of one GPU of a pipeline's busiest stage to ``comms`` (window ``"pipeline"``) and return the
+    seconds of the fill's and drain's sends, on the critical path.
+
+    ``pp`` is the outermost axis of the mesh, so neighbour stages are ``world / pp`` ranks apart: on different
+    nodes when there are several and a stage spans a node or more (``gpus_per_node <= world / pp``); on one node
+    when there is one; otherwise a node holds several stages and its edge stage sends one way across nodes and
+    the other within (half the bytes on each link)."""
+    world = nodes * gpus_per_node
+    stage_gpus = world // pipeline.size
+    across = 0.0 if nodes == 1 else 1.0 if gpus_per_node <= stage_gpus else 0.5
+    most = max(pipeline.sends)
+    count = most * pipeline.microbatches
+    total = count * pipeline.send
+    inter, intra = total * across, total * (1 - across)
+    n_inter = round(count * across)
+    comms.append(
+        Comm(
+            what=f"pipeline sends to the neighbour stages (pp {pipeline.size}: activations forward, gradients back)",
+            kind=SEND,
+            full_bytes=total,
+            ranks=2,
+            per_node=1 if across == 1 else 2,
+            count=count,
+            intra_bytes=intra,
+            inter_bytes=inter,
+            intra_s=hw.intra(SEND).seconds(intra, count - n_inter),
+            inter_s=hw.inter(SEND).seconds(inter, n_inter),
+            window=PIPELINE,
+        )
+    )
+    hop = (hw.inter(SEND) if across else hw.intra(SEND)).seconds(pipeline.send, 1)
+    return 2 * pipeline.hops * hop
 
 
 def _block_params(source: float | ModelShape, layers: int, hidden: int, ffn: int | None, gated: bool) -> int:
@@ -518,6 +602,10 @@ def speeds(
     tp: int = 1,
     cp: int | None = None,
     cp_method: str = "ulysses",
+    pp: int | None = None,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
     compositions: list[Composition] | None = None,
     **memory_kw,
 ) -> list[Speed]:
@@ -527,6 +615,13 @@ def speeds(
     Each is planned without ``remat`` when that fits, else with it (a third more compute). The shapes
     (``layers``, ``hidden``) are needed: the attention's FLOPs and ZeRO-3's units come from them. Other
     keywords go to the memory estimate (:func:`~zerofn.plan.estimate`).
+
+    With ``pp`` (and ``microbatches``, ``schedule``, ``virtual_stages``, as :func:`~zerofn.plan.estimate` takes
+    them) a step pipelines ``microbatches`` micro-batches of ``micro_batch`` sequences through the stages: its
+    compute is the slowest stage's (the most blocks, the last with the head's FLOPs) times the micro-batches, plus
+    the bubble; the ZeRO stages' collectives are those of the stage the memory estimate reports (its own
+    parameters, over its ``world / (pp x tp)`` GPUs; ZeRO-3 gathering and reducing its blocks a micro-batch), and
+    its sends to the neighbour stages are counted (:mod:`zerofn.plan.pipeline`). HSDP and hpZ are left out.
 
     Example:
         >>> from zerofn.plan import load_hardware, model_shape, speeds
@@ -571,9 +666,12 @@ def speeds(
     per_token = flops_per_token(params=n_flops, layers=layers, width=width, seq=seq)
     world = gpus * nodes
     cp_size = cp or 1
-    data = world // (tp * cp_size)  # micro-batches in flight
-    tokens = data * micro_batch * seq
-    model_flops = micro_batch * seq * per_token / (tp * cp_size)
+    staged = pp is not None and pp != 1
+    pp_size = pp if staged else 1
+    m = microbatches if staged else 1  # micro-batches a step
+    data = world // (tp * cp_size * pp_size)  # micro-batches in flight (pipelines side by side)
+    tokens = data * micro_batch * m * seq
+    model_flops = m * micro_batch * seq * per_token / (tp * cp_size * pp_size)
     dims = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, gated=gated)
     dims = {k: v for k, v in dims.items() if v is not None}
     kw = dict(dims, seq=seq, micro_batch=micro_batch, mixed_precision=mixed_precision, **memory_kw)
@@ -581,12 +679,14 @@ def speeds(
         kw["tp"] = tp
     if cp is not None:
         kw["cp"], kw["cp_method"] = cp, cp_method
+    if staged:
+        kw.update(pp=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)
     offload = bool(kw.pop("remat_offload", False))  # remat's kept inputs in host memory: the remat rows only
     limit = hardware.hbm_bytes if gpu_memory is None else gpu_memory
     block = _block_params(source, layers, hidden, ffn, bool(gated))
     out = []
     for comp in compositions or speed_compositions(nodes):
-        if (comp.replicate or comp.hpz) and nodes == 1:
+        if (comp.replicate or comp.hpz) and (nodes == 1 or staged):
             continue
         chosen = None
         for r in (False, True):
@@ -612,23 +712,33 @@ def speeds(
             continue
         e, r, total = chosen
         short = () if total <= limit else ("GPU",)
-        local, blk = psi, block
+        local, blk, units = psi, block, layers
         if e.tensor_parallel is not None:
             local, blk = e.tensor_parallel.local, e.tensor_parallel.block
+        pipe, compute_flops = e.pipeline_parallel, None
+        if pipe is not None:  # the reported stage's parameters and blocks; the pace the slowest stage's
+            local, units = pipe.stage_params[pipe.stage], pipe.stage_blocks[pipe.stage]
+            head = max(0, n_flops - layers * block)  # outside the blocks: the head's matmul (and the norms)
+            last = pipe.size - 1
+            stage_tokens = [
+                flops_per_token(params=b * block + (head if i == last else 0), layers=b, width=width, seq=seq)
+                for i, b in enumerate(pipe.stage_blocks)
+            ]
+            compute_flops = m * micro_batch * seq * max(stage_tokens) / (tp * cp_size)
         cp_plan = e.context_parallel
         cp_count = 0
         if cp_plan is not None and cp_plan.size > 1:
             passes = 3 if r else 2
             per_layer = 4 if cp_plan.method == "ulysses" else 2 * (cp_plan.size - 1)
-            cp_count = per_layer * passes * layers
+            cp_count = per_layer * passes * units
         out.append(
             step_speed(
                 comp,
                 hardware=hardware,
                 params=local,
-                root=max(0, local - layers * blk),
+                root=max(0, local - units * blk),
                 block=blk,
-                layers=layers,
+                layers=units,
                 nodes=nodes,
                 gpus_per_node=gpus,
                 model_flops=model_flops,
@@ -643,6 +753,8 @@ def speeds(
                 cp_size=cp_size,
                 memory=total,
                 short=short,
+                pipeline=pipe,
+                compute_flops=compute_flops,
             )
         )
     return sorted(out, key=lambda x: (not x.fits, x.step_s))

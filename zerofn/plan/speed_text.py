@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from zerofn.plan.hardware import Hardware
+from zerofn.plan.pipeline import PipelineParallelPlan
 from zerofn.plan.speed import Speed
 from zerofn.plan.text import fmt_bytes
 
 __all__ = ["calibration_text", "fmt_seconds", "speed_text"]
 
-_WINDOWS = {"forward": "forward", "backward": "backward", "none": "no"}
+_WINDOWS = {"forward": "forward", "backward": "backward", "pipeline": "next micro-batch", "none": "no"}
 
 
 def fmt_seconds(t: float) -> str:
@@ -44,9 +45,12 @@ def speed_text(
     gpu_memory: float,
     mixed_precision: bool = True,
     heading: str = "",
+    pipeline: PipelineParallelPlan | None = None,
 ) -> str:
     """The speed table: one row per composition, fastest first among those that fit ``gpu_memory``; under
-    it the fastest's collectives (what overlaps and what does not) and each composition's zerofn call."""
+    it the fastest's collectives (what overlaps and what does not) and each composition's zerofn call.
+    ``pipeline``: the memory estimate's pipeline (:class:`~zerofn.plan.PipelineParallelPlan`), said above the
+    table, with a bubble column."""
     lines = []
     if heading:
         lines.append(heading)
@@ -62,7 +66,20 @@ def speed_text(
         "gather and the last reduce-scatter, DDP/ZeRO-1/2's reductions overlap backward but the last bucket, their "
         "publish and every update do not (docs/planning.md, Speed)"
     )
+    if pipeline is not None:
+        p = pipeline
+        lines.append(
+            f"pipeline: {p.size} stages, {p.name}, {p.microbatches} micro-batches a step"
+            f"{f', {p.virtual} chunks a GPU' if p.virtual > 1 else ''}: compute is the slowest stage's (the most "
+            "blocks; the last adds the head's FLOPs) for every micro-batch, and the bubble idles the GPUs "
+            f"{p.bubble_formula} = {p.bubble:.1%} of the step (compute x bubble / (1 - bubble)); each send to a "
+            "neighbour stage overlaps the next micro-batch's compute, but those of the fill and drain, "
+            f"2 x {p.hops} of one micro-batch's output, which are exposed; ZeRO-3 gathers and reduce-scatters its "
+            "blocks once a micro-batch, DDP/ZeRO-1/2 reduce the accumulated gradients once a step, over the stage's "
+            "own parameters; HSDP and hpZ are not modelled with --pp"
+        )
     lines.append("")
+    staged = any(s.bubble_s for s in rows)
     header = [
         "composition",
         "remat",
@@ -75,6 +92,7 @@ def speed_text(
         "exposed",
         "update",
         "codec",
+        *(["bubble"] if staged else []),
         "step",
         "tokens/s",
         "MFU",
@@ -96,6 +114,7 @@ def speed_text(
                 fmt_seconds(s.exposed_s),
                 fmt_seconds(s.update_s),
                 fmt_seconds(s.codec_s),
+                *([fmt_seconds(s.bubble_s)] if staged else []),
                 fmt_seconds(s.step_s),
                 f"{s.tokens_per_s:,.0f}",
                 f"{100 * s.mfu:.1f}%",
@@ -108,7 +127,12 @@ def speed_text(
     lines.append(
         "intra-node / inter-node: bytes one GPU moves per step on each link and their seconds; overlapped and "
         "exposed: the communication hidden behind compute and the rest; update: the optimizer's, codec: int8 "
-        "encoding and decoding (qwZ, qgZ); step = compute + exposed + update + codec"
+        "encoding and decoding (qwZ, qgZ)"
+        + (
+            "; bubble: the pipeline's idle fill and drain; step = compute + bubble + exposed + update + codec"
+            if staged
+            else "; step = compute + exposed + update + codec"
+        )
     )
     fitting = [s for s in rows if s.fits]
     if not fitting:
@@ -141,10 +165,23 @@ def speed_text(
             f"compute: forward {fmt_seconds(best.forward_s)}, backward {fmt_seconds(best.backward_s)}"
             f"{' (with the recomputed forward)' if best.remat else ''}; exposed {fmt_seconds(best.exposed_s)} of "
             f"{fmt_seconds(best.comm_s)} of communication"
+            + (
+                f" (the pipeline's fill and drain sends {fmt_seconds(best.fill_s)}); bubble {fmt_seconds(best.bubble_s)}"
+                if best.bubble_s
+                else ""
+            )
         )
     lines.append("")
     base = "amp(zf.train_step(...), torch.bfloat16)" if mixed_precision else "zf.train_step(...)"
-    lines.append(f"the compositions, around step = {base}:")
+    if pipeline is not None:
+        how = f', schedule="{pipeline.schedule}"' if pipeline.schedule != "1f1b" else ""
+        how += f", virtual_stages={pipeline.virtual}" if pipeline.virtual > 1 else ""
+        lines.append(
+            f"the compositions, around step = {base}, each then cut into stages (outermost): "
+            f"pipeline_parallel(..., {pipeline.size}, microbatches={pipeline.microbatches}{how}):"
+        )
+    else:
+        lines.append(f"the compositions, around step = {base}:")
     seen = set()
     for s in rows:
         if s.label not in seen:

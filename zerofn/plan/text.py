@@ -60,20 +60,25 @@ def _tensor_lines(e: Estimate) -> list[str]:
     """What one GPU holds of a split model and what its tensor-parallel group sends, for :func:`plan_text`."""
     t = e.tensor_parallel
     act = 2 if e.mixed_precision else 4
+    staged = e.pipeline_parallel is not None
+    held = (
+        f"{format_count(t.local)} parameters per GPU of the whole pipeline, cut into its stages below"
+        if staged
+        else f"{format_count(t.local)} parameters per GPU, which the ZeRO stages below shard over the {t.data} "
+        "data-parallel rank(s)"
+    )
     lines = [
         f"tensor parallelism over {t.size} GPUs x {t.data} data-parallel ranks: each GPU holds 1/{t.size} of every "
         f"block's projections{' and of the embedding and head, over the vocabulary' if t.vocab_split else ''} "
         f"({format_count(t.split)} parameters in all) and the rest whole "
-        f"({'norms' if t.vocab_split else 'embeddings, head, norms'}: {format_count(t.replicated)}): "
-        f"{format_count(t.local)} parameters per GPU, which the ZeRO stages below shard over the {t.data} "
-        "data-parallel rank(s)"
+        f"({'norms' if t.vocab_split else 'embeddings, head, norms'}: {format_count(t.replicated)}): {held}"
     ]
     if t.allreduce:
         lines.append(
             f"tensor-parallel traffic per micro-batch: 4 all-reduces a block (2 in forward, 2 in backward; 6 under "
             f"remat, which recomputes the forward){' and 2 for the vocabulary' if t.vocab_split else ''} of "
             f"micro-batch x seq x hidden x {act} bytes = {fmt_bytes(t.allreduce)} each: "
-            f"{fmt_bytes(t.traffic(remat=False))} over {t.layers} blocks ({fmt_bytes(t.traffic(remat=True))} under "
+            f"{fmt_bytes(t.traffic(remat=False))} over {t.layers} blocks{f' of stage {e.pipeline_parallel.stage}' if staged else ''} ({fmt_bytes(t.traffic(remat=True))} under "
             f"remat), on each node's links (a ring all-reduce sends 2 x {t.size - 1}/{t.size} of it from each GPU)"
         )
     else:
@@ -148,6 +153,89 @@ def _expert_lines(e: Estimate) -> list[str]:
     return lines
 
 
+def _by_stage(values: tuple, fmt=str) -> str:
+    """``stage 0: a, stages 1-2: b, stage 3: c``: per-stage values, runs of equal ones together."""
+    runs: list[list] = []
+    for i, x in enumerate(values):
+        if runs and runs[-1][2] == x:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, x])
+    return ", ".join(f"stage {a}: {fmt(x)}" if a == b else f"stages {a}-{b}: {fmt(x)}" for a, b, x in runs)
+
+
+def _pipeline_lines(rows: list[Estimate]) -> list[str]:
+    """How the stages cut the model, what each holds and keeps in flight, the bubble and what the stages send each
+    other, for :func:`plan_text`."""
+    e = rows[0]
+    pl = e.pipeline_parallel
+    p, v, m = pl.size, pl.virtual, pl.microbatches
+    sizes = sorted(set(pl.chunks), reverse=True)
+    cut = (
+        f"{sizes[0]} blocks each"
+        if len(sizes) == 1
+        else f"{sizes[0]} or {sizes[1]} blocks (the first {pl.chunks.count(sizes[0])} one more)"
+    )
+    chunks = f", {v} model chunks a GPU (chunk c on stage c mod {p})" if v > 1 else ""
+    lines = [
+        f"pipeline parallelism over {p} stages ({pl.name}, {m} micro-batches a step{chunks}) x {pl.data} "
+        f"data-parallel rank(s): the {pl.layers} blocks cut into {p * v} chunks of {cut}; stage 0 holds the input "
+        f"embedding (and a head tied to it), stage {p - 1} the final norm and an untied head: parameters per GPU "
+        f"{_by_stage(pl.stage_params, format_count)}; the ZeRO stages below shard each stage's over its {pl.group} "
+        f"GPU(s){' (dp x cp)' if e.context_parallel is not None else ''}, and each row is the stage whose bytes per "
+        "GPU are the largest (the 'stage' column): what must fit"
+    ]
+    rows_mb = f" of {pl.micro_batch} sequence(s) (a step takes {pl.micro_batch * m} a data-parallel rank)"
+    rows_mb = rows_mb if pl.micro_batch else ""
+    held = _by_stage(pl.in_flight)
+    if pl.schedule == "1f1b":
+        lines.append(
+            f"activations: 1F1B keeps min(p - i, m) micro-batches{rows_mb} in flight on stage i, of its own blocks "
+            f"only (p - i forwards before its first backward, then one backward a forward): {held}"
+        )
+    else:
+        factor = "2 (p - 1 - i)" if pl.schedule == "interleaved" else "(p - 1 - i)"
+        line = (
+            f"activations: {pl.name} keeps min((v - 1) r + {factor} + 1, v m) micro-batches{rows_mb} of one chunk "
+            f"(L / (p v) blocks) in flight on stage i, r = {pl.per_round} micro-batches a round (torch's): {held}"
+        )
+        if pl.schedule == "interleaved":
+            line += (
+                f"; on stage 0 {pl.in_flight[0]} = (1 + (p - 1) / (p v)) x p micro-batches of a stage's blocks when r "
+                "= p (Narayanan et al. 2021, Megatron-LM's interleaved schedule)"
+            )
+        else:
+            line += (
+                "; with one chunk a GPU as many as 1F1B keeps. Each stage's weight gradients (W) run i micro-batches "
+                "after their input gradients (B), so stage i also keeps W's inputs (each Linear's input and its "
+                f"output's gradient) of up to i micro-batches: {_by_stage(pl.waiting)}"
+            )
+        lines.append(line)
+    scale = {"1f1b": "", "interleaved": f"{v} x ", "zero_bubble": f"3 x {v} x "}[pl.schedule]
+    den = {"1f1b": 1, "interleaved": v, "zero_bubble": 3 * v}[pl.schedule] * m + p - 1
+    note = {
+        "1f1b": "",
+        "interleaved": "; the chunks shrink 1F1B's bubble by v",
+        "zero_bubble": " (an approximation of ZB-H1's, about a third of 1F1B's: Qi et al. 2023)",
+    }[pl.schedule]
+    lines.append(
+        f"bubble: {pl.bubble_formula} = {p - 1} / ({scale}{m} + {p - 1}) = {p - 1} / {den} = {pl.bubble:.1%} of a "
+        f"step idle{note}"
+    )
+    if pl.send:
+        act = 2 if e.mixed_precision else 4
+        most = max(range(p), key=lambda i: pl.sends[i])
+        lines.append(
+            f"pipeline traffic: each micro-batch's output, micro-batch x seq{' / cp' if e.context_parallel else ''} x "
+            f"hidden x {act} bytes = {fmt_bytes(pl.send)}, goes to the next chunk's stage and its gradient comes back, "
+            f"across each of the {pl.hops} chunk boundaries: a GPU of stage {most} sends {pl.sends[most]} a "
+            f"micro-batch, {fmt_bytes(pl.traffic(most))} a step, and receives as many"
+        )
+    else:
+        lines.append("pipeline traffic not counted: pass --seq and --micro-batch")
+    return lines
+
+
 def _recommend(rows: list[Estimate], gpu: float, cpu: float | None, nvme: float | None) -> Estimate | None:
     return next((e for e in rows if e.fits(gpu, cpu, nvme)), None)
 
@@ -162,18 +250,22 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
     elif lora is not None:
         lines += _lora_lines(e0)
         psi = lora.trainable  # the lines below are about what trains
-    elif e0.tensor_parallel is not None or e0.expert_parallel is not None:
+    elif e0.tensor_parallel is not None or e0.expert_parallel is not None or e0.pipeline_parallel is not None:
         if e0.tensor_parallel is not None:
             lines += _tensor_lines(e0)
             psi = e0.tensor_parallel.local  # the lines below are about what one GPU holds
         if e0.expert_parallel is not None:
             lines += _expert_lines(e0)
             psi = e0.expert_parallel.local
+        if e0.pipeline_parallel is not None:
+            lines += _pipeline_lines(rows)
+            psi = max(e0.pipeline_parallel.stage_params)  # what one GPU of the stage holding the most holds
         k = e0.optimizer_per_param
         pb = 2 if e0.mixed_precision else 4
         lines.append(
             f"model state: {pb} + {pb} + {k} bytes per parameter (parameters + gradients + optimizer state) "
-            f"= {fmt_bytes((2 * pb + k) * psi)} per GPU under DDP"
+            f"= {fmt_bytes((2 * pb + k) * psi)} per GPU{' of the stage holding the most' if e0.pipeline_parallel else ''}"
+            " under DDP"
         )
     else:
         k = e0.optimizer_per_param
@@ -186,7 +278,9 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
         lines += _context_lines(rows)
     show_acts = any(e.activations for e in rows)
     show_dequant = any(e.dequant for e in rows)
-    head = ["composition", "params"] + (["frozen"] if lora else []) + ["grads", "optimizer"]
+    staged = e0.pipeline_parallel is not None
+    head = ["composition"] + (["stage"] if staged else []) + ["params"] + (["frozen"] if lora else [])
+    head += ["grads", "optimizer"]
     head += ["activations"] if show_acts else []
     head += ["gathered"] + (["dequant"] if show_dequant else [])
     head += ["update", "model state", "per GPU", "CPU/node", "NVMe/node", "fits"]
@@ -198,7 +292,8 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
         if not short and unchecked:
             verdict += f" ({', '.join(unchecked)} not checked)"
         b = lambda n: fmt_bytes(n) if n else "-"  # noqa: E731
-        cells = [e.label, b(e.params)] + ([b(e.frozen)] if lora else []) + [b(e.grads), b(e.optimizer)]
+        cells = [e.label] + ([str(e.pipeline_parallel.stage)] if staged else []) + [b(e.params)]
+        cells += ([b(e.frozen)] if lora else []) + [b(e.grads), b(e.optimizer)]
         cells += [b(e.activations)] if show_acts else []
         cells += [b(e.gathered)] + ([b(e.dequant)] if show_dequant else [])
         cells += [b(e.update), b(e.model_state), b(e.total), b(e.cpu_per_node), b(e.nvme_per_node)]
@@ -242,7 +337,7 @@ def plan_text(rows: list[Estimate], *, gpu: float, cpu: float | None, nvme: floa
         host = next(e for e in rows if e.optimizer_offload == "cpu" and e.stage == 3 and not e.param_offload)
         k = e0.optimizer_per_param
         pb = 2 if e0.mixed_precision else 4
-        split = e0.tensor_parallel or e0.expert_parallel
+        split = e0.tensor_parallel or e0.expert_parallel or e0.pipeline_parallel
         whose = "the adapters" if lora else "every GPU's share" if split else "the whole model"
         lines.append(
             f"optimizer state in CPU RAM: zerofn holds {pb + 4 + k} bytes per {'trainable ' if lora else ''}parameter "

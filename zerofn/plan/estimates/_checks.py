@@ -44,6 +44,7 @@ def check(
     cp: int | None = None,
     remat_offload: bool = False,
     ep: int | None = None,
+    pp: int | None = None,
 ) -> str | None:
     """Raises where :func:`~zerofn.plan.estimate` is asked for what zerofn does not run or the planner does not
     model; returns ``param_offload`` as a placement (:func:`_param_placement`). ``shaped``: the blocks' shapes
@@ -115,6 +116,13 @@ def check(
             f"estimate: ep={ep!r} with inference=True is not modelled: expert_parallel cuts a training step's "
             "experts (their parameters, gradients and optimizer state, and the routed tokens of its forward and "
             "backward). Leave one of the two out."
+        )
+    if pp is not None and pp != 1 and (inference or lora_rank is not None or ep is not None):
+        what = "inference=True" if inference else f"lora_rank={lora_rank!r}" if lora_rank is not None else f"ep={ep!r}"
+        raise ValueError(
+            f"estimate: pp={pp!r} with {what} is not modelled: pipeline_parallel pipelines a training step's "
+            "micro-batches through the stages of a dense model's trainable blocks (not weights alone, not LoRA's "
+            "adapters on a frozen base, not a mixture-of-experts model's cut experts). Leave one of the two out."
         )
     if remat_offload and not remat:
         raise ValueError(

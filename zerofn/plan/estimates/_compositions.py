@@ -28,7 +28,9 @@ def compositions(
     placement moves the frozen base too (ZeRO-3 with its parameters in CPU RAM or on NVMe); and ``tp=``
     (tensor parallelism: every row one GPU's share of the split model, sharded over the data-parallel
     ranks); ``cp=``, ``cp_method=``, ``chunked_loss=`` (context parallelism and its long-context recipe) and
-    ``remat_offload=`` (the remat rows' kept inputs in host memory; the rows without remat keep theirs).
+    ``remat_offload=`` (the remat rows' kept inputs in host memory; the rows without remat keep theirs); and
+    ``pp=``, ``microbatches=``, ``schedule=``, ``virtual_stages=`` (pipeline parallelism: every row the largest
+    stage's).
 
     Example:
         >>> from zerofn.plan import compositions

@@ -3,6 +3,7 @@ described in :mod:`zerofn.plan`."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -23,8 +24,22 @@ from zerofn.plan.estimates._optimizer import optimizer_bytes
 from zerofn.plan.estimates._record import Estimate, label
 from zerofn.plan.expert import expert_parallel_plan
 from zerofn.plan.lora import lora_plan, projections
+from zerofn.plan.pipeline import pipeline_parallel_plan
 from zerofn.plan.shapes import ModelShape
 from zerofn.plan.tensor import tensor_parallel_plan
+
+
+def _ends(psi, layers, block, vocab, hidden, gated, tied, tensor) -> tuple[int, int]:
+    """``(first, last)``: what one GPU holds outside the blocks on a pipeline's first stage (the input embedding,
+    learned positions) and on its last (the final norm: RMSNorm's ``hidden`` when gated, LayerNorm's ``2 hidden``
+    otherwise; an untied head, ``vocab x hidden``, over tp when it splits the vocabulary). A tied head is the
+    embedding, held by the first stage. Without the vocabulary everything outside the blocks is the first's."""
+    root = psi - (layers or 0) * (block or 0)
+    if not (vocab and hidden):
+        return root, 0
+    table = int(vocab) * int(hidden) // (tensor.size if tensor is not None and tensor.vocab_split else 1)
+    last = min(root, (int(hidden) if gated else 2 * int(hidden)) + (0 if tied else table))
+    return root - last, last
 
 
 def _block_shape(layers, hidden, heads, kv_heads, shape, ffn, gated, layer_params) -> dict:
@@ -41,7 +56,7 @@ def _block_shape(layers, hidden, heads, kv_heads, shape, ffn, gated, layer_param
     )
 
 
-def estimate(
+def _one(
     params: float | ModelShape,
     *,
     gpus: int = 1,
@@ -75,125 +90,13 @@ def estimate(
     chunked_loss: bool = False,
     remat_offload: bool = False,
     ep: int | None = None,
+    pp: int | None = None,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    stage_index: int | None = None,
 ) -> Estimate:
-    """Bytes per GPU, per rank on the host and per node for one zerofn composition (see the module docs).
-
-    Args:
-        params: the trainable parameter count Psi, or a :class:`ModelShape`
-            (from :func:`model_shape`), whose shapes fill the arguments below
-            that are not given.
-        gpus: GPUs per node; nodes: nodes. The world size is their product.
-        stage: ZeRO stage, 0 (DDP) to 3.
-        mixed_precision: bf16/fp16 parameters and gradients with fp32 master
-            weights (``amp``); False: fp32 throughout.
-        master_weights: with ``mixed_precision``, amp's fp32 master copy (4 bytes per
-            parameter in the optimizer state). False: none, as ``amp(..., master_dtype=torch.bfloat16)``
-            (DeepSpeed's ``bf16_master_weights_and_grads``): the optimizer updates the bf16 parameters
-            with bf16 gradients, its state probed on a bf16 parameter (bf16 moments unless its
-            ``mu_dtype``/``nu_dtype`` say otherwise; ``optimizer=None`` still counts fp32 moments).
-        optimizer_offload: None, ``"cpu"`` or ``"nvme"`` (``offload``).
-        param_offload: where ZeRO-3's parameter shards rest between uses, as
-            ``offload(..., params=)`` takes it: None or False (the GPU), ``"cpu"``
-            (CPU RAM; needs stage 3 and the optimizer state off the GPU, ``"cpu"``
-            or ``"nvme"``), ``"nvme"`` (files, read ahead of each unit's gather;
-            needs stage 3 and ``optimizer_offload="nvme"``: ZeRO-Infinity), or
-            True: the optimizer state's own placement.
-        remat: activations recomputed per block.
-        inference: 2-byte weights only (no gradients or optimizer state);
-            stage 0 replicates them, stage 3 shards them.
-        layers, hidden, seq, micro_batch: the shapes for activations (per GPU
-            micro-batch); without all four activations count 0. heads,
-            kv_heads, ffn (default 4 x hidden), vocab (default 0: no logits),
-            gated (SwiGLU MLP) refine them; see :func:`activation_bytes`.
-        flash: flash/SDPA attention (no s^2 attention matrix saved).
-        device: ``"cuda"`` (layer norms in fp32 under autocast) or ``"cpu"``.
-        bucket_bytes: zerofn's gradient bucket size (padding, ZeRO-2's buckets).
-        prefetch: ZeRO-3's prefetch (with ``param_offload="nvme"`` it sizes the pool the shards are read
-            into: :func:`nvme_read_buffers`).
-        optimizer: the ``zf.optim`` optimizer, whose state is counted as it holds it (see
-            :func:`optimizer_bytes`: ``adamw(..., mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)``
-            holds 4 bytes per parameter where fp32 moments hold 8); None: Adam with fp32 moments.
-        lora_rank: LoRA adapters of this rank on every linear projection of every
-            block (q, k, v, o, gate, up, down for a gated, Llama-shaped block; q, k, v,
-            o, up, down otherwise), r x (in + out) parameters each, as peft adds them:
-            they are the trainable parameters (Psi of the table, with gradients and
-            optimizer state); the model's own parameters (``params``) are the frozen
-            base, held in the parameters' dtype (2 bytes under mixed precision, 4 in
-            fp32), sharded under ZeRO-3 and gathered per unit with the adapters,
-            resting on the host with ``param_offload``. Needs the shapes: a
-            :class:`ModelShape`, or ``layers`` and ``hidden``. None: every parameter
-            trainable. See :mod:`zerofn.plan.lora`.
-        quantize: ``"nf4"`` or ``"int8"``: the base's projection weights held as
-            ``zerofn.transforms.quantize(step, quantize)`` holds them (block size 64),
-            at the codec's exact bytes (NF4: 0.516 bytes per parameter with its
-            scales; int8: 1.0625); the embeddings, head, norms and biases stay in the
-            parameters' dtype. ZeRO-3 gathers the quantized bytes, and each
-            projection's weight is dequantized just for its call (``Estimate.dequant``).
-            Needs ``lora_rank``: quantize holds frozen weights only.
-        tp: tensor parallelism, ``tensor_parallel(step, tp)``: every block's q, k, v, o and MLP
-            projections split over ``tp`` consecutive GPUs (Megatron's column- and row-wise layers,
-            attention's heads whole), and the embedding and an untied head over the vocabulary when
-            ``tp`` divides it (logits ``vocab / tp`` wide per GPU); everything else (norms, a row-wise
-            layer's bias) whole on each; the step runs on the ``gpus x nodes / tp`` data-parallel ranks, over which ``stage`` shards
-            what one GPU holds. Each GPU's parameters, gradients and optimizer state are those of its
-            ``1 / tp`` of the split layers and of the whole rest; activations split attention's and the
-            MLP's intermediates by ``tp`` (the residual stream and the norms' inputs stay whole: no
-            sequence parallelism); ``Estimate.tp_traffic`` counts the activations' all-reduces. ``tp``
-            must divide the GPUs per node (a group stays in a node), the attention heads, the
-            key/value heads and the MLP's width; it needs the shapes. See :mod:`zerofn.plan.tensor`.
-        cp: context parallelism, ``context_parallel(step, cp, method=cp_method)`` (None: not applied):
-            each of the ``cp`` GPUs of a group computes ``seq / cp`` of every micro-batch's tokens, from the
-            embedding to the loss (``seq`` is the whole sequence, ``micro_batch`` the sequences of a group);
-            parameters are whole along ``cp`` and the ZeRO stages shard over ``dp x cp = world / tp`` ranks,
-            so the state is what it is without it. ``cp`` must divide ``world / tp``, and ``seq`` be a
-            multiple of the layout unit (``cp``, ring ``2 cp``). Activations: see :func:`activation_bytes`;
-            ``Estimate.cp_traffic`` counts the attention's exchanges. See :mod:`zerofn.plan.context`.
-        cp_method: ``"ulysses"`` (the query heads on a GPU a multiple of ``cp``) or ``"ring"``.
-        chunked_loss: the loss by ``zf.losses.chunked_cross_entropy`` (``context_parallel``'s own for a
-            Llama, Mistral or Qwen model given labels): one chunk's logits at a time, not tokens x vocabulary.
-        remat_offload: with ``remat``, ``remat(..., offload="cpu")``: the blocks' kept inputs wait in host
-            memory, ``layers x tokens x hidden x`` the activations' bytes per rank (``Estimate.remat_host``,
-            in ``cpu``), not on the GPU (on ``device="cpu"`` they stay where they are).
-        ep: expert parallelism, ``expert_parallel(step, ep)`` (None: not applied), for a mixture-of-experts
-            :class:`ModelShape`: each of the ``ep`` GPUs of a group holds ``experts / ep`` of every
-            mixture-of-experts block's routed experts whole and the rest of the model whole; every GPU feeds
-            its own micro-batch (``micro_batch`` is per GPU, the micro-batches in flight ``world / (tp x
-            cp)``). The ZeRO stages shard the experts one GPU holds over the ``world / (tp x ep)`` GPUs
-            holding the same ones and the rest over ``world / tp``, each part's gradients reduced on its own
-            group. ``ep`` must divide the experts of a block and ``world / (tp x cp)``.
-            ``Estimate.ep_traffic`` counts the routed tokens' all-to-alls; activations are counted as
-            without it (balanced routing: each GPU computes as many routed rows as it sends). See
-            :mod:`zerofn.plan.expert`.
-
-    Returns:
-        An :class:`Estimate`.
-
-    Raises:
-        ValueError: a stage outside 0-3, an unknown offload device, or a
-            combination zerofn does not run (parameters off the GPU without
-            stage 3 or with the optimizer state on the GPU; parameters on NVMe
-            without the optimizer state there too); ``quantize`` without
-            ``lora_rank``, or either with ``inference`` or without the shapes; a
-            ``tp`` that does not divide the GPUs per node, the heads or the MLP's
-            width, or with ``lora_rank`` or ``inference``; a ``cp`` that does not divide
-            ``world / tp``, or with ``inference``; Ulysses' heads not a multiple of ``cp``;
-            ``remat_offload`` without ``remat``; an ``ep`` without a mixture-of-experts shape, that does
-            not divide its experts or ``world / (tp x cp)``, or with ``inference``.
-
-    Example:
-        >>> from zerofn import memory
-        >>> e = memory.estimate(7e9, gpus=8, stage=2)                  # bf16 + Adam over 8 GPUs
-        >>> [round(x / 1e9, 2) for x in (e.params, e.grads, e.optimizer)]  # 2 Psi, 2 Psi / 8 + 2 buckets, 12 Psi / 8
-        [14.0, 1.8, 10.5]
-        >>> round(e.state / 1e9, 2)                                     # what the TrainState holds between steps
-        24.5
-        >>> from zerofn.plan import model_shape                         # QLoRA: Llama-2-7B, rank 16, NF4 base
-        >>> llama2_7b = model_shape({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
-        ...     "num_hidden_layers": 32, "intermediate_size": 11008, "num_attention_heads": 32})
-        >>> q = memory.estimate(llama2_7b, stage=3, lora_rank=16, quantize="nf4")
-        >>> round(q.lora.trainable / 1e6, 1), round(q.frozen / 1e9, 2), round(q.state / 1e9, 2)
-        (40.0, 3.6, 4.16)
-    """
+    """:func:`estimate` of one composition; under ``pp``, of pipeline rank ``stage_index``."""
     shape = params if isinstance(params, ModelShape) else None
     if shape is not None:
         layers = shape.layers if layers is None else layers
@@ -222,6 +125,7 @@ def estimate(
         cp=cp,
         remat_offload=remat_offload,
         ep=ep,
+        pp=pp if stage_index is not None else None,
     )
     gpus, nodes = int(gpus), int(nodes)
     if gpus < 1 or nodes < 1:
@@ -280,6 +184,39 @@ def estimate(
             micro_batch=micro_batch,
             activation_bytes=2 if mixed_precision else 4,
         )
+    pipeline = None
+    if stage_index is not None:
+        # One stage's blocks, and the embeddings (first) or the final norm and head (last); from here on Psi counts
+        # what one GPU of pipeline rank stage_index holds, layers its blocks, and N the GPUs of its dp x cp
+        tied = shape.tied if shape else True
+        first, last = _ends(psi, layers, layer_params, vocab, hidden, gated, tied, tensor)
+        table = int(vocab or 0) * int(hidden or 0) // (tensor.size if tensor is not None and tensor.vocab_split else 1)
+        pipeline = pipeline_parallel_plan(
+            size=pp,
+            microbatches=microbatches,
+            world=world,
+            layers=layers,
+            block=layer_params or 0,
+            first=first,
+            last=last,
+            schedule=schedule,
+            virtual=virtual_stages,
+            tp=tp,
+            cp=cp or 1,
+            micro_batch=micro_batch,
+            seq=seq,
+            hidden=hidden,
+            activation_bytes=2 if mixed_precision else 4,
+            stage=stage_index,
+            tied=pb * table if tied else 0,
+        )
+        psi, layers, n = pipeline.stage_params[stage_index], pipeline.stage_blocks[stage_index], n // pipeline.size
+        if tensor is not None:
+            tensor = dataclasses.replace(tensor, data=tensor.data // pipeline.size, layers=layers)
+        if context is not None:
+            context = dataclasses.replace(
+                context, data=context.data // pipeline.size, group=context.group // pipeline.size, layers=layers
+            )
     expert = None
     groups = [(psi, n)]  # the parameters one GPU holds, by the group the ZeRO stages shard them over
     if ep is not None:
@@ -342,7 +279,10 @@ def estimate(
             heads=heads,
             kv_heads=kv_heads,
             ffn=ffn,
-            vocab=(vocab or 0) // (tp if tensor is not None and tensor.vocab_split else 1),  # the logits per GPU
+            # the logits per GPU, on a pipeline's last stage
+            vocab=0
+            if pipeline is not None and stage_index != pipeline.size - 1
+            else (vocab or 0) // (tp if tensor is not None and tensor.vocab_split else 1),
             gated=bool(gated),
             mixed_precision=mixed_precision or inference,
             remat=remat,
@@ -355,11 +295,16 @@ def estimate(
             cp_method=cp_method,
             chunked_loss=chunked_loss,
             remat_offload=remat_offload,
+            in_flight=pipeline.in_flight[stage_index] if pipeline else 1,
+            chunks=pipeline.virtual if pipeline else 1,
+            waiting=pipeline.waiting[stage_index] if pipeline else 0,
         )
     # remat's kept inputs in host memory: one hidden state per block and token this GPU computes
     remat_host = 0
     if remat_offload and acts and device != "cpu":
         remat_host = layers * micro_batch * seq // (cp or 1) * hidden * (2 if mixed_precision else 4)
+        if pipeline is not None:  # the kept inputs of each micro-batch in flight, a chunk's blocks each
+            remat_host = remat_host * pipeline.in_flight[stage_index] // pipeline.virtual
     gathered = 0
     # ZeRO-3's units in flight at once: the root unit (embeddings, head, final norm) and prefetch + 2 blocks.
     # Without the layer count the model is one unit: all of it.
@@ -380,6 +325,8 @@ def estimate(
             xb = expert.local_expert_params // layers
             block_shard = pb * (math.ceil((layer_params - xb) / n) + math.ceil(xb / expert.expert_group))
 
+    if pipeline is not None and stage_index == pipeline.size - 1:
+        gathered += 2 * pipeline.tied  # a tied head lent by the first stage for the step, and its gradient
     common = dict(
         label=label(stage, optimizer_offload, param_offload, remat, inference, remat_offload),
         stage=stage,
@@ -402,6 +349,8 @@ def estimate(
         remat_host=remat_host,
         expert_parallel=expert,
         ep_traffic=expert.traffic(remat=remat) if expert else 0,
+        pipeline_parallel=pipeline,
+        pp_traffic=pipeline.traffic() if pipeline else 0,
     )
     if inference:
         held = pb * (shard if stage == 3 else psi)
@@ -493,3 +442,203 @@ def estimate(
         state_nvme=state_nvme,
         frozen=0 if param_offload else base,
     )
+
+
+def estimate(
+    params: float | ModelShape,
+    *,
+    gpus: int = 1,
+    nodes: int = 1,
+    stage: int = 0,
+    mixed_precision: bool = True,
+    master_weights: bool = True,
+    optimizer_offload: str | None = None,
+    param_offload: str | bool | None = None,
+    remat: bool = False,
+    inference: bool = False,
+    layers: int | None = None,
+    hidden: int | None = None,
+    seq: int | None = None,
+    micro_batch: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    ffn: int | None = None,
+    vocab: int | None = None,
+    gated: bool | None = None,
+    flash: bool = True,
+    device: str = "cuda",
+    bucket_bytes: int = BUCKET_BYTES,
+    prefetch: int = PREFETCH,
+    optimizer: O.GradientTransformation | None = None,
+    lora_rank: int | None = None,
+    quantize: str | None = None,
+    tp: int = 1,
+    cp: int | None = None,
+    cp_method: str = "ulysses",
+    chunked_loss: bool = False,
+    remat_offload: bool = False,
+    ep: int | None = None,
+    pp: int | None = None,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    pp_stage: int | None = None,
+) -> Estimate:
+    """Bytes per GPU, per rank on the host and per node for one zerofn composition (see the module docs).
+
+    Args:
+        params: the trainable parameter count Psi, or a :class:`ModelShape`
+            (from :func:`model_shape`), whose shapes fill the arguments below
+            that are not given.
+        gpus: GPUs per node; nodes: nodes. The world size is their product.
+        stage: ZeRO stage, 0 (DDP) to 3.
+        mixed_precision: bf16/fp16 parameters and gradients with fp32 master
+            weights (``amp``); False: fp32 throughout.
+        master_weights: with ``mixed_precision``, amp's fp32 master copy (4 bytes per
+            parameter in the optimizer state). False: none, as ``amp(..., master_dtype=torch.bfloat16)``
+            (DeepSpeed's ``bf16_master_weights_and_grads``): the optimizer updates the bf16 parameters
+            with bf16 gradients, its state probed on a bf16 parameter (bf16 moments unless its
+            ``mu_dtype``/``nu_dtype`` say otherwise; ``optimizer=None`` still counts fp32 moments).
+        optimizer_offload: None, ``"cpu"`` or ``"nvme"`` (``offload``).
+        param_offload: where ZeRO-3's parameter shards rest between uses, as
+            ``offload(..., params=)`` takes it: None or False (the GPU), ``"cpu"``
+            (CPU RAM; needs stage 3 and the optimizer state off the GPU, ``"cpu"``
+            or ``"nvme"``), ``"nvme"`` (files, read ahead of each unit's gather;
+            needs stage 3 and ``optimizer_offload="nvme"``: ZeRO-Infinity), or
+            True: the optimizer state's own placement.
+        remat: activations recomputed per block.
+        inference: 2-byte weights only (no gradients or optimizer state);
+            stage 0 replicates them, stage 3 shards them.
+        layers, hidden, seq, micro_batch: the shapes for activations (per GPU
+            micro-batch); without all four activations count 0. heads,
+            kv_heads, ffn (default 4 x hidden), vocab (default 0: no logits),
+            gated (SwiGLU MLP) refine them; see :func:`activation_bytes`.
+        flash: flash/SDPA attention (no s^2 attention matrix saved).
+        device: ``"cuda"`` (layer norms in fp32 under autocast) or ``"cpu"``.
+        bucket_bytes: zerofn's gradient bucket size (padding, ZeRO-2's buckets).
+        prefetch: ZeRO-3's prefetch (with ``param_offload="nvme"`` it sizes the pool the shards are read
+            into: :func:`nvme_read_buffers`).
+        optimizer: the ``zf.optim`` optimizer, whose state is counted as it holds it (see
+            :func:`optimizer_bytes`: ``adamw(..., mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)``
+            holds 4 bytes per parameter where fp32 moments hold 8); None: Adam with fp32 moments.
+        lora_rank: LoRA adapters of this rank on every linear projection of every
+            block (q, k, v, o, gate, up, down for a gated, Llama-shaped block; q, k, v,
+            o, up, down otherwise), r x (in + out) parameters each, as peft adds them:
+            they are the trainable parameters (Psi of the table, with gradients and
+            optimizer state); the model's own parameters (``params``) are the frozen
+            base, held in the parameters' dtype (2 bytes under mixed precision, 4 in
+            fp32), sharded under ZeRO-3 and gathered per unit with the adapters,
+            resting on the host with ``param_offload``. Needs the shapes: a
+            :class:`ModelShape`, or ``layers`` and ``hidden``. None: every parameter
+            trainable. See :mod:`zerofn.plan.lora`.
+        quantize: ``"nf4"`` or ``"int8"``: the base's projection weights held as
+            ``zerofn.transforms.quantize(step, quantize)`` holds them (block size 64),
+            at the codec's exact bytes (NF4: 0.516 bytes per parameter with its
+            scales; int8: 1.0625); the embeddings, head, norms and biases stay in the
+            parameters' dtype. ZeRO-3 gathers the quantized bytes, and each
+            projection's weight is dequantized just for its call (``Estimate.dequant``).
+            Needs ``lora_rank``: quantize holds frozen weights only.
+        tp: tensor parallelism, ``tensor_parallel(step, tp)``: every block's q, k, v, o and MLP
+            projections split over ``tp`` consecutive GPUs (Megatron's column- and row-wise layers,
+            attention's heads whole), and the embedding and an untied head over the vocabulary when
+            ``tp`` divides it (logits ``vocab / tp`` wide per GPU); everything else (norms, a row-wise
+            layer's bias) whole on each; the step runs on the ``gpus x nodes / tp`` data-parallel ranks, over which ``stage`` shards
+            what one GPU holds. Each GPU's parameters, gradients and optimizer state are those of its
+            ``1 / tp`` of the split layers and of the whole rest; activations split attention's and the
+            MLP's intermediates by ``tp`` (the residual stream and the norms' inputs stay whole: no
+            sequence parallelism); ``Estimate.tp_traffic`` counts the activations' all-reduces. ``tp``
+            must divide the GPUs per node (a group stays in a node), the attention heads, the
+            key/value heads and the MLP's width; it needs the shapes. See :mod:`zerofn.plan.tensor`.
+        cp: context parallelism, ``context_parallel(step, cp, method=cp_method)`` (None: not applied):
+            each of the ``cp`` GPUs of a group computes ``seq / cp`` of every micro-batch's tokens, from the
+            embedding to the loss (``seq`` is the whole sequence, ``micro_batch`` the sequences of a group);
+            parameters are whole along ``cp`` and the ZeRO stages shard over ``dp x cp = world / tp`` ranks,
+            so the state is what it is without it. ``cp`` must divide ``world / tp``, and ``seq`` be a
+            multiple of the layout unit (``cp``, ring ``2 cp``). Activations: see :func:`activation_bytes`;
+            ``Estimate.cp_traffic`` counts the attention's exchanges. See :mod:`zerofn.plan.context`.
+        cp_method: ``"ulysses"`` (the query heads on a GPU a multiple of ``cp``) or ``"ring"``.
+        chunked_loss: the loss by ``zf.losses.chunked_cross_entropy`` (``context_parallel``'s own for a
+            Llama, Mistral or Qwen model given labels): one chunk's logits at a time, not tokens x vocabulary.
+        remat_offload: with ``remat``, ``remat(..., offload="cpu")``: the blocks' kept inputs wait in host
+            memory, ``layers x tokens x hidden x`` the activations' bytes per rank (``Estimate.remat_host``,
+            in ``cpu``), not on the GPU (on ``device="cpu"`` they stay where they are).
+        ep: expert parallelism, ``expert_parallel(step, ep)`` (None: not applied), for a mixture-of-experts
+            :class:`ModelShape`: each of the ``ep`` GPUs of a group holds ``experts / ep`` of every
+            mixture-of-experts block's routed experts whole and the rest of the model whole; every GPU feeds
+            its own micro-batch (``micro_batch`` is per GPU, the micro-batches in flight ``world / (tp x
+            cp)``). The ZeRO stages shard the experts one GPU holds over the ``world / (tp x ep)`` GPUs
+            holding the same ones and the rest over ``world / tp``, each part's gradients reduced on its own
+            group. ``ep`` must divide the experts of a block and ``world / (tp x cp)``.
+            ``Estimate.ep_traffic`` counts the routed tokens' all-to-alls; activations are counted as
+            without it (balanced routing: each GPU computes as many routed rows as it sends). See
+            :mod:`zerofn.plan.expert`.
+        pp: pipeline parallelism, ``pipeline_parallel(step, pp, microbatches=microbatches,
+            schedule=schedule, virtual_stages=virtual_stages)`` (None or 1: not applied): the blocks cut into
+            ``pp x virtual_stages`` chunks (the first chunks one block more where they do not divide), each GPU
+            holding ``virtual_stages`` of them, the first stage the embeddings, the last the final norm and an
+            untied head. The mesh is ``pp x dp x cp x tp``; each stage's state is sharded by ``stage`` over its
+            ``world / (pp x tp)`` GPUs. ``micro_batch`` is the sequences of one pipeline micro-batch (a step
+            takes ``micro_batch x microbatches`` a data-parallel rank), and each stage holds the activations of
+            the micro-batches its schedule keeps in flight, of its own blocks only. The estimate is that of the
+            stage whose ``total`` is the largest (``Estimate.pipeline_parallel.stage``); ``pp`` must divide
+            ``world / (tp x cp)``, and ``pp x virtual_stages`` be at most the blocks. See
+            :mod:`zerofn.plan.pipeline`.
+        microbatches: the micro-batches a step pipelines (needed with ``pp``): at least ``pp`` under
+            ``"1f1b"``; a multiple of torch's rounds (``max(1, microbatches // pp)``) under the interleaved
+            schedules.
+        schedule: ``"1f1b"`` (``virtual_stages`` 1), ``"interleaved"`` (``virtual_stages`` >= 2) or
+            ``"zero_bubble"``.
+        virtual_stages: model chunks per GPU.
+        pp_stage: with ``pp``, the pipeline rank (0 to ``pp - 1``) to estimate instead of the largest.
+
+    Returns:
+        An :class:`Estimate`.
+
+    Raises:
+        ValueError: a stage outside 0-3, an unknown offload device, or a
+            combination zerofn does not run (parameters off the GPU without
+            stage 3 or with the optimizer state on the GPU; parameters on NVMe
+            without the optimizer state there too); ``quantize`` without
+            ``lora_rank``, or either with ``inference`` or without the shapes; a
+            ``tp`` that does not divide the GPUs per node, the heads or the MLP's
+            width, or with ``lora_rank`` or ``inference``; a ``cp`` that does not divide
+            ``world / tp``, or with ``inference``; Ulysses' heads not a multiple of ``cp``;
+            ``remat_offload`` without ``remat``; an ``ep`` without a mixture-of-experts shape, that does
+            not divide its experts or ``world / (tp x cp)``, or with ``inference``; a ``pp`` that does not
+            divide ``world / (tp x cp)``, without ``microbatches`` or the layer count, with more chunks than
+            blocks, fewer micro-batches than 1F1B needs, or with ``inference``, ``lora_rank`` or ``ep``.
+
+    Example:
+        >>> from zerofn import memory
+        >>> e = memory.estimate(7e9, gpus=8, stage=2)                  # bf16 + Adam over 8 GPUs
+        >>> [round(x / 1e9, 2) for x in (e.params, e.grads, e.optimizer)]  # 2 Psi, 2 Psi / 8 + 2 buckets, 12 Psi / 8
+        [14.0, 1.8, 10.5]
+        >>> round(e.state / 1e9, 2)                                     # what the TrainState holds between steps
+        24.5
+        >>> from zerofn.plan import model_shape                         # QLoRA: Llama-2-7B, rank 16, NF4 base
+        >>> llama2_7b = model_shape({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+        ...     "num_hidden_layers": 32, "intermediate_size": 11008, "num_attention_heads": 32})
+        >>> q = memory.estimate(llama2_7b, stage=3, lora_rank=16, quantize="nf4")
+        >>> round(q.lora.trainable / 1e6, 1), round(q.frozen / 1e9, 2), round(q.state / 1e9, 2)
+        (40.0, 3.6, 4.16)
+        >>> p = memory.estimate(llama2_7b, gpus=8, stage=1, pp=4, microbatches=8, seq=4096, micro_batch=1)
+        >>> t = p.pipeline_parallel                                     # 4 stages of 8 blocks, 8 micro-batches
+        >>> t.stage, t.stage_blocks, t.in_flight[t.stage], round(p.total / 1e9, 1)  # the first: 4 in flight
+        (0, (8, 8, 8, 8), 4, 42.2)
+    """
+    kwargs = dict(locals())
+    params = kwargs.pop("params")
+    kwargs.pop("pp_stage")
+    if pp is None or pp == 1:
+        return _one(params, **kwargs, stage_index=None)
+    # each stage holds its own blocks and keeps its own micro-batches in flight: the largest is what must fit
+    rows = [_one(params, **kwargs, stage_index=0)]  # (pp, its schedule and its micro-batches checked)
+    if pp_stage is not None:
+        if not isinstance(pp_stage, int) or isinstance(pp_stage, bool) or not 0 <= pp_stage < pp:
+            raise ValueError(
+                f"estimate: pp_stage must be a rank of the pipeline, an int from 0 to {pp - 1} (pp={pp}), got "
+                f"{pp_stage!r}; leave it out for the largest stage"
+            )
+        return rows[0] if pp_stage == 0 else _one(params, **kwargs, stage_index=pp_stage)
+    rows += [_one(params, **kwargs, stage_index=i) for i in range(1, pp)]
+    return max(rows, key=lambda e: (e.total, e.cpu))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from zerofn.plan.context import ContextParallelPlan
 from zerofn.plan.expert import ExpertParallelPlan
 from zerofn.plan.lora import LoraPlan
+from zerofn.plan.pipeline import PipelineParallelPlan
 from zerofn.plan.tensor import TensorParallelPlan
 
 
@@ -68,6 +69,13 @@ class Estimate:
         ep_traffic: bytes one GPU sends on its expert-parallel group per micro-batch (the all-to-alls of the
             routed tokens: 4 a mixture-of-experts block, 6 under remat; 0 without ``ep`` or without ``seq``
             and ``micro_batch``).
+        pipeline_parallel: the cut of ``estimate(..., pp=)`` (:class:`~zerofn.plan.PipelineParallelPlan`), or
+            None (pp 1). The columns above are then those of one GPU of its largest stage
+            (``pipeline_parallel.stage``: what must fit): its blocks and embeddings or head, sharded over its
+            ``world / (pp x tp)`` GPUs, and the activations of the micro-batches it holds in flight; on the
+            last stage ``gathered`` counts a tied head lent by the first stage for the step, and its gradient.
+        pp_traffic: bytes one GPU of that stage sends to its neighbour stages in a step (each micro-batch's
+            activations forward, their gradients back; 0 without ``pp`` or without ``seq`` and ``micro_batch``).
     """
 
     label: str
@@ -102,6 +110,8 @@ class Estimate:
     remat_host: int = 0
     expert_parallel: ExpertParallelPlan | None = None
     ep_traffic: int = 0
+    pipeline_parallel: PipelineParallelPlan | None = None
+    pp_traffic: int = 0
 
     @property
     def model_state(self) -> int:
