@@ -33,7 +33,8 @@ optional:
   forward and backward over: ``runner.sink`` is where the parameters'
   gradients go in its place (the step's sink behind it), and
   ``runner(params, batch)`` runs forward and backward and returns what
-  ``loss_fn`` would (its loss detached). ``pipeline_parallel`` runs a
+  ``loss_fn`` would (its loss detached), each ``feed`` applied to every
+  micro-batch it cuts. ``pipeline_parallel`` runs a
   schedule of micro-batches over the stages this way. At most one
   extension runs.
 - ``updates_late``: ``updates_late(device_type) -> bool``, whether its

@@ -154,7 +154,8 @@ def test_reapplying_any_of_the_five_transforms(tmp_path):
 
 
 def test_the_design_page_lists_the_hooks_the_code_has():
-    """docs/design.md's Extension block names every field of Extension, and no other; at most 8 hooks."""
+    """docs/design.md's Extension block names every field of Extension, and no other; at most 9 hooks (the
+    ninth, ``runs``, is a pipeline's: it owns the forward and backward, which no other hook can express)."""
     import dataclasses
     import pathlib
     import re
@@ -166,4 +167,4 @@ def test_the_design_page_lists_the_hooks_the_code_has():
     listed = [n for n in listed if n != "name"] + ["name"]
     fields = [f.name for f in dataclasses.fields(Extension)]
     assert sorted(listed) == sorted(fields), (listed, fields)
-    assert len(set(fields) - {"name", "options"}) <= 8
+    assert len(set(fields) - {"name", "options"}) <= 9

@@ -66,6 +66,7 @@ class PipelineOptions:
     virtual_stages: int
     split: tuple | None
     parts: Parts | None
+    reshard_between_microbatches: bool = True
 
 
 def _positive(where: str, name: str, v: Any) -> None:
@@ -84,6 +85,7 @@ def pipeline_parallel(
     virtual_stages: int = 1,
     split: Any = None,
     parts: Parts | None = None,
+    reshard_between_microbatches: bool = True,
 ) -> Step:
     """Cut the model into ``stages`` stages over a ``pp`` axis and run each batch through them as
     ``microbatches`` micro-batches (see the module).
@@ -100,6 +102,11 @@ def pipeline_parallel(
             as even as the blocks divide.
         parts: where the model's blocks, input embedding and final norm are (:class:`Parts`); None: found for
             Hugging Face decoders and zerofn's example GPT.
+        reshard_between_microbatches: under ``shard_params``, each micro-batch's forward and backward gathers
+            the units it runs and releases them after (memory: a unit at a time, as without a pipeline);
+            False keeps a stage's units gathered from their first use to their last micro-batch's backward
+            (one gather per unit per step; the stage's parameters whole meanwhile). Without ``shard_params``
+            it changes nothing.
 
     Returns:
         The rewritten Step, named ``pipeline_parallel(...)``, running on its stage's data-parallel group.
@@ -128,7 +135,13 @@ def pipeline_parallel(
         raise ValueError(f"{where}: parts must be a pipeline_parallel.Parts, got {type(parts).__name__}")
     m = for_step(step.mesh, where, "pp", stages)
     options = PipelineOptions(
-        stages, microbatches, schedule, virtual_stages, tuple(split) if split is not None else None, parts
+        stages,
+        microbatches,
+        schedule,
+        virtual_stages,
+        tuple(split) if split is not None else None,
+        parts,
+        bool(reshard_between_microbatches),
     )
     have = step.extension(where)
     if reapply(step, where, have and have.options, options, "cuts the model into stages"):
@@ -141,7 +154,15 @@ def pipeline_parallel(
             runs=lambda s, state, sink, scale: Runner(s, state, sink, scale, options, m),
         )
     )
-    return out.claim(Claim("pp", where, groups=lambda: (m.group("pp"),) if m.size("pp") > 1 else ()), m)
+    return out.claim(
+        Claim(
+            "pp",
+            where,
+            placements=_stage_placements(out, options, where),
+            groups=lambda: (m.group("pp"),) if m.size("pp") > 1 else (),
+        ),
+        m,
+    )
 
 
 def _prepare(split: Any, functional: Any, where: str, options: PipelineOptions, mesh: Any) -> Any:
@@ -157,3 +178,25 @@ def _prepare(split: Any, functional: Any, where: str, options: PipelineOptions, 
     local = split_params({n: split.named[n] for n in keep}, where)
     trainable = {n: split.named[n] for n in split.trainable if n in local.named}
     return split._replace(named=local.named, trainable=trainable, treedef=local.treedef)
+
+
+def _stage_placements(step: Step, options: PipelineOptions, where: str) -> Any:
+    """The claim's placements: ``() -> {name: Stage(coordinate)}`` for every parameter of the model, held by
+    the ranks at coordinate ``stage % stages`` of ``pp`` (:class:`zerofn.sharding.Stage`), whether this rank
+    holds it or not. The cut is read from the model ``loss_fn`` calls, once per model (kept in a cell of its
+    own, weakly: first asked at ``init``, before the state takes the module's parameters over)."""
+    import weakref
+
+    from zerofn.sharding import Stage
+
+    cell: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {name: Stage}
+
+    def placements() -> dict:
+        module = step.model().module
+        found = cell.get(module)
+        if found is None:
+            plan = stages_of(module, options, where)
+            found = cell[module] = {name: Stage(s % options.stages) for name, s in plan.owner.items()}
+        return found
+
+    return placements

@@ -10,6 +10,8 @@ later ones reuse them.
 
 from __future__ import annotations
 
+import contextlib
+import time
 import zlib
 from typing import Any
 
@@ -20,7 +22,7 @@ from zerofn.transforms.pipeline_parallel._cut import Stages, Stopped, assign, fi
 
 from zerofn import collectives as C
 from zerofn import tree as T
-from zerofn.functional import PendingParams
+from zerofn.functional import ACTIVE_RUN, PendingParams
 from zerofn.losses import Mean
 
 __all__ = ["SCHEDULES", "Runner", "local_stages", "stages_of"]
@@ -61,7 +63,19 @@ class _Stage(pipelining.PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
         self.submod.chunk = fwd_chunk_id
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        with self.submod.kept.busy():
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        runner = self.submod.kept.runner  # micro-batches whose activations this rank holds for backward
+        runner.in_flight = max(runner.in_flight, sum(len(s.fwd_cache) for s in self.submod.kept.stages))
+        return out
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any):
+        with self.submod.kept.busy():
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any):
+        with self.submod.kept.busy():
+            return super().backward_weight_one_chunk(*args, **kwargs)
 
 
 class _Module(nn.Module):
@@ -101,6 +115,16 @@ class _Kept:
             self.schedule = kind(made, options.microbatches, loss_fn=loss, scale_grads=False)
         self.stages = made
 
+    @contextlib.contextmanager
+    def busy(self):
+        """Count the time inside as this rank's work (forward, backward, the weights' gradient); the rest of
+        the schedule's time it waited for its neighbours: the bubble."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.runner.busy += time.perf_counter() - start
+
     def _loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
         """The schedule's loss of a micro-batch: the last stage's output, scaled for backward."""
         return output * self.runner.factor
@@ -115,6 +139,16 @@ class _Sink:
         self.inner, self.micro, self.hold = sink, micro, hold
         self.calls: dict[str, int] = {}
         self.sent: set = set()
+
+    def leaf(self, name: str, view: torch.Tensor, then: Any = None) -> tuple[torch.Tensor, list]:
+        """``GradSink.leaf``, its gradient hook through :meth:`take` (``shard_params``' leaves, made by its
+        runner over the units' gathered buffers): a parameter's gradient accumulates in its leaf over the
+        micro-batches. ``then(leaf)`` runs after every one of them."""
+        leaf = view.detach().requires_grad_(True)
+        hooks = [leaf.register_post_accumulate_grad_hook(C.with_current_group(lambda t: self.take(name, t)))]
+        if then is not None:
+            hooks.append(leaf.register_post_accumulate_grad_hook(C.with_current_group(then)))
+        return leaf, hooks
 
     def take(self, name: str, leaf: torch.Tensor) -> None:
         n = self.calls[name] = self.calls.get(name, 0) + 1
@@ -167,12 +201,38 @@ class Runner:
     # ------------------------------------------------------------ the step's forward and backward
 
     def __call__(self, params: Any, batch: Any) -> Any:
-        opts, plan = self.options, self.plan
+        opts = self.options
         m = opts.microbatches
         self.micro = _microbatches(batch, m, self.step.name)
         leaves = _leaves(params)
+        if isinstance(params, PendingParams):  # what is lent must be whole: its publish (ZeRO) waited for
+            for name in self.lent:
+                params.on_read(name)
         lent = self._lend(leaves)
         self.params = self._all_params(params, lent)
+        self.sink.backward_started = True
+        self.busy, self.idle, self.in_flight = 0.0, 0.0, 0
+        if opts.stages == 1:  # every stage on this rank: the micro-batches one after another, no schedule
+            self._in_turn()
+        else:
+            self._scheduled(leaves, lent)
+        self._return(lent, leaves)
+        self.sink.rest({n: leaves[n] for n in self._bucket_order() if n in leaves})
+        self._account()
+        return self._result()
+
+    def _in_turn(self) -> None:
+        """One rank runs every stage: each micro-batch's forward through them, then its backward."""
+        self.in_flight = 1
+        for chunk in range(self.options.microbatches):
+            x = torch.zeros(())
+            for s in self.mine:
+                x = self.forward(s, chunk, x)
+            (x * self.factor).backward()
+
+    def _scheduled(self, leaves: dict, lent: dict) -> None:
+        """The micro-batches through the stages by the schedule, this rank's part of it."""
+        opts, plan, m = self.options, self.plan, self.options.microbatches
         key = tuple((tuple(t.shape), t.dtype) for t in T.tree_leaves(self.micro[0]) if isinstance(t, torch.Tensor))
         kept = self.entry.get(key)
         if kept is None:
@@ -183,24 +243,24 @@ class Runner:
             module.hold(
                 [leaves[n] for n in plan.names(s) if n in leaves] + [lent[n] for n in lent if s in plan.readers[n]]
             )
-        self.sink.backward_started = True
         index = torch.arange(m)
         args = (index,) if 0 in self.mine else ()
         target = index if self.last in self.mine else None
+        self.busy, start = 0.0, time.perf_counter()
         try:
             kept.schedule.step(*args, target=target, return_outputs=False)
         finally:
             for module in kept.modules:
                 module.hold([])
-        self._return(lent, leaves)
-        self.sink.rest({n: leaves[n] for n in self._bucket_order() if n in leaves})
-        self._account()
-        return self._result()
+        self.idle = max(0.0, 1.0 - self.busy / max(time.perf_counter() - start, 1e-9))
 
     def forward(self, stage: int, chunk: int, x: torch.Tensor) -> torch.Tensor:
         """Stage ``stage`` on micro-batch ``chunk``: ``loss_fn`` with the model cut to the stage; a stage
         before the last returns the hidden states that reached the final norm, the last the loss."""
         batch = self.micro[chunk]
+        for e in self.step.extensions:  # context parallelism's slice of the sequence, per micro-batch
+            if e.feed is not None:
+                batch = e.feed(batch)
         module = self.functional.module
         if stage > 0:
             self.received[stage] = x.numel() * x.element_size()
@@ -226,6 +286,9 @@ class Runner:
         aux: dict = {}
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
             out, aux = out
+        full = getattr(out, "full_tensor", None)  # tensor parallelism's loss over vocabulary-split logits
+        if callable(full) and hasattr(out, "placements"):
+            out = full()
         if isinstance(out, Mean):
             loss, count = out.total, out.counted(out.total.device)
             self.factor = self.scale
@@ -245,12 +308,17 @@ class Runner:
     def _lend(self, leaves: dict) -> dict:
         """Send the weights this rank holds that a stage of another rank reads; receive those it reads and
         another holds (a head tied to the input embedding), as leaves of their own."""
+        run = ACTIVE_RUN.get()  # shard_params' runner: the units gathered for every micro-batch
+        if run is not None:
+            run.run_microbatches(self.options.microbatches, reshard=self.options.reshard_between_microbatches)
         if not self.lent and not self.borrowed:
             return {}
         p, group, handles = self.options.stages, self.mesh.group("pp"), []
         for name in self.lent:
+            # under shard_params the leaf views its unit's buffer, gathered only while the unit runs
+            value = run.whole(name) if run is not None else leaves[name].detach()
             for to in sorted({s % p for s in self.plan.readers[name]} - {self.mesh.coordinate("pp")}):
-                handles.append(C.send(leaves[name].detach(), to, async_op=True, group=group))
+                handles.append(C.send(value, to, async_op=True, group=group))
         out = {}
         for name in self.borrowed:
             like = self.functional.params[name]
@@ -313,8 +381,9 @@ class Runner:
             mean = records[0][1] is not None
             scalars = tuple(sorted(k for k, v in records[0][2].items() if _scalar(v)))
             structure = (mean, scalars)
-        group = self.mesh.group("pp")
-        known = self.entry.get("structure")
+        apart = self.options.stages > 1  # the last stage on another rank: its result sent over the pipeline
+        group = self.mesh.group("pp") if apart else None
+        known = self.entry.get("structure") if apart else structure
         if known is None:
             known = self.entry["structure"] = C.broadcast_object(
                 structure, src=self.last % self.options.stages, group=group
@@ -335,7 +404,8 @@ class Runner:
                     [torch.as_tensor(v, dtype=torch.float64, device=dev).reshape(()) for v in vals]
                 ).mean()
             vec[-1] = _signature(structure)
-        C.all_reduce(vec, "sum", group=group)
+        if apart:
+            C.all_reduce(vec, "sum", group=group)
         if (self.last in self.mine and structure != known) or float(vec[-1]) != _signature(known):
             raise ValueError(
                 f"{self.step.name}: loss_fn's result changed form between steps ({known} before); under "
@@ -343,11 +413,13 @@ class Runner:
                 "the same scalar aux keys"
             )
         aux = {k: vec[2 + j].float() for j, k in enumerate(scalars)}
+        aux["pipeline_idle"] = self.idle
+        aux["pipeline_in_flight"] = self.in_flight
         if records:  # aux values that are not scalars stay on the last stage
             aux.update({k: v for k, v in records[-1][2].items() if k not in aux})
         loss = vec[0].float()
         out = Mean(loss, vec[1]) if mean else loss
-        return (out, aux) if aux or (records and records[0][2]) else out
+        return out, aux
 
     def params_device(self) -> torch.device:
         b = self.state.spec.layout.buckets
@@ -356,6 +428,10 @@ class Runner:
     def _all_params(self, params: Any, lent: dict) -> Any:
         """The params ``loss_fn`` is given on this rank: its stages' (and the weights lent to them), the
         placeholders of the parameters other ranks hold elsewhere (never read: their modules do not run)."""
+        run = ACTIVE_RUN.get()
+        if run is not None:  # shard_params' stand-ins, which gather unit by unit: as they are, with the lent
+            run.lend(lent)
+            return params
         held = self.functional.params
         rest = {n: t for n, t in held.items() if n not in params and n not in lent}
         if isinstance(params, PendingParams):
@@ -365,7 +441,11 @@ class Runner:
 
 
 def _leaves(params: Any) -> dict:
-    """name -> the tensor the step bound for each trainable parameter (read without waiting)."""
+    """name -> the tensor the step bound for each trainable parameter (read without waiting); under
+    ``shard_params`` its runner's leaves (``params`` are placeholders), which view the units' buffers."""
+    run = ACTIVE_RUN.get()
+    if run is not None:
+        return {n: t for n, t in run.leaves.items() if t.requires_grad}
     if isinstance(params, PendingParams):
         return {n: params.peek(n) for n in dict.keys(params) if params.peek(n).requires_grad}
     return {n: t for n, t in params.items() if isinstance(t, torch.Tensor) and t.requires_grad}

@@ -40,7 +40,14 @@ their gradients land, as in ``shard_grads``), and the ``storage``, with a
   hooks: its unit opens and closes around its compiled call, in eager code
   (:class:`~zerofn.transforms._units.Intercept`), and the modules inside it
   run in the open unit, so dynamo never traces zerofn's work (docs/compile.md).
-  Nothing stays on the modules after the step.
+  Nothing stays on the modules after the step. Under ``pipeline_parallel``
+  a step runs several micro-batches, each stage's forwards and backwards
+  interleaved by the schedule (``Runner.run_microbatches``, which the
+  pipeline sets): each forward and each backward gathers the units it
+  runs (FSDP2 under torchtitan's pipeline), the gradients accumulate over
+  the micro-batches and each unit's is reduce-scattered once, after its
+  last; the pipeline's ``reshard_between_microbatches=False`` keeps each
+  unit gathered from its first gather to its last backward instead.
 - ``opt_view`` / ``publish``: the state holds shards, which the optimizer
   updates in place; nothing is gathered after the update.
 - ``init``: the state is built shard by shard, one module's parameters at

@@ -89,6 +89,10 @@ class StandIns:
             if name in unit_of:
                 self.places[unit_of[name].index].append((owner, attr, name))
         self.placeholders = {n: Placeholder(leaves[n], runner, n) for n in leaves}
+        # what the model's places get for a call: the placeholders, and the module's own (meta) ones for the
+        # parameters this state does not hold (a pipeline's other stages, whose modules do not run here)
+        rest = {n: t for n, t in functional.params.items() if n not in self.placeholders}
+        self.swapped = {**rest, **self.placeholders} if rest else self.placeholders
         self.params: Any = None  # the params tree loss_fn receives, once built (see tree)
 
     def tree(self, treedef: Any, names: tuple) -> Any:

@@ -47,6 +47,17 @@ def _grad_node(t: torch.Tensor) -> Any:
     return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
 
 
+class _Task:
+    """One backward (autograd's graph task) of a step of several micro-batch backwards: the units it gathered,
+    released when it ends, and the units still to come in it (the forwards of the model calls it reached,
+    reversed)."""
+
+    def __init__(self) -> None:
+        self.units: dict[LiveUnit, None] = {}
+        self.queue: list[LiveUnit] = []
+        self.runs: set[int] = set()
+
+
 class Runner:
     """Gathers and releases units around the module's forward and backward."""
 
@@ -124,6 +135,11 @@ class Runner:
         self.input_hooks: list = []  # see _watch_inputs
         self.stand_ins = StandIns(functional, self, self.leaves, self.unit_of, self.units)
         self.copies: dict[str, torch.Tensor] = {}  # parameters read outside their unit: gathered copies
+        # Several micro-batch forwards and backwards in the step (a pipeline's schedule): see run_microbatches.
+        self.micro: int | None = None
+        self.reshard = True
+        self.runs: list[list[LiveUnit]] = []  # the units each model call opened
+        self.tasks: dict[int, _Task] = {}  # graph task id -> the backward's units
 
     def _watch_calls(self) -> None:
         """Make every module call inside a unit open the unit (the unit's own module or any of its submodules:
@@ -183,6 +199,55 @@ class Runner:
         self.intercepts = []
 
     # ---------------------------------------------------------- entry points
+
+    def run_microbatches(self, m: int, *, reshard: bool = True) -> None:
+        """This step runs ``m`` micro-batches (a pipeline's schedule): model calls (a stage's forward of a
+        micro-batch each) and, later, in any order, backwards (a micro-batch's, through one or more of those
+        calls), each handing every trainable parameter one gradient, which accumulates in its leaf: the sink
+        (the caller's) reduces it once all ``m`` are in, so each unit's gradient is reduced once a step. Call
+        before the first model call. ``torch.autograd.grad`` calls that accumulate nothing (a stage's input
+        gradient alone, the shapes' inference) are backwards too, handing no gradient.
+
+        Each model call gathers its units as a step's forward does (the root and the call's last block stay
+        gathered for its backward, the blocks before are released); each backward gathers them again as it
+        reaches them (prefetching the next ones of its calls' forwards, reversed) and, with ``reshard``,
+        releases each unit once its gradients of that backward are in (a unit with frozen parameters, whose
+        weights may compute its inputs' gradients after that, and whatever else the backward gathered, when the
+        backward ends). Without ``reshard`` a unit stays gathered from its first gather to its last micro-batch's
+        backward (FSDP2 under a pipeline with ``reshard_after_forward=False``): one gather a step, this rank's
+        stages' parameters whole meanwhile.
+
+        The ranks agree on the units as in any step; the order recorded for the next step is every unit each
+        call opened, in turn (the schedule repeats it), not each unit once.
+        """
+        self.micro, self.reshard = m, reshard
+        for unit in self.units:
+            unit.per_round = unit.remaining
+            unit.rounds_left = m if unit.remaining else 0
+
+    def lend(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Tensors that the model's calls read for parameters this state does not hold (a pipeline's weight
+        tied across stages, lent for the step by the stage that holds it); before the first model call."""
+        if tensors:
+            self.stand_ins.swapped = {**self.stand_ins.swapped, **tensors}
+
+    def whole(self, name: str) -> torch.Tensor:
+        """A detached copy of parameter ``name``, gathered (its unit gathered for it if it is not, agreed on
+        by the ranks first, and released again after, as for a read from outside the unit)."""
+        unit = self.unit_of[name]
+        idle = unit.idle
+        if idle:
+            self.agreement.agree(Point.OUTSIDE, unit)
+        self.ensure(unit)
+        copy = self.leaves[name].detach().clone()
+        if idle and unit.depth == 0 and unit is not self.open_block:
+            self._release(unit)
+        return copy
+
+    def order(self) -> list[LiveUnit]:
+        """The order to record for the next step: each unit as the forward first opened it, or, under several
+        micro-batches, every unit each model call opened."""
+        return list(self.forward_order) if self.micro is not None else list(dict.fromkeys(self.forward_order))
 
     def placeholders(self) -> Any:
         """What loss_fn receives: placeholders shaped like the parameters (meta tensors), for apply to
@@ -244,14 +309,31 @@ class Runner:
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         outer, self.phase = self.phase, Phase.FORWARD
+        micro = self.micro is not None and outer is not Phase.FORWARD
+        if micro:
+            self.runs.append([])
         try:
             # The model shows placeholders but in the unit whose modules run, so a parameter read from outside
             # its unit is gathered for the read (outside), wherever the read is.
-            out = self.functional.call_with(self.stand_ins.placeholders, args, kwargs)
+            out = self.functional.call_with(self.stand_ins.swapped, args, kwargs)
+        except BaseException:
+            if micro:  # a pipeline's stage before the last stops inside the model (at its final norm)
+                self._unwind()
+            raise
         finally:
             self.phase = Phase.FORWARD if outer is Phase.FORWARD else Phase.BETWEEN  # a model call in a model call
         self.agreement.agree(Point.END, None)  # every rank's forward ends here, having run the same units
         return out
+
+    def _unwind(self) -> None:
+        """A micro-batch's model call ended by an exception (a pipeline stage's end before the last stage's):
+        the calls it left open are over; the root and the call's last block stay gathered for its backward, as
+        when the call returns."""
+        for unit in self.units:
+            if unit.depth:
+                unit.depth = 0
+                self._show(unit, False)
+        self.open_block = None
 
     def close(self) -> None:
         self.phase = Phase.CLOSED  # the model has its own parameters back
@@ -265,6 +347,7 @@ class Runner:
         with contextlib.suppress(RuntimeError):
             self.agreement.settled()
         self.copies = {}
+        self.tasks = {}
         self.read_ahead.close()
 
     # ---------------------------------------------------------- gather and release
@@ -336,6 +419,9 @@ class Runner:
         if unit.pinned and not (final or (over and not unit.spec.frozen)):
             self._show(unit, False)
             return
+        if self.micro is not None and not self.reshard and not final and not unit.finished:
+            self._show(unit, False)  # kept gathered until its last micro-batch's backward (run_microbatches)
+            return
         for h in unit.handles:
             h.wait()
         unit.handles = []
@@ -364,6 +450,8 @@ class Runner:
         self.ensure(unit)
         if self._inner():
             unit.pinned = True
+        if self.micro is not None and torch._C._current_graph_task_id() != -1:
+            self._task().units[unit] = None  # released when this backward ends (if not before)
 
     def _inner(self) -> bool:
         """Whether autograd is running a backward other than the step's: a ``torch.autograd.grad`` inside
@@ -409,7 +497,7 @@ class Runner:
             self._opened(unit)
         if unit.depth == 0:
             self._show(unit, True)
-            if torch.is_grad_enabled() and self.sink is not None:
+            if torch.is_grad_enabled() and self.sink is not None and self.micro is None:
                 self._watch_inputs(unit, args)
         unit.depth += 1
 
@@ -442,6 +530,8 @@ class Runner:
 
     def _opened(self, unit: LiveUnit) -> None:
         self.forward_order.append(unit)
+        if self.runs:
+            self.runs[-1].append(unit)
         expected = self._expected_forward()
         if not unit.fulls:  # a unit without parameters issues no collective to disagree on
             self.ensure(unit)
@@ -471,16 +561,26 @@ class Runner:
 
     def _after(self, unit: LiveUnit, top: bool, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled() and self.sink is not None:
+            hook = self._before_backward
+            if self.micro is not None:  # the backward of this model call (a recompute's: of the one under way)
+                hook = functools.partial(self._backward_of, len(self.runs) - 1 if self.phase is Phase.FORWARD else None)
             for t in T.tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     unit.backward = True
-                    t.register_hook(C.with_current_group(functools.partial(self._before_backward, unit)))
+                    t.register_hook(C.with_current_group(functools.partial(hook, unit)))
         if self.phase is not Phase.FORWARD:  # a recompute in backward: see _before
             return
         unit.depth -= 1
         if unit.depth == 0:
             self._show(unit, False)
-        if top and unit.depth == 0:
+        if top and unit.depth == 0 and self.micro is not None:
+            # Several micro-batches: a block stays open until the next one opens (which releases it) or the
+            # model call ends, whose last block stays gathered for the call's backward, as the root does.
+            if unit.spec.name == ROOT:
+                self.open_block = None
+            elif unit is not self.open_block:  # a block that another opened inside it
+                self._release(unit)
+        elif top and unit.depth == 0:
             # The root and the forward's last block are the first backward needs: they stay gathered
             # (as FSDP2 keeps its root), saving their gathers at backward's start and the wait for them.
             backward = torch.is_grad_enabled() and self.sink is not None
@@ -508,8 +608,79 @@ class Runner:
 
     def _grad_in(self, unit: LiveUnit) -> Callable[[torch.Tensor], None]:
         def on_grad(leaf: torch.Tensor) -> None:
+            if self.micro is not None:
+                self._micro_grad_in(unit)
+                return
             unit.remaining -= 1
             if unit.remaining == 0 and unit.inputs == 0:  # its backward is over: the full parameters can go
                 self._release(unit, over=True)
 
         return on_grad
+
+    # ---------------------------------------------------------- several micro-batches (run_microbatches)
+
+    def _task(self) -> _Task:
+        """The backward now running (autograd's graph task): made at its first hook, its end queued."""
+        tid = torch._C._current_graph_task_id()
+        task = self.tasks.get(tid)
+        if task is None:
+            task = self.tasks[tid] = _Task()
+            end = C.with_current_group(functools.partial(self._task_over, tid))
+            torch.autograd.Variable._execution_engine.queue_callback(end)
+        return task
+
+    def _round(self, unit: LiveUnit) -> None:
+        """A backward that reaches ``unit`` for the first time counts its gradients afresh."""
+        tid = torch._C._current_graph_task_id()
+        if unit.task != tid:
+            unit.task = tid
+            unit.remaining = unit.per_round if unit.rounds_left else 0
+
+    def _needed(self, unit: LiveUnit) -> bool:
+        """Whether the backward now running still needs ``unit`` (as ``needed_in_backward``, a unit it has not
+        reached yet counting all its trainable parameters as to come)."""
+        fresh = unit.task != torch._C._current_graph_task_id()
+        return bool(unit.fulls) and (
+            bool(unit.rounds_left if fresh else unit.remaining) or (bool(unit.spec.frozen) and unit.backward)
+        )
+
+    def _backward_of(self, run: int | None, unit: LiveUnit, grad: torch.Tensor) -> None:
+        """``_before_backward`` for the backward of model call ``run`` (one backward may run through several:
+        the stages one rank runs in turn): gather the unit, prefetch the next units of the call's forward,
+        reversed."""
+        task = self._task()
+        if run is not None and run not in task.runs:
+            task.runs.add(run)
+            task.queue += [u for u in dict.fromkeys(reversed(self.runs[run])) if u not in task.queue]
+        if unit in task.queue:
+            task.queue.remove(unit)
+        self._round(unit)
+        if unit.remaining or unit.spec.frozen:
+            self._ensure_backward(unit)
+        ahead = [u for u in task.queue if self._needed(u)][: self.prefetch]
+        self._prefetch(ahead, unit, agree=True)
+        for u in ahead:
+            task.units[u] = None
+
+    def _micro_grad_in(self, unit: LiveUnit) -> None:
+        """One of ``unit``'s gradients in this micro-batch's backward; the last of them ends the unit's part of
+        it: it is released (with ``reshard``, or after its last micro-batch). A unit with frozen parameters
+        waits for the backward's end (they may compute its inputs' gradients after the trainable ones')."""
+        self._round(unit)
+        if unit.remaining == 0:
+            return
+        unit.remaining -= 1
+        if unit.remaining == 0:
+            unit.rounds_left -= 1
+            if not unit.spec.frozen and (self.reshard or unit.finished):
+                self._release(unit, over=True)
+
+    def _task_over(self, tid: int) -> None:
+        """A micro-batch's backward ended: release what it gathered and still holds (with ``reshard``; else the
+        units whose last micro-batch it was)."""
+        task = self.tasks.pop(tid, None)
+        if task is None or self.phase is Phase.CLOSED:
+            return
+        for unit in task.units:
+            if not unit.idle and unit.depth == 0 and (self.reshard or unit.finished):
+                self._release(unit, over=True)

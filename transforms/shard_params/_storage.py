@@ -111,7 +111,7 @@ class UnitStorage(Storage):
             ACTIVE_RUN.reset(token)
             runner.close()
             if runner.forward_order:
-                extra[ORDER] = counters.new_like(u.index for u in dict.fromkeys(runner.forward_order))
+                extra[ORDER] = counters.new_like(u.index for u in runner.order())
 
     def runner(self, state: TrainState, functional: Functional, sink: GradSink | None = None) -> Runner:
         """A runner of ``state``'s units on ``functional``'s model; ``sink``: where the gradients go (None: a

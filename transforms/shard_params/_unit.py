@@ -34,6 +34,12 @@ class LiveUnit:
         # (see Runner._inner).
         self.pinned = False
         self.lease: alloc.Lease | None = None  # the host buffer its shards were read into, while gathered
+        # A step of several micro-batch backwards (a pipeline's, see Runner.run_microbatches): its trainable
+        # leaves (each backward hands each one gradient), the backwards still to hand them, and the backward
+        # (autograd's graph task) whose gradients ``remaining`` counts.
+        self.per_round = 0
+        self.rounds_left = 0
+        self.task: int | None = None
 
     def give_back(self) -> None:
         """The gather is done: the buffer its shards were read into goes back to the pool."""
@@ -46,6 +52,11 @@ class LiveUnit:
         """Backward still needs its parameters: gradients of its own to come, or frozen weights that
         backward runs through (not a frozen unit whose outputs needed no gradient: an embedding left frozen)."""
         return bool(self.remaining) or (bool(self.spec.frozen) and self.backward)
+
+    @property
+    def finished(self) -> bool:
+        """Under several micro-batch backwards: every one of them has handed its gradients in."""
+        return self.per_round > 0 and self.rounds_left == 0
 
     @property
     def idle(self) -> bool:

@@ -349,8 +349,16 @@ def _check_frozen(saved: Saved, parts: list[Part], lays: dict) -> None:
 def verify(path: str | os.PathLike) -> dict:
     """Check every file of a checkpoint against its manifest (sizes and every block's checksum).
 
-    Returns the manifest; raises :class:`IntegrityError` naming the first bad file.
+    Returns the manifest; raises :class:`IntegrityError` naming the first bad file. A split model's
+    checkpoint (one part per group of ranks: tensor-parallel slices, a pipeline's stages) has every part
+    checked, and gives part 0's manifest with every part's files (``part{i}/<name>``) and the ranks of
+    every part (``world_size``).
     """
+    split = partitions(path)
+    if split is not None:
+        parts = [verify(os.path.join(os.fspath(path), f"part{i}")) for i in range(len(split))]
+        files = {f"part{i}/{name}": rec for i, m in enumerate(parts) for name, rec in m["files"].items()}
+        return dict(parts[0], files=files, world_size=sum(m["world_size"] for m in parts))
     saved = Saved(path)
     try:
         for fname in saved.m["files"]:

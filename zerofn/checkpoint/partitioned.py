@@ -12,6 +12,12 @@ placements. :func:`view` gives the loader what it reads from a checkpoint
 cut as it was, else a :class:`PartView` whose every parameter is one bucket of its own, read by
 reassembling it from the saved parts (each part's piece of it read as that part saved it) and cutting the
 loading state's piece: one whole parameter of one quantity in memory at a time.
+
+A pipeline's parts hold different parameters (:class:`zerofn.sharding.Stage`: whole on the ranks at one
+coordinate of ``pp``, absent on the others): each part's checkpoint lists its own, and a view lists every
+part's, each read from the part at its stage's coordinate, leaving out those the loading part holds none of
+(another stage's). The update count of each parameter (``param_steps``, saved by each part in its own order)
+is carried over by name.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ import torch
 
 from zerofn import sharding
 from zerofn.checkpoint._format import FORMAT, CheckpointError
-from zerofn.checkpoint.manifest import IndexEntry, Piece, Saved, Source
-from zerofn.checkpoint.parts import BUFFERS
+from zerofn.checkpoint.manifest import IndexEntry, Piece, Saved, Scalar, Source
+from zerofn.checkpoint.parts import BUFFERS, PARAM_STEPS, PARAMS
 
 __all__ = ["PARTITIONS", "Cuts", "PartView", "into_part", "of_spec", "partitions", "record", "view", "whole"]
 
@@ -89,7 +95,7 @@ def of_spec(spec: Any) -> tuple[int, Cuts] | None:
     cutting = [
         k
         for k in range(len(spec.mesh))
-        if spec.mesh[k][0] not in apart and any(not isinstance(ps[k], sharding.Replicate) for _, ps in spec.placements)
+        if spec.mesh[k][0] not in apart and any(_cuts(ps[k], spec.mesh[k][1]) for _, ps in spec.placements)
     ]
     if not cutting:
         return None
@@ -101,6 +107,12 @@ def of_spec(spec: Any) -> tuple[int, Cuts] | None:
         index = index * size + c
     placements = {name: tuple(ps[k] for k in cutting) for name, ps in spec.placements}
     return index, Cuts(axes, sizes, coords, placements)
+
+
+def _cuts(p: sharding.Placement, size: int) -> bool:
+    """Whether ``p`` on an axis of ``size`` ranks leaves some of them without the whole tensor (a stage of an
+    axis of one rank is everywhere)."""
+    return not isinstance(p, sharding.Replicate) and not (isinstance(p, sharding.Stage) and size == 1)
 
 
 def view(path: str, parts: dict[int, Cuts], first: Saved, mine: tuple[int, Cuts] | None) -> Any:
@@ -141,36 +153,81 @@ class PartView:
         base = parts[0]
         self.what = f"checkpoint {os.path.abspath(path)}"
         self.m = dict(base.m, world_size=-1)  # no RNG states: the ranks differ
-        self.layouts, self.small, self.keys = base.layouts, base.small, base.keys
+        self.layouts = base.layouts
         self.quantities, self.precise, self.newer = base.quantities, base.precise, base.newer
         self.index: dict[str, IndexEntry] = {}
         self.pieces: dict[Source, list[Piece]] = {}
         self._names: dict[int, str] = {}
-        by_bucket: dict[tuple[str, int], list[str]] = {}
-        for src in base.pieces:
-            by_bucket.setdefault((src.kind, src.bucket), []).append(src.key)
+        self._holder: dict[str, int] = {}  # name -> the first part that holds (a piece of) it
         self.pieces.update((src, ps) for src, ps in base.pieces.items() if src.kind == BUFFERS)  # read from part 0
-        for name, e in base.index.items():
-            if e.kind == BUFFERS:
-                self.index[name] = e
-                continue
-            whole = self._whole_shape(name, e.shape)
-            shape = tuple(self._cut(name, torch.empty(whole, device="meta")).shape)
-            numel = int(torch.Size(shape).numel())
-            vid = len(self._names)  # one bucket of its own per parameter
-            self._names[vid] = name
-            self.index[name] = IndexEntry(e.kind, vid, 0, numel, shape, e.dtype)
-            for key in sorted(set(by_bucket.get((e.kind, e.bucket), []))):
-                self.pieces[Source(key, e.kind, vid)] = [
-                    Piece(0, numel, _VIRTUAL, 0, base.dtype(Source(key, e.kind, e.bucket)))
-                ]
+        # every part's parameters (a pipeline's parts hold different ones), each once; those the loading part
+        # holds none of (another stage's) left out
+        for p, part in enumerate(parts):
+            by_bucket: dict[tuple[str, int], set] = {}
+            for src in part.pieces:
+                by_bucket.setdefault((src.kind, src.bucket), set()).add(src.key)
+            for name, e in part.index.items():
+                if name in self.index or (e.kind == BUFFERS and p > 0):
+                    continue
+                if e.kind == BUFFERS:
+                    self.index[name] = e
+                    continue
+                if wanted is not None and not sharding.holds(wanted.placements.get(name, ()), wanted.coords):
+                    continue
+                self._holder[name] = p
+                whole = self._whole_shape(name, e.shape)
+                shape = tuple(self._cut(name, torch.empty(whole, device="meta")).shape)
+                numel = int(torch.Size(shape).numel())
+                vid = len(self._names)  # one bucket of its own per parameter
+                self._names[vid] = name
+                self.index[name] = IndexEntry(e.kind, vid, 0, numel, shape, e.dtype)
+                for key in sorted(by_bucket.get((e.kind, e.bucket), ())):
+                    dtype = part.dtype(Source(key, e.kind, e.bucket))
+                    self.pieces[Source(key, e.kind, vid)] = [Piece(0, numel, _VIRTUAL, 0, dtype)]
+        self.small: dict = {}
+        self._small_part: dict[str, int] = {}
+        for p, part in enumerate(parts):  # the same in every part (counts, the loss scale), but a group's counts
+            for key, scalar in part.small.items():  # that some parts only have
+                if key not in self.small:
+                    self.small[key], self._small_part[key] = scalar, p
+        self._steps = self._param_steps()
+        self.small.pop(PARAM_STEPS, None)
+        if self._steps is not None:
+            self.small[PARAM_STEPS] = Scalar("", 0, self._steps.dtype, tuple(self._steps.shape))
+        self.keys = {src.key for src in self.pieces} | set(self.small)
         self._cache: tuple | None = None
 
+    def _param_steps(self) -> torch.Tensor | None:
+        """Each trainable parameter's update count, in the loading part's order, gathered by name from the
+        parts that saved them (each saved its own, in its params tree's order: the sorted names of a dict);
+        None where a part saved none, or not one per trainable parameter (the loader then gives every
+        parameter the step's count)."""
+        counts: dict[str, int] = {}
+        dtype = None
+        for part in self.parts:
+            if PARAM_STEPS not in part.small:
+                return None
+            names = sorted(n for n, e in part.index.items() if e.kind == PARAMS)
+            steps = part.read_small(PARAM_STEPS)
+            if steps.numel() != len(names):
+                return None
+            dtype = steps.dtype
+            for n, c in zip(names, steps.view(-1).tolist()):
+                counts.setdefault(n, c)
+        wanted = sorted(n for n, e in self.index.items() if e.kind == PARAMS)
+        if dtype is None or any(n not in counts for n in wanted):
+            return None
+        return torch.tensor([counts[n] for n in wanted], dtype=dtype)
+
+    def _placed(self, name: str) -> tuple | None:
+        """``name``'s placements as saved (None: whole in every part that holds it)."""
+        return next((cuts.placements[name] for cuts in self.saved if name in cuts.placements), None)
+
     def _whole_shape(self, name: str, local: tuple) -> tuple:
-        cuts = self.saved[0]
-        if name not in cuts.placements:
+        placements = self._placed(name)
+        if placements is None:
             return tuple(local)
-        return sharding.whole_shape(local, cuts.placements[name], cuts.sizes)
+        return sharding.whole_shape(local, placements, self.saved[0].sizes)
 
     def _cut(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         """The loading state's piece of the whole parameter ``name`` (itself when the state holds it whole)."""
@@ -184,10 +241,11 @@ class PartView:
         if self._cache is not None and self._cache[0] == source:
             return self._cache[1]
         name = self._names[source.bucket]
-        placements = self.saved[0].placements.get(name)
-        if placements is None:  # whole in every part: part 0's
-            holders = {(): 0}
-        else:  # one part per distinct piece (parts sharing a piece, as key/value heads fewer than ranks, read once)
+        placements = self._placed(name)
+        if placements is None:  # whole in every part that holds it: the first's
+            holders = {(): self._holder[name]}
+        else:  # one part per distinct piece (parts sharing a piece, as key/value heads fewer than ranks, read once;
+            # a stage's parameter, from the part at its coordinate)
             by_coords = {cuts.coords: p for p, cuts in enumerate(self.saved)}
             holders = {c: by_coords[c] for c in sharding.pieces(placements, self.saved[0].sizes)}
         held = {}
@@ -221,10 +279,19 @@ class PartView:
         return self.parts[0].entries()
 
     def small_for(self, key: str) -> str | None:
-        return self.parts[0].small_for(key)
+        if key == PARAM_STEPS:
+            return key if self._steps is not None else None
+        for p, part in enumerate(self.parts):
+            found = part.small_for(key)
+            if found is not None:
+                self._small_part[found] = p
+                return found
+        return None
 
     def read_small(self, key: str) -> torch.Tensor:
-        return self.parts[0].read_small(key)
+        if key == PARAM_STEPS and self._steps is not None:
+            return self._steps.clone()
+        return self.parts[self._small_part.get(key, 0)].read_small(key)
 
     def reader(self, fname: str) -> Any:
         raise CheckpointError(

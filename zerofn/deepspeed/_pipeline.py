@@ -104,18 +104,12 @@ def read_pipeline(raw: dict, world: int, group: Any, ignored: dict, stages: Any 
 
 
 def check_pipeline(pipe: PipelineSpec, stage: int, mics: int | None, accumulation: int, sp: int) -> None:
-    """Raise for what the pipeline does not run beside: ZeRO-3 (DeepSpeed refuses ZeRO-2 and 3 with a pipeline;
-    zerofn's ``shard_grads`` composes), MiCS, Ulysses (``context_parallel``), and fewer micro-batches than stages."""
+    """Raise for what is not mapped beside a pipeline: MiCS, Ulysses (``context_parallel``), and fewer
+    micro-batches than stages. ZeRO-2 and ZeRO-3, which DeepSpeed refuses with a pipeline, compose in zerofn
+    (``shard_grads``, ``shard_params`` over each stage's data-parallel ranks)."""
     if pipe.stages is None:
         return
     n = pipe.stages
-    if stage == 3:
-        raise ValueError(
-            f"from_deepspeed: zero_optimization.stage 3 with a pipeline of {n} stages: DeepSpeed refuses ZeRO-2 and "
-            "ZeRO-3 with pipeline parallelism, and zerofn's shard_params does not run under pipeline_parallel. Write "
-            '"stage": 1 (DeepSpeed\'s choice beside a pipeline) or "stage": 2 (shard_grads composes with the '
-            "pipeline): each stage's optimizer state, and with 2 its gradients, sharded over its data-parallel ranks"
-        )
     if mics is not None:
         raise ValueError(
             f"from_deepspeed: zero_optimization.mics_shard_size with a pipeline of {n} stages: DeepSpeed's MiCS is "
@@ -124,9 +118,9 @@ def check_pipeline(pipe: PipelineSpec, stage: int, mics: int | None, accumulatio
         )
     if sp > 1:
         raise ValueError(
-            f"from_deepspeed: sequence_parallel_size {sp} with a pipeline of {n} stages: zerofn's pipeline_parallel "
-            "does not run beside context_parallel (Ulysses). Remove sequence_parallel_size, or the pipeline "
-            "(pipeline_stages, pipeline.stages)"
+            f"from_deepspeed: sequence_parallel_size {sp} with a pipeline of {n} stages: from_deepspeed does not map "
+            "Ulysses beside a pipeline. Remove sequence_parallel_size and write the step by hand: "
+            "pipeline_parallel(context_parallel(step, sp), stages, microbatches=m)"
         )
     if accumulation < n:
         raise ValueError(

@@ -329,7 +329,7 @@ def forward_backward(step: Any, state: TrainState, batch: Any, sink: GradSink, s
         token = BINDING.set(stack)
         stack.callback(BINDING.reset, token)
         for e in step.extensions:
-            if e.feed is not None:
+            if e.feed is not None and runner is None:  # a runner feeds each of its micro-batches itself
                 batch = e.feed(batch)
         with step.precision.autocast(device_of(state.spec.layout)):
             out = runner(params, batch) if runner is not None else step.loss_fn(params, batch)

@@ -56,7 +56,9 @@ def init_state(step: Any, params: Any, keep_module: bool, structure_only: bool) 
         if c.placements is not None and not (c.feeds or c.reduces) and step.mesh is not None:
             if c.axis in step.mesh.axes and step.mesh.size(c.axis) > 1:
                 for name, p in c.placements().items():
-                    if name in split.named:  # consecutive ranks that hold the same piece (shared heads)
+                    # consecutive ranks that hold the same piece (shared heads); a stage's parameters are whole
+                    # where held (their gradient norm is summed over the pipeline's axis as a whole)
+                    if name in split.named and not isinstance(p, sharding.Stage):
                         cut[name] = (c.axis, getattr(p, "share", step.mesh.size(c.axis)))
     split = split._replace(apart=apart, cut=cut, replicate=step.reduction.replicate)
     names = names_view(split.treedef, split.named, split.trainable)
@@ -129,7 +131,10 @@ def device_of(layout: Layout) -> str:
 
 
 def _placements(step: Any) -> tuple[tuple, tuple]:
-    """(the step's mesh as this rank sees it, each cut parameter's placements on its axes), for the spec."""
+    """(the step's mesh as this rank sees it, each cut parameter's placements on its axes), for the spec. A
+    claim that places parameters whole on some coordinates of its axis (``zerofn.sharding.Stage``: a
+    pipeline's stages) names every parameter of the model, so the spec lists those this rank does not hold
+    too, alike on every rank of the axis."""
     mesh = step.mesh
     if mesh is None:
         return (), ()

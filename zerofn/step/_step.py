@@ -245,7 +245,11 @@ class Step:
         the fp32 master weights cast to the dtype each parameter had when
         ``init`` received it (the model's: fp32 for a model built in fp32;
         frozen parameters, which have no master, the held values cast), so
-        they compute beside fp32 inputs as the model did.
+        they compute beside fp32 inputs as the model did. Under
+        ``pipeline_parallel``, whose ranks hold their stages' parameters only
+        (placed ``zerofn.sharding.Stage`` on ``pp``), each stage's parameters
+        are sent from the ranks that hold them: every rank gets the whole
+        model, a dict of every parameter in the model's order.
 
         ``master=True`` gives the weights the optimizer updates, in their
         own dtype (amp's fp32 masters; with ``amp(..., master_dtype=bf16)``
@@ -256,7 +260,7 @@ class Step:
         ``state.spec.placements`` say), not gathered over the tensor-parallel
         group; under ``amp`` in its dtype (bf16; the norms it keeps in fp32
         in fp32); sharded parameters still gathered whole over the
-        data-parallel ranks.
+        data-parallel ranks; a pipeline's rank, its own stages' parameters only.
         ``requires_grad=True`` marks the trainable parameters (not the
         frozen ones), so that ``other_step.init(step.full_params(state,
         requires_grad=True))`` builds a state that trains the same ones.
@@ -289,8 +293,16 @@ class Step:
                 leaves[i] = t.to(want)
         if split:
             _join_pieces(self.mesh, spec, leaves)
+        trainable = {s.name for b in spec.layout.buckets for s in b.slots}
+        staged = _staged_axes(spec) if split else []
+        if staged:  # parameters other ranks hold whole (a pipeline's other stages): sent from there
+            named = _from_stages(self.mesh, staged, dict(zip(spec.layout.names, leaves)), trainable)
+            del leaves
+            if requires_grad:
+                for name in trainable:
+                    named[name].requires_grad_(True)
+            return {n: named[n] for n in _model_order(spec, named)}
         if requires_grad:  # trainable as they were, for init, which reads trainability from requires_grad
-            trainable = {s.name for b in spec.layout.buckets for s in b.slots}
             for name, t in zip(spec.layout.names, leaves):
                 if name in trainable:
                     t.requires_grad_(True)
@@ -302,11 +314,18 @@ class Step:
         their names) and every persistent buffer, for ``model.load_state_dict(..., strict=True)``.
 
         Collective, like :meth:`full_params`; ``master`` and ``local`` as there (whole parameters in the
-        model's dtypes by default, which a freshly built model loads; ``local=True``: this rank's slices
-        under ``tensor_parallel``, which its split model loads).
+        model's dtypes by default, which a freshly built model loads, every stage's under a pipeline;
+        ``local=True``: this rank's slices under ``tensor_parallel``, which its split model loads, and a
+        pipeline's rank the entries of its own stages' parameters, with every buffer).
         """
         full = self.full_params(state, master=master, local=local)
-        return run_model(self, state.run).state_dict_of(full, state.buffers)
+        model = run_model(self, state.run)
+        absent = {held for _, kind, held in model.state_dict_names() if kind == "param" and held not in full}
+        if not absent:
+            return model.state_dict_of(full, state.buffers)
+        # local=True on a rank that holds some parameters only (a pipeline's stage): its entries alone
+        out = model.state_dict_of(dict.fromkeys(absent) | dict(full), state.buffers)
+        return {n: out[n] for n, kind, held in model.state_dict_names() if kind != "param" or held not in absent}
 
     @in_group
     def apply(self, state: TrainState, *args: Any, **kwargs: Any) -> Any:
@@ -457,6 +476,60 @@ def _join_pieces(mesh: Any, spec: StateSpec, leaves: list) -> None:
                 t = t.clone()  # the next gather writes over the buffer
             del out, held
         leaves[i] = t
+
+
+def _staged_axes(spec: StateSpec) -> list[tuple[int, str, int]]:
+    """(index, axis, size) of each axis of more than one rank on which some parameter is whole at one coordinate
+    only (:class:`zerofn.sharding.Stage`: a pipeline's stages), innermost first."""
+    found = []
+    for k, (axis, size, _) in enumerate(spec.mesh):
+        if size > 1 and any(isinstance(ps[k], sharding.Stage) for _, ps in spec.placements):
+            found.append((k, axis, size))
+    return found[::-1]
+
+
+def _from_stages(mesh: Any, staged: list, named: dict, trainable: set) -> dict:
+    """``named`` (this rank's whole parameters, by name) with every parameter the ranks at another coordinate
+    of a staged axis hold, sent by the first rank of the axis's group that holds it to those that do not (what
+    each rank holds told first: names, shapes, dtypes, trainability); ``trainable`` grows by the received
+    trainable ones. Collective over each staged axis's group."""
+    device = next((t.device for t in named.values()), torch.device("cpu"))
+    for _, axis, size in staged:
+        group, me = mesh.group(axis), mesh.coordinate(axis)
+        mine = [(n, tuple(t.shape), t.dtype, n in trainable) for n, t in named.items()]
+        every = C.gather_objects(mine, group=group)
+        holders: dict[str, list[int]] = {}
+        meta: dict[str, tuple] = {}
+        for r, held in enumerate(every):
+            for n, shape, dtype, trains in held:
+                holders.setdefault(n, []).append(r)
+                meta.setdefault(n, (shape, dtype, trains))
+        handles, sent = [], []  # the tensors sent are kept until every send is done
+        for n in sorted(holders):  # one order on every rank: each send meets its receive
+            have = holders[n]
+            if len(have) == size:
+                continue
+            if me == have[0]:
+                sent.append(named[n].detach().contiguous())
+                handles += [C.send(sent[-1], to, async_op=True, group=group) for to in range(size) if to not in have]
+            elif me not in have:
+                shape, dtype, trains = meta[n]
+                named[n] = torch.empty(shape, dtype=dtype, device=device)
+                handles.append(C.recv(named[n], have[0], async_op=True, group=group))
+                if trains:
+                    trainable.add(n)
+        for h in handles:
+            h.wait()
+        del sent
+    return named
+
+
+def _model_order(spec: StateSpec, named: dict) -> list[str]:
+    """The names of ``named`` in the model's order (its ``state_dict``'s, each parameter at its first name),
+    those the model does not list after them, sorted."""
+    first = [held for _, kind, held in spec.model if kind == "param" and held in named]
+    order = list(dict.fromkeys(first))
+    return order + sorted(set(named) - set(order))
 
 
 # ---------------------------------------------------------------- building and transforming steps
