@@ -132,10 +132,8 @@ def _at_four(root: str) -> dict:
     return {
         kind: {
             "pp4": _loaded(_build(kind, 4)[0], f"{root}/{kind}/pp2"),
-            # loaded only: a pipeline over a data-parallel pair under shard_optimizer trains on its own apart
-            # from one process from the third step, by up to 1e-3 and not alike twice (a stage reading its
-            # parameters before the previous update's all-gather ends, seemingly), whatever it started from
-            "pp2_dp2": _loaded(_build(kind, 2, sharded=True)[0], f"{root}/{kind}/pp2", train=False),
+            # beside a data-parallel pair under shard_optimizer: each half of the batch on a pair of stages
+            "pp2_dp2": _loaded(_build(kind, 2, sharded=True)[0], f"{root}/{kind}/pp2"),
         }
         if kind == "gpt2"
         else {"pp4": _loaded(_build(kind, 4)[0], f"{root}/{kind}/pp2")}
