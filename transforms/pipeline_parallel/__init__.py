@@ -152,6 +152,7 @@ def pipeline_parallel(
             options,
             prepare=lambda split_, functional, w: _prepare(split_, functional, w, options, m),
             runs=lambda s, state, sink, scale: Runner(s, state, sink, scale, options, m),
+            check=_check,
         )
     )
     return out.claim(
@@ -163,6 +164,22 @@ def pipeline_parallel(
         ),
         m,
     )
+
+
+def _check(step: Step) -> None:
+    """At ``init``: refuse the parallelisms a pipeline has not been made to run beside."""
+    if step.extension("expert_parallel") is not None:
+        raise ValueError(
+            f"{step.name}.init: pipeline_parallel does not run beside expert_parallel yet (a stage's experts "
+            "and their token exchanges are not cut by stage). Train the mixture of experts without the pipeline, "
+            "or the pipeline on a dense model."
+        )
+    if step.reduction.replicate:
+        raise ValueError(
+            f"{step.name}.init: pipeline_parallel does not run beside hybrid sharding (replicate=, hpz=) yet: a "
+            "pipeline's stages already keep the slow links for activations. Shard each stage's state over its "
+            "data-parallel ranks instead: leave replicate= and hpz= out."
+        )
 
 
 def _prepare(split: Any, functional: Any, where: str, options: PipelineOptions, mesh: Any) -> Any:

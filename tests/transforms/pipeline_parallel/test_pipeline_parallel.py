@@ -14,6 +14,7 @@ from torch import nn
 from zerofn.transforms import (
     amp,
     context_parallel,
+    expert_parallel,
     offload,
     pipeline_parallel,
     quantize,
@@ -196,6 +197,8 @@ def test_pp2_trains_as_one_process_with_each_schedule(ranks):
     results = ranks(2).run(_cases, cases)
     for case in cases:
         _check(results, case, 2e-3 if case[6] == "amp" else 1e-5)
+    for message in ranks(2).run(_hybrid_refused):
+        assert "does not run beside hybrid sharding (replicate=, hpz=)" in message and "leave replicate=" in message
     # 1F1B holds the activations of p - s micro-batches on stage s (at most m): 2 on the first, 1 on the last
     assert [r[cases[0]]["in_flight"] for r in results] == [2, 1]
     amp_case = cases[-1]
@@ -236,6 +239,12 @@ def test_pp2_tp2_dp2_on_eight_ranks(ranks):
     _check(results, case)
 
 
+def _hybrid_refused() -> str:
+    apply = zf.functional(_model("llama", 2))
+    step = shard_optimizer(zf.train_step(_loss_fn(apply, "model"), zf.optim.sgd(0.1)), replicate=2)
+    return refusals({"hybrid": lambda: pipeline_parallel(step, 1, microbatches=2).init(apply.params)})["hybrid"]
+
+
 def _refused() -> dict:
     apply = zf.functional(_model("llama", 2))
     step = zf.train_step(_loss_fn(apply, "model"), zf.optim.sgd(0.1))
@@ -256,6 +265,7 @@ def _refused() -> dict:
     calls["no parts"] = lambda: pipeline_parallel(
         zf.train_step(lambda p, b: plain(p, b).sum(), zf.optim.sgd(0.1)), 1, microbatches=2
     ).init(plain.params)
+    calls["expert_parallel"] = lambda: pipeline_parallel(expert_parallel(step, 1), 1, microbatches=2).init(apply.params)
     piped = pipeline_parallel(step, 1, microbatches=3)
     state = piped.init(apply.params)
     calls["rows"] = lambda: piped(state, _batch(0))
@@ -271,6 +281,7 @@ def test_refusals_say_what_to_do():
     assert "split=" in got["split"] and "increasing block indices" in got["split"]
     assert "parts=Parts(" in got["no parts"] and "Sequential" in got["no parts"]
     assert "microbatches=3" in got["rows"] and "[8]" in got["rows"]
+    assert "does not run beside expert_parallel" in got["expert_parallel"]
 
 
 def test_parts_name_a_model_of_its_own(ranks):
