@@ -107,7 +107,10 @@ def _stage_of(path: str, parts: Parts, block_stage: list[int], last: int) -> int
 
 def assign(model: nn.Module, parts: Parts, count: int, split: Sequence[int] | None, where: str) -> Stages:
     """Cut ``model``'s blocks into ``count`` stages (as even as they divide, the first stages taking one more;
-    or at the block indices ``split`` lists, ``count - 1`` of them) and say which stage holds each parameter:
+    or at the block indices ``split`` lists, ``count - 1`` of them; the first and the last stage may hold no
+    block: the last then runs the final norm, the head and the loss alone, which may weigh as much as several
+    blocks) and say which stage
+    holds each parameter:
     the embeddings (and ``parts.first``) the first, each block its stage, the rest (the final norm, the head)
     the last. A weight shared by modules of two stages (a head tied to the input embedding) is held by the
     first of them and read by both.
@@ -132,11 +135,13 @@ def assign(model: nn.Module, parts: Parts, count: int, split: Sequence[int] | No
     else:
         inner = [int(b) for b in split]
         bounds = [0, *inner, n]
-        if len(inner) != count - 1 or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        empty = [s for s in range(1, count - 1) if bounds[s + 1] <= bounds[s]]
+        if len(inner) != count - 1 or any(b < a for a, b in zip(bounds, bounds[1:])) or empty:
             raise ValueError(
-                f"{where}: split={list(split)} must list {count - 1} increasing block indices strictly between 0 "
-                f"and {n} (where stages 1..{count - 1} start), one boundary per stage after the first; e.g. "
-                f"split={[round(n * (s + 1) / count) for s in range(count - 1)]}"
+                f"{where}: split={list(split)} must list {count - 1} non-decreasing block indices from 0 to {n} "
+                f"(where stages 1..{count - 1} start), one boundary per stage after the first, every stage between "
+                "the first and the last holding a block (the first holds the embeddings, the last the head: they "
+                f"may hold none); e.g. split={[round(n * (s + 1) / count) for s in range(count - 1)]}"
             )
     block_stage = [s for s in range(count) for _ in range(bounds[s], bounds[s + 1])]
     owner: dict[str, int] = {}

@@ -100,7 +100,7 @@ ONE_PROCESS = {"amp": "amp", "qlora": "qlora"}  # the reference's composition: o
 def _train(case: tuple) -> dict:
     """``case``: (model, layers, pp, schedule, virtual stages, microbatches, composition, loss, overflow steps,
     clip); pp 0: one process over the whole batch."""
-    kind, layers, pp, schedule, v, m, compose, loss, overflows, clip = case
+    kind, layers, pp, schedule, v, m, compose, loss, overflows, clip, split = case
     apply = zf.functional(_model(kind, layers))
     opt = zf.optim.adamw(1e-3, eps=1e-4, weight_decay=0.1)
     if clip:
@@ -109,7 +109,7 @@ def _train(case: tuple) -> dict:
     step = zf.train_step(_loss_fn(apply, loss), opt, accumulate_steps=accumulate)
     step = COMPOSE.get(compose, lambda s: s)(step)
     if pp:
-        step = pipeline_parallel(step, pp, microbatches=m, schedule=schedule, virtual_stages=v)
+        step = pipeline_parallel(step, pp, microbatches=m, schedule=schedule, virtual_stages=v, split=split)
     state = step.init(apply.params)
     here, data = zf.collectives.data_rank(step), (step.mesh.data_size if step.mesh is not None else 1)
     out: dict = {"losses": [], "norms": [], "skipped": [], "scales": [], "tokens": [], "in_flight": 0}
@@ -146,10 +146,10 @@ REFS: dict = {}
 
 
 def _reference(case: tuple) -> dict:
-    kind, layers, _, _, _, m, compose, loss, overflows, clip = case
+    kind, layers, _, _, _, m, compose, loss, overflows, clip, _ = case
     key = (kind, layers, ONE_PROCESS.get(compose, "plain"), loss, overflows, clip)
     if key not in REFS:
-        REFS[key] = _train((kind, layers, 0, None, 1, m, key[2], loss, overflows, clip))
+        REFS[key] = _train((kind, layers, 0, None, 1, m, key[2], loss, overflows, clip, None))
     return REFS[key]
 
 
@@ -174,8 +174,20 @@ def _check(results: list, case: tuple, tol: float = 1e-5) -> None:
     assert held == set(ref["params"]), (case, set(ref["params"]) - held)
 
 
-def _case(kind="llama", layers=4, pp=2, schedule="1f1b", v=1, m=4, compose="plain", loss="model", overflows=(), clip=0):
-    return (kind, layers, pp, schedule, v, m, compose, loss, tuple(overflows), clip)
+def _case(
+    kind="llama",
+    layers=4,
+    pp=2,
+    schedule="1f1b",
+    v=1,
+    m=4,
+    compose="plain",
+    loss="model",
+    overflows=(),
+    clip=0,
+    split=None,
+):
+    return (kind, layers, pp, schedule, v, m, compose, loss, tuple(overflows), clip, split)
 
 
 def test_pp2_trains_as_one_process_with_each_schedule(ranks):
@@ -220,6 +232,8 @@ def test_pp4_and_pp2_beside_data_and_tensor_parallelism(ranks):
         _case(kind="gpt2", pp=4, m=8),
         _case(layers=8, pp=4, schedule="interleaved", v=2, m=4),
         _case(kind="gpt2", pp=4, schedule="zero_bubble", m=4),
+        _case(pp=4, split=(2, 3, 4)),  # the last stage the final norm, the head and the loss alone
+        _case(kind="gpt2", pp=4, split=(0, 2, 3)),  # the first the embeddings alone (the tied one lent on)
         _case(compose="shard_optimizer", loss="mean"),  # pp 2 x dp 2: DeepSpeed's pipeline with ZeRO-1
         _case(kind="gpt2", compose="shard_grads"),
         _case(compose="tp"),  # pp 2 x tp 2
@@ -278,7 +292,7 @@ def test_refusals_say_what_to_do():
     assert "'1f1b', 'interleaved', 'zero_bubble'" in got["schedule"]
     assert "schedule='interleaved'" in got["1f1b virtual"] and "virtual_stages=2" in got["interleaved one"]
     assert "2 blocks" in got["too few blocks"] and "stages x virtual_stages <= blocks" in got["too few blocks"]
-    assert "split=" in got["split"] and "increasing block indices" in got["split"]
+    assert "split=" in got["split"] and "non-decreasing block indices" in got["split"]
     assert "parts=Parts(" in got["no parts"] and "Sequential" in got["no parts"]
     assert "microbatches=3" in got["rows"] and "[8]" in got["rows"]
     assert "does not run beside expert_parallel" in got["expert_parallel"]
