@@ -80,12 +80,17 @@ QUICK = dict(
 SMALL_BYTES = 2 * 8 * 3 + 2 * 8
 
 
-def systems(microbatches: list[int]) -> dict[str, tuple | None]:
-    """name -> (schedule, virtual stages, micro-batches), None for ZeRO-3."""
+def systems(microbatches: list[int], schedules: list[str] | None = None, split: list[int] | None = None) -> dict:
+    """name -> (schedule, virtual stages, micro-batches, split), None for ZeRO-3; ``split``: 1F1B cut there too
+    (``pipeline_parallel(..., split=)``: e.g. the last stage the head alone)."""
     out: dict[str, tuple | None] = {"zero3": None}
     for schedule, v in SCHEDULES.items():
+        if schedules and schedule not in schedules:
+            continue
         for m in microbatches:
-            out[f"{schedule} m={m}"] = (schedule, v, m)
+            out[f"{schedule} m={m}"] = (schedule, v, m, None)
+    for m in microbatches if split else ():
+        out[f"1f1b split={','.join(map(str, split))} m={m}"] = ("1f1b", 1, m, tuple(split))
     return out
 
 
@@ -178,8 +183,8 @@ def _rank(args: dict) -> dict:
         if how is None:
             step = shard_params(step)
         else:
-            schedule, v, m = how
-            step = pipeline_parallel(step, world, microbatches=m, schedule=schedule, virtual_stages=v)
+            schedule, v, m, split = how
+            step = pipeline_parallel(step, world, microbatches=m, schedule=schedule, virtual_stages=v, split=split)
         run = {"how": how, "step": step, "state": step.init(apply.params), "params": params}
         run.update(times=[], load=[], idle=[], losses=[])
         for i in range(args["warmup"]):
@@ -187,7 +192,7 @@ def _rank(args: dict) -> dict:
         return run
 
     runs, skipped = {}, {}
-    for name, how in systems(args["microbatches"]).items():
+    for name, how in systems(args["microbatches"], args["schedules"], args["split"]).items():
         error, run = None, None
         try:
             run = build(how)
@@ -265,6 +270,10 @@ def main(argv=None, pool=None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads a rank")
+    p.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=None, help="these only (default all)")
+    p.add_argument(
+        "--split", type=int, nargs="+", default=None, help="also 1F1B cut at these blocks (3 6 8: the head alone)"
+    )
     p.add_argument("--quick", action="store_true", help="a tiny run (CI)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
@@ -295,7 +304,7 @@ def main(argv=None, pool=None) -> dict:
     ref_loss = first["figures"]["zero3"]["losses"][-1] if "zero3" in names else None
     rows = {}
     for n in names:
-        how = systems(args["microbatches"])[n]
+        how = systems(args["microbatches"], args["schedules"], args["split"])[n]
         mine = [r["figures"][n] for r in per_rank]
         row = {
             "step_ms": 1e3 * statistics.median(rounds[n]),
@@ -314,8 +323,9 @@ def main(argv=None, pool=None) -> dict:
             ],
         }
         if how is not None:
-            schedule, v, m = how
+            schedule, v, m, split = how
             row.update(
+                split=split,
                 schedule=schedule,
                 virtual_stages=v,
                 microbatches=m,
