@@ -334,8 +334,9 @@ class Step:
         Runs the model that ``loss_fn`` calls (through ``zf.functional``) on
         the state's parameters as the storage holds them: under
         ``shard_params`` it gathers one unit at a time, so it runs models
-        larger than one rank. Collective: call it on every rank, in the same
-        order as the other collective calls.
+        larger than one rank. Under ``pipeline_parallel`` every rank gathers
+        the whole model (``full_params``) and runs it. Collective: call it on
+        every rank, in the same order as the other collective calls.
         """
         self.check_state(state)
         model = functools.partial(run_model, self, state.run)
@@ -343,6 +344,12 @@ class Step:
             if state.buffers:
                 stack.callback(model().bind_buffers(state.buffers))
             stack.enter_context(self.precision.autocast(device_of(state.spec.layout)))
+            if self.mesh is not None and self.mesh.size("pp") > 1:
+                # a pipeline's stages each hold a part of the model: the whole model, gathered on every rank
+                # (full_params, collective), runs the forward there
+                whole = self.full_params(state)
+                with torch.no_grad():
+                    return model()(whole, *args, **kwargs)
             return self.storage.forward(state, model, args, kwargs)
 
     @in_group

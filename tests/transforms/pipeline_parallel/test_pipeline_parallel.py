@@ -128,6 +128,8 @@ def _train(case: tuple) -> dict:
         out["skipped"].append(bool(met["skipped"]))
         out["scales"].append(float(met.get("loss_scale", 1.0)))
         out["tokens"].append(float(met.get("tokens", 0.0)))
+    if kind == "llama" and compose == "plain" and loss == "model":  # evaluation: step.apply, the whole model
+        out["logits"] = step.apply(state, input_ids=_batch(0)["input_ids"]).logits
     params = step.full_params(state)
     return out | {
         "params": {k: v.detach().clone() for k, v in params.items()},
@@ -169,6 +171,8 @@ def _check(results: list, case: tuple, tol: float = 1e-5) -> None:
         assert got["skipped"] == ref["skipped"] and got["scales"] == ref["scales"], (case, got["skipped"])
         assert got["count"] == ref["count"], case
         assert got["tokens"] == pytest.approx(ref["tokens"], abs=1e-6), case
+        if "logits" in ref and "logits" in got:
+            assert float((got["logits"] - ref["logits"]).abs().max()) <= 1e-4, case
     # together the stages hold every parameter of the model
     held = set().union(*(set(r[case]["params"]) for r in results))
     assert held == set(ref["params"]), (case, set(ref["params"]) - held)
