@@ -236,7 +236,7 @@ class Runner:
         key = tuple((tuple(t.shape), t.dtype) for t in T.tree_leaves(self.micro[0]) if isinstance(t, torch.Tensor))
         kept = self.entry.get(key)
         if kept is None:
-            device = torch.device(self.state.spec.layout.buckets[0].device if self.state.spec.layout.buckets else "cpu")
+            device = self.params_device()
             kept = self.entry[key] = _Kept(self, self.mine, plan, opts, self.mesh, device)
         kept.runner = self
         for module, s in zip(kept.modules, self.mine):
@@ -323,7 +323,7 @@ class Runner:
         for name in self.borrowed:
             like = self.functional.params[name]
             dtype = self.step.precision.cast(torch.empty(0, dtype=like.dtype), self.functional.owner(name)).dtype
-            device = self.state.spec.layout.buckets[0].device if self.state.spec.layout.buckets else "cpu"
+            device = self.params_device()
             buf = torch.empty(like.shape, dtype=dtype, device=device)
             handles.append(C.recv(buf, self.plan.owner[name] % p, async_op=True, group=group))
             out[name] = buf
@@ -365,12 +365,8 @@ class Runner:
             if s != self.last and (s + 1) % p != here:
                 total += m * self.sent.get(s, 0)  # forward: the hidden states
             if s != 0 and (s - 1) % p != here:
-                total += m * self.sent_into(s)  # backward: their gradient, as large
+                total += m * self.received.get(s, 0)  # backward: their gradient, as large
         C.account("pipeline", total, group=self.mesh.group("pp"))
-
-    def sent_into(self, stage: int) -> int:
-        """The bytes of the hidden states stage ``stage`` received per micro-batch (what its gradient sends)."""
-        return self.received.get(stage, 0)
 
     def _result(self) -> Any:
         """What ``loss_fn`` would have returned over the whole batch, on every stage alike: the last stage's
