@@ -140,6 +140,22 @@ def tiny_llama(seed: int = 0, **changes) -> nn.Module:
     return LlamaForCausalLM(cfg).float()
 
 
+def tiny_lora_llama(**changes) -> nn.Module:
+    """A peft LoRA over :func:`tiny_llama` (``changes`` its config's) on q, v and gate, its adapters' B drawn
+    non-zero so that every adapter trains from the first step."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        tiny_llama(**changes),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0),
+    )
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.02)
+    return model
+
+
 def stats_bytes(trainable: int, world: int, update: bool = True) -> int:
     """What a step's statistics all-reduce adds to comm_bytes on ``world`` ranks (counted twice, as every
     all-reduce): the loss, the gradient's sum of squares, how many ranks lacked a gradient, the batch digest

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY_DECODER, rank_slice, refusals, stats_bytes, tiny_llama
+from helpers import TINY_DECODER, rank_slice, refusals, stats_bytes, tiny_llama, tiny_lora_llama
 from torch import nn
 from zerofn.transforms import (
     amp,
@@ -32,18 +32,8 @@ STEPS, BATCH, SEQ = 4, 4, 16
 def _model(kind: str) -> nn.Module:
     if kind == "llama":
         return tiny_llama(max_position_embeddings=256)
-    if kind == "lora":  # a peft LoRA Llama, its adapters' B drawn non-zero so that every adapter trains
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            tiny_llama(max_position_embeddings=256),
-            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0),
-        )
-        torch.manual_seed(1)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                nn.init.normal_(p, std=0.02)
-        return model
+    if kind == "lora":
+        return tiny_lora_llama(max_position_embeddings=256)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import rank_slice, refusals, tiny_llama
+from helpers import rank_slice, refusals, tiny_llama, tiny_lora_llama
 from torch import nn
 from zerofn.transforms import (
     amp,
@@ -35,18 +35,8 @@ STEPS, ROWS, SEQ = 4, 8, 16
 def _model(kind: str, layers: int = 4) -> nn.Module:
     if kind == "llama":
         return tiny_llama(num_hidden_layers=layers)
-    if kind == "lora":  # a peft LoRA Llama, its adapters' B drawn non-zero so that every adapter trains
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            tiny_llama(num_hidden_layers=layers),
-            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0),
-        )
-        torch.manual_seed(1)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                nn.init.normal_(p, std=0.02)
-        return model
+    if kind == "lora":
+        return tiny_lora_llama(num_hidden_layers=layers)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
