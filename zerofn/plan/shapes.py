@@ -60,6 +60,11 @@ class ModelShape:
         """Parameters outside the blocks (embeddings, head, final norm): ZeRO-3's root unit."""
         return self.params - self.layers * (self.layer_params or 0)
 
+    def given(self, layers, hidden, heads, kv_heads, ffn, vocab, gated) -> tuple:
+        """The block shapes a caller was given, each None taken from this shape, in the order given."""
+        mine = (self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab, self.gated)
+        return tuple(m if g is None else g for g, m in zip((layers, hidden, heads, kv_heads, ffn, vocab, gated), mine))
+
 
 _GATED_TYPES = frozenset(
     "llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 gemma3_text phi3 olmo olmo2 cohere "

@@ -636,13 +636,9 @@ def speeds(
     """
     shape = source if isinstance(source, ModelShape) else None
     if shape is not None:
-        layers = shape.layers if layers is None else layers
-        hidden = shape.hidden if hidden is None else hidden
-        heads = shape.heads if heads is None else heads
-        kv_heads = shape.kv_heads if kv_heads is None else kv_heads
-        ffn = shape.ffn if ffn is None else ffn
-        vocab = shape.vocab if vocab is None else vocab
-        gated = shape.gated if gated is None else gated
+        layers, hidden, heads, kv_heads, ffn, vocab, gated = shape.given(
+            layers, hidden, heads, kv_heads, ffn, vocab, gated
+        )
         if shape.experts > 1:
             raise ValueError(
                 f"speeds: a mixture-of-experts model ({shape.experts} experts per block) is not modelled: its "
