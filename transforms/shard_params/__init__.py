@@ -75,12 +75,13 @@ when two units share one), parameters read outside their unit (in
 in the unit whose modules run, and computing with one gathers its unit for
 the read and hands over a copy whose gradient flows into the unit's
 bucket), and ranks that run different units (they agree on each unit the
-forward runs, each outside read and each backward gather before its
-collective, and on the forward's end, so ranks that diverge raise together
-at the first differing point instead of hanging; while the forward follows
-the order the last step recorded, every rank issues the gathers that order
-predicts at each unit, so the agreement on the unit stays in flight and is
-checked at the next point instead of costing a round trip per unit), and a
+forward runs, each outside read and each backward gather, and on the
+forward's end, so ranks that diverge raise together at the first differing
+point instead of hanging; while the forward follows the order the last step
+recorded, every rank issues the gathers that order predicts at each unit,
+and backward issues the gathers of a plan agreed on at the forward's end,
+so those agreements stay in flight and are checked when a gather is waited
+for instead of costing a round trip per unit), and a
 ``loss_fn`` that differentiates inside itself (a gradient penalty's
 ``torch.autograd.grad(..., create_graph=True)``: each unit that inner grad
 gathers stays gathered until its backward is over, or the step's end if it

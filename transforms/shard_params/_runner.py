@@ -29,6 +29,9 @@ from zerofn.reduction import bucket_group
 from zerofn.state import TrainState
 
 ORDER = "shard_params.order"  # state.extra key: unit indices in the order the last step ran them
+# Full buffers of gathers that a failing step left in flight, posted after an agreement the ranks failed: kept
+# allocated, since the collective may still write into them (see Runner._release).
+_ABANDONED: list[torch.Tensor] = []
 
 
 class Phase(enum.Enum):
@@ -102,6 +105,13 @@ class Runner:
         self.agreement = Agreement(self.units)
         self.next_open = 0  # where the forward is in the recorded order (among units with parameters)
         self.recorded: list[LiveUnit] | None = None  # that order, units with parameters only
+        # Backward's plan (see _advance): the units it gathers, in order, agreed on at the forward's end
+        self.plan: list[LiveUnit] | None = None
+        self.plan_at: dict[LiveUnit, int] = {}
+        self.planned = False  # the step's backward is under way and follows the plan
+        self.cursor = 0  # the plan's gathers issued
+        self.reached = 0  # the plan's units backward has reached (one past the furthest)
+        self.inner_seen = False  # an inner torch.autograd.grad ran (see _inner): backward agrees per gather
         trainable = sink is not None and torch.is_grad_enabled()
         for unit in self.units:
             pairs = [(self.flats[i], self.layout.buckets[i], True) for i in unit.spec.buckets]
@@ -322,8 +332,16 @@ class Runner:
             raise
         finally:
             self.phase = Phase.FORWARD if outer is Phase.FORWARD else Phase.BETWEEN  # a model call in a model call
-        self.agreement.agree(Point.END, None)  # every rank's forward ends here, having run the same units
+        # Every rank's forward ends here, having run the same units, with the same units for backward to gather.
+        self.plan = self._plan() if self.sink is not None and torch.is_grad_enabled() and not micro else None
+        self.agreement.agree(Point.END, None, plan=self.plan)
         return out
+
+    def _plan(self) -> list[LiveUnit]:
+        """The units backward gathers, in order (see :meth:`_advance`): the forward's units reversed, each
+        once, that hold parameters backward needs (trainable ones, or frozen ones its outputs' gradients run
+        through) and that the forward released (the root and the last block stay gathered)."""
+        return [u for u in dict.fromkeys(reversed(self.forward_order)) if u.fulls and u.idle and u.needed_in_backward]
 
     def _unwind(self) -> None:
         """A micro-batch's model call ended by an exception (a pipeline stage's end before the last stage's):
@@ -335,17 +353,26 @@ class Runner:
                 self._show(unit, False)
         self.open_block = None
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """End the step: release every unit and settle the agreements in flight. ``failed``: the step is
+        ending by an exception; a divergence found now is not raised over it, and a gather posted after an
+        agreement the ranks failed is not waited for (another rank may never issue it)."""
         self.phase = Phase.CLOSED  # the model has its own parameters back
         self.unwatch()
         for h in self.input_hooks:
             h.remove()
         self.input_hooks = []
+        if self.planned and not failed:
+            # The plan's gathers that this rank's backward did not reach (a unit that needed no gradient here):
+            # issued all the same, so that every rank has issued the same gathers.
+            self._advance(len(self.plan))
         for unit in self.units:
             self._release(unit, final=True)
-        # A forward that raised left its last agreement in flight: end it alike.
-        with contextlib.suppress(RuntimeError):
-            self.agreement.settled()
+        if self.planned and not failed:
+            self.agreement.settled()  # ranks that diverged in backward raise here together, before the update
+        else:  # a forward or backward that raised left agreements in flight: end them alike
+            with contextlib.suppress(RuntimeError):
+                self.agreement.settled()
         self.copies = {}
         self.tasks = {}
         self.read_ahead.close()
@@ -405,13 +432,22 @@ class Runner:
     def ensure(self, unit: LiveUnit) -> None:
         """Have ``unit``'s full buffers gathered: start the gather if it is not under way, and wait for it."""
         self.gather(unit)
-        for h in unit.handles:
-            h.wait()
-        unit.handles = []
+        self._wait(unit)
         unit.give_back()
         unit.ready = True
         if self.node is not None and not unit.secondaries:  # hpZ: gathered over every rank; keep the node's piece
             unit.secondaries = [full.chunk(self.node_size)[self.node_rank].clone() for full, _ in unit.fulls]
+
+    def _wait(self, unit: LiveUnit) -> None:
+        """Wait for ``unit``'s gather in flight, if any: first for the agreements posted with and before it
+        (see :meth:`_advance`), so that a rank that diverged raises here rather than leaving this one waiting for
+        a gather it never issued."""
+        if unit.agreed:
+            self.agreement.settled(unit.agreed)
+            unit.agreed = 0
+        for h in unit.handles:
+            h.wait()
+        unit.handles = []
 
     def _release(self, unit: LiveUnit, final: bool = False, over: bool = False) -> None:
         """Free the unit's full buffers. A pinned unit's only at the step's end (``final``) or, if it has no
@@ -422,9 +458,13 @@ class Runner:
         if self.micro is not None and not self.reshard and not final and not unit.finished:
             self._show(unit, False)  # kept gathered until its last micro-batch's backward (run_microbatches)
             return
-        for h in unit.handles:
-            h.wait()
-        unit.handles = []
+        if self.agreement.failed is not None and unit.agreed >= self.agreement.failed:
+            # Posted after an agreement the ranks failed: another rank may never issue it, and the buffer it
+            # writes into stays allocated (the step is failing; the process group is out of step).
+            _ABANDONED.extend(full for full, _ in unit.fulls)
+            unit.handles, unit.agreed = [], 0
+            return
+        self._wait(unit)
         unit.give_back()
         for full, _ in unit.fulls:
             full.untyped_storage().resize_(0)
@@ -446,7 +486,11 @@ class Runner:
 
     def _ensure_backward(self, unit: LiveUnit) -> None:
         if unit.idle and unit.fulls:
-            self.agreement.agree(Point.BACKWARD, unit)
+            at = self.plan_at.get(unit, -1) if self.planned else -1
+            if at >= self.cursor:
+                self._advance(at + 1)
+            else:  # off the plan (gathered again after its release): agreed on before its gather
+                self.agreement.agree(Point.BACKWARD, unit)
         self.ensure(unit)
         if self._inner():
             unit.pinned = True
@@ -597,14 +641,43 @@ class Runner:
 
     def _before_backward(self, unit: LiveUnit, grad: torch.Tensor) -> None:
         inner = self._inner()
+        self.inner_seen |= inner
         if self.backward_queue is None or self.queue_inner != inner:  # the step's backward after an inner grad
             self.backward_queue = list(dict.fromkeys(reversed(self.forward_order)))
             self.queue_inner = inner
+            if not inner and not self.inner_seen and self.plan is not None:
+                self.planned = True
+                self.plan_at = {u: i for i, u in enumerate(self.plan)}
         if unit in self.backward_queue:
             self.backward_queue.remove(unit)
+        if self.planned:
+            self.reached = max(self.reached, self.plan_at.get(unit, -1) + 1)
+            self._advance(self.reached + self.prefetch)
+            if unit.remaining or unit.spec.frozen:
+                self._ensure_backward(unit)
+            return
         if unit.remaining or unit.spec.frozen:
             self._ensure_backward(unit)
         self._prefetch([u for u in self.backward_queue if u.needed_in_backward], unit, agree=True)
+
+    def _advance(self, upto: int) -> None:
+        """Issue the plan's gathers up to position ``upto``, in order, each with its agreement left in flight.
+
+        The plan (:meth:`_plan`) is agreed on at the forward's end, so every rank issues the same gathers in the
+        same order whichever units its backward reaches, and when: reaching the plan's i-th unit issues the
+        gathers through the ``i + prefetch``-th. Each gather's agreement is settled only before a gather posted
+        with or after it is waited for (:meth:`_wait`), when the other ranks have posted it anyway: no round
+        trip per unit. A unit gathered again after its release (off the plan) agrees before its gather, as
+        every point did before."""
+        upto = min(upto, len(self.plan))
+        while self.cursor < upto:
+            u = self.plan[self.cursor]
+            self.cursor += 1
+            if u.idle:
+                u.agreed = self.agreement.post(Point.BACKWARD, u)
+                self.gather(u)
+            else:  # gathered already (off the plan): no gather; a rank that issues one sees the codes differ
+                self.agreement.post(Point.HELD, u)
 
     def _grad_in(self, unit: LiveUnit) -> Callable[[torch.Tensor], None]:
         def on_grad(leaf: torch.Tensor) -> None:

@@ -105,11 +105,15 @@ class UnitStorage(Storage):
     def bind(self, state: TrainState, sink: GradSink, model: Callable, extra: dict):
         runner = self.runner(state, model(), sink)
         token = ACTIVE_RUN.set(runner)
+        failed = False
         try:
             yield runner.placeholders()
+        except BaseException:
+            failed = True
+            raise
         finally:
             ACTIVE_RUN.reset(token)
-            runner.close()
+            runner.close(failed)
             if runner.forward_order:
                 extra[ORDER] = counters.new_like(u.index for u in runner.order())
 

@@ -21,6 +21,7 @@ class LiveUnit:
         self.fulls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (full buffer, this rank's shard)
         self.groups: list = []  # the group each of them is gathered over (None: the step's)
         self.handles: list[C.Handle] = []
+        self.agreed = 0  # the number of the agreement posted with its gather in flight (0: none; see Runner._wait)
         # hpZ: this rank's piece of each full buffer within its node, kept from the first gather of the step
         self.secondaries: list[torch.Tensor] = []
         self.ready = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -214,7 +215,7 @@ def _rank_memory(prefetch, units=None):
     state = step.init(apply.params)
     x = torch.randn(2, 192)
     state, m1 = step(state, x)
-    with zf.memory.track() as t:
+    with zf.memory.track() as t, _agreements() as agreed:
         state, m2 = step(state, x)
     layout = state.spec.layout
     last = next((u for u in layout.units if u.name == f"blocks.{len(model.blocks) - 1}"), None)
@@ -229,7 +230,35 @@ def _rank_memory(prefetch, units=None):
         comm=(m1["comm_bytes"], m2["comm_bytes"]),
         activations=8 * 2 * 192 * 4 * 3,
         trainable=len(layout.trainable_names),
+        agreed=agreed,
     )
+
+
+@contextlib.contextmanager
+def _agreements():
+    """Every agreement on the units in the block: (point, "waited" for one waited for before anything else ran,
+    "posted" for one left in flight)."""
+    from zerofn.transforms.shard_params._agreement import Agreement
+
+    seen, agree, post = [], Agreement.agree, Agreement.post
+
+    def agreeing(self, point, unit, wait=True, plan=None):
+        seen.append((point.name, "waited" if wait else "posted"))
+        Agreement.post = post  # the agreement's own post is counted above
+        try:
+            return agree(self, point, unit, wait, plan)
+        finally:
+            Agreement.post = posting
+
+    def posting(self, point, unit, digest=0):
+        seen.append((point.name, "posted"))
+        return post(self, point, unit, digest)
+
+    Agreement.agree, Agreement.post = agreeing, posting
+    try:
+        yield seen
+    finally:
+        Agreement.agree, Agreement.post = agree, post
 
 
 def _bound(r, prefetch):
@@ -251,6 +280,11 @@ def test_peak_memory_is_shards_plus_a_few_blocks(ranks, prefetch):
         scalars = (2 * r["units"] - 1) * 32 + 32 + stats_bytes(r["trainable"], world)
         steady = 3 * r["padded"] - r["last_block"] + scalars
         assert r["comm"] == (steady + 2 * 16, steady)  # the first call also agrees on the batch shapes
+        # Backward waits for no agreement before a gather: each of its gathers (every unit's but the last
+        # block's) leaves its agreement in flight, settled when the gather itself is waited for.
+        backward = [a for a in r["agreed"] if a[0] == "BACKWARD"]
+        assert backward == [("BACKWARD", "posted")] * (r["units"] - 1), r["agreed"]
+        assert ("END", "waited") in r["agreed"]
 
 
 def test_memory_test_would_catch_gathering_everything(ranks):

@@ -365,6 +365,42 @@ def _rank_diverging(prefetch: int, with_remat: bool):
     return None, time.monotonic() - start
 
 
+class FrozenFirst(nn.Module):
+    """A frozen first block under trainable ones: backward runs through it where its input needs a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.blocks[0].requires_grad_(False)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+
+def _rank_backward_diverging():
+    """One step where only rank 0's input needs a gradient, so only rank 0's backward runs through the frozen
+    first block: (the error's text or None, seconds until it was raised)."""
+    from zerofn.transforms import shard_params
+
+    torch.manual_seed(0)
+    apply = zf.functional(FrozenFirst())
+
+    def loss_fn(params, x):
+        return apply(params, x.requires_grad_(C.rank() == 0)).square().mean()
+
+    step = shard_params(zf.train_step(loss_fn, zf.optim.sgd(0.1)))
+    state = step.init(apply.params)
+    C.barrier()
+    start = time.monotonic()
+    try:
+        step(state, torch.randn(4, 6))
+    except RuntimeError as err:
+        return f"{type(err).__name__}: {err}", time.monotonic() - start
+    return None, time.monotonic() - start
+
+
 def _in_step(case: int) -> bool:
     """Whether both process groups still pair this rank's collectives with the other's: an all-gather on the
     default group and a max-reduce on the control one, of values that tell the case and the rank. A collective
@@ -381,12 +417,15 @@ def _rank_all_diverging(cases: list) -> list:
     [(error text, seconds, in step after it)], and the collectives' timeout these ranks have."""
     out = []
     for i, case in enumerate(cases):
-        msg, seconds = _rank_diverging(*case)
+        msg, seconds = _rank_diverging(*case) if case != BACKWARD_CASE else _rank_backward_diverging()
         out.append((msg, seconds, _in_step(i)))
     return out, C.timeout_s()
 
 
-DIVERGE_CASES = [(0, False), (1, False), (2, False), (1, True)]
+BACKWARD_CASE = "backward"  # ranks whose backward needs different units (the frozen block on rank 0 only)
+
+
+DIVERGE_CASES = [(0, False), (1, False), (2, False), (1, True), BACKWARD_CASE]
 
 
 def test_ranks_that_run_different_units_raise_together_within_seconds(monkeypatch):
@@ -399,10 +438,18 @@ def test_ranks_that_run_different_units_raise_together_within_seconds(monkeypatc
     monkeypatch.setenv("ZEROFN_TIMEOUT_S", str(DIVERGE_TIMEOUT_S))  # the ranks inherit it as they start
     for rank, (outcomes, timeout) in enumerate(zf.spawn(_rank_all_diverging, 2, DIVERGE_CASES, timeout=90)):
         assert timeout == DIVERGE_TIMEOUT_S, (rank, timeout)
-        for (prefetch, with_remat), (msg, seconds, in_step) in zip(DIVERGE_CASES, outcomes, strict=True):
-            label = f"prefetch={prefetch}" + (" under remat" if with_remat else "")
-            assert msg is not None, f"{label}: rank {rank} ran the step without an error"
-            assert msg.startswith("RuntimeError: shard_params: ranks"), f"{label}, rank {rank}: {msg}"
-            assert "ranks gathered different units" in msg and "blocks." in msg, f"{label}, rank {rank}: {msg}"
+        for case, (msg, seconds, in_step) in zip(DIVERGE_CASES, outcomes, strict=True):
+            if case == BACKWARD_CASE:
+                label = "backward through a frozen block on rank 0 only"
+                assert msg is not None, f"{label}: rank {rank} ran the step without an error"
+                assert "expecting backward to gather different units" in msg, f"{label}, rank {rank}: {msg}"
+                if rank == 0:
+                    assert "gathers ['blocks.1', 'blocks.0']" in msg, msg
+            else:
+                prefetch, with_remat = case
+                label = f"prefetch={prefetch}" + (" under remat" if with_remat else "")
+                assert msg is not None, f"{label}: rank {rank} ran the step without an error"
+                assert msg.startswith("RuntimeError: shard_params: ranks"), f"{label}, rank {rank}: {msg}"
+                assert "ranks gathered different units" in msg and "blocks." in msg, f"{label}, rank {rank}: {msg}"
             assert seconds < DIVERGE_LIMIT_S, f"{label}: rank {rank} raised after {seconds:.1f} s"
             assert in_step, f"{label}: after the error rank {rank}'s collectives no longer pair with the other's"
