@@ -94,8 +94,6 @@ class Runner:
         # each unit waits for its own buckets before it is gathered.
         self.flats, self.inflight = state.arriving_params(), state.inflight
         self.by_name = {u.spec.name: u for u in self.units}
-        self.leaves: dict[str, torch.Tensor] = {}
-        self.unit_of: dict[str, LiveUnit] = {}  # parameter name -> its unit
         self.hooks: list[Any] = []
         self.forward_order: list[LiveUnit] = []
         self.last_order = state.extra.get(ORDER)
@@ -112,34 +110,19 @@ class Runner:
         self.cursor = 0  # the plan's gathers issued
         self.reached = 0  # the plan's units backward has reached (one past the furthest)
         self.inner_seen = False  # an inner torch.autograd.grad ran (see _inner): backward agrees per gather
-        trainable = sink is not None and torch.is_grad_enabled()
-        for unit in self.units:
-            pairs = [(self.flats[i], self.layout.buckets[i], True) for i in unit.spec.buckets]
-            pairs += [(state.frozen[i], self.layout.frozen_buckets[i], False) for i in unit.spec.frozen]
-            for shard, bucket, grads in pairs:
-                # A bucket of one shard on the device (every bucket of one rank; the experts where each rank
-                # holds its own: Bucket.apart) is whole: the leaves view it where it lies, nothing to gather.
-                whole = bucket.shards == 1 and not host_shards
-                full = shard if whole else torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
-                raw = full.data  # leaves view this alias: refilling `full` bumps no version they saved
-                for s in bucket.slots:
-                    leaf = raw[s.offset : s.offset + s.numel].view(s.shape)
-                    if grads and trainable:
-                        leaf, hooks = sink.leaf(s.name, leaf, then=self._grad_in(unit))
-                        self.hooks += hooks
-                        unit.remaining += 1
-                    self.leaves[s.name] = leaf
-                    self.unit_of[s.name] = unit
-                if not whole:
-                    full.untyped_storage().resize_(0)
-                    unit.fulls.append((full, shard))
-                    unit.groups.append(bucket_group(bucket))
+        self.kept = _kept(state, self.flats, host_shards, sink is not None and torch.is_grad_enabled())
+        self.kept.bind(sink, self._grad_in)
+        for unit, fulls, groups, count in zip(self.units, self.kept.fulls, self.kept.groups, self.kept.counts):
+            unit.fulls, unit.groups, unit.remaining = list(fulls), groups, count
+        self.leaves = self.kept.leaves
+        self.unit_of = {name: self.units[i] for name, i in self.kept.unit_of.items()}
         self.read_ahead = ReadAhead(self.units, prefetch, owner=self.layout)
         self.intercepts: list[Intercept] = []
         try:
             self._watch_calls()
         except BaseException:
             self.unwatch()
+            self.kept.unbind(keep=True)
             raise
         self.open_block: LiveUnit | None = None
         self.input_hooks: list = []  # see _watch_inputs
@@ -161,27 +144,27 @@ class Runner:
         same unit get nothing (they run inside that call, with the unit open). A module in a compiled region
         whose unit differs from its parent's (a block of a model compiled whole) can only be reached by hooks,
         which dynamo traces: the graph breaks there (docs/compile.md)."""
-        owner: dict[int, LiveUnit] = {}
-        for name, m in self.module.named_modules():
-            best = self.by_name[ROOT]
-            for unit in self.units:
-                if unit.spec.name and inside(name, unit.spec.name):
-                    best = unit
-            owner[id(m)] = best
+        owners = self.kept.owners(self.module)
         seen: set[int] = set()
+        befores: dict[LiveUnit, Callable] = {}
+        afters: dict[tuple[LiveUnit, bool], Callable] = {}
 
         def walk(m: nn.Module, parent: LiveUnit | None, in_region: bool) -> None:
             if id(m) in seen:
                 return
             seen.add(id(m))
-            unit = owner[id(m)]
-            top = bool((unit.spec.name and self.module.get_submodule(unit.spec.name) is m) or m is self.module)
+            _, index, top = owners[id(m)]
+            unit = self.units[index]
             if not in_region and compiled(m):
                 self.intercepts.append(Intercept(m, C.with_current_group(functools.partial(self._call, unit, top, m))))
             elif not in_region or unit is not parent:
                 # In the step's group also where autograd recomputes on a thread of its own (CUDA).
-                before = C.with_current_group(functools.partial(self._before, unit))
-                after = C.with_current_group(functools.partial(self._after, unit, top))
+                before = befores.get(unit)
+                if before is None:
+                    before = befores[unit] = C.with_current_group(functools.partial(self._before, unit))
+                after = afters.get((unit, top))
+                if after is None:
+                    after = afters[unit, top] = C.with_current_group(functools.partial(self._after, unit, top))
                 if in_region:  # dynamo would trace them: it calls them outside the graph instead (a break)
                     before, after = torch.compiler.disable(before), torch.compiler.disable(after)
                 self.hooks.append(m.register_forward_pre_hook(before))
@@ -376,6 +359,7 @@ class Runner:
         self.copies = {}
         self.tasks = {}
         self.read_ahead.close()
+        self.kept.unbind(keep=not failed)
 
     # ---------------------------------------------------------- gather and release
 
@@ -679,16 +663,15 @@ class Runner:
             else:  # gathered already (off the plan): no gather; a rank that issues one sees the codes differ
                 self.agreement.post(Point.HELD, u)
 
-    def _grad_in(self, unit: LiveUnit) -> Callable[[torch.Tensor], None]:
-        def on_grad(leaf: torch.Tensor) -> None:
-            if self.micro is not None:
-                self._micro_grad_in(unit)
-                return
-            unit.remaining -= 1
-            if unit.remaining == 0 and unit.inputs == 0:  # its backward is over: the full parameters can go
-                self._release(unit, over=True)
-
-        return on_grad
+    def _grad_in(self, index: int) -> None:
+        """One of unit ``index``'s gradients is in (its leaf's hook, after the sink took it)."""
+        unit = self.units[index]
+        if self.micro is not None:
+            self._micro_grad_in(unit)
+            return
+        unit.remaining -= 1
+        if unit.remaining == 0 and unit.inputs == 0:  # its backward is over: the full parameters can go
+            self._release(unit, over=True)
 
     # ---------------------------------------------------------- several micro-batches (run_microbatches)
 
@@ -757,3 +740,117 @@ class Runner:
         for unit in task.units:
             if not unit.idle and unit.depth == 0 and (self.reshard or unit.finished):
                 self._release(unit, over=True)
+
+
+class _Kept:
+    """A run's full buffers and parameter leaves over its shards, made once (see :func:`_kept`): per unit its
+    full buffers (their storage empty but while gathered), the groups they are gathered over and its trainable
+    leaves; each trainable leaf hands its gradient to the running step's sink, then to its runner
+    (:meth:`bind`), through hooks registered once."""
+
+    def __init__(self, state: TrainState, flats: tuple, host_shards: bool, trainable: bool):
+        layout = state.spec.layout
+        self.over: tuple | None = (flats, state.frozen, host_shards)  # what it was made over (None: made anew)
+        self.sink: Any = None
+        self.then: Callable[[int], None] | None = None
+        self.busy = False  # a runner uses it
+        self.fulls: list[list[tuple[torch.Tensor, Any]]] = []
+        self.groups: list[list] = []
+        self.counts: list[int] = []
+        self.leaves: dict[str, torch.Tensor] = {}
+        self.unit_of: dict[str, int] = {}  # parameter name -> its unit's index
+        self.layout_units = layout.units
+        self._owners: tuple | None = None  # see owners
+        for index, unit in enumerate(layout.units):
+            fulls, groups, count = [], [], 0
+            pairs = [(flats[i], layout.buckets[i], True) for i in unit.buckets]
+            pairs += [(state.frozen[i], layout.frozen_buckets[i], False) for i in unit.frozen]
+            for shard, bucket, grads in pairs:
+                # A bucket of one shard on the device (every bucket of one rank; the experts where each rank
+                # holds its own: Bucket.apart) is whole: the leaves view it where it lies, nothing to gather.
+                whole = bucket.shards == 1 and not host_shards
+                full = shard if whole else torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
+                raw = full.data  # leaves view this alias: refilling `full` bumps no version they saved
+                for s in bucket.slots:
+                    leaf = raw[s.offset : s.offset + s.numel].view(s.shape)
+                    if grads and trainable:
+                        leaf = leaf.detach().requires_grad_(True)
+                        # In the step's process group also where autograd runs the hook on a thread of its own.
+                        hook = C.with_current_group(functools.partial(self._take, s.name, index))
+                        leaf.register_post_accumulate_grad_hook(hook)
+                        count += 1
+                    self.leaves[s.name] = leaf
+                    self.unit_of[s.name] = index
+                if not whole:
+                    full.untyped_storage().resize_(0)
+                    fulls.append((full, shard))
+                    groups.append(bucket_group(bucket))
+            self.fulls.append(fulls)
+            self.groups.append(groups)
+            self.counts.append(count)
+
+    def owners(self, module: nn.Module) -> dict[int, tuple[nn.Module, int, bool]]:
+        """For each module in ``module`` (by id): the module, the index of the unit it belongs to (the innermost
+        unit whose name is a prefix of its own; the root's otherwise) and whether it is that unit's own module
+        (or the model itself). Found once per model, again if its modules changed."""
+        found = self._owners
+        if found is not None and found[0] is module:
+            table = found[1]
+            if all((e := table.get(id(m))) is not None and e[0] is m for m in module.modules()):
+                return table
+        units = self.layout_units
+        root = next(i for i, u in enumerate(units) if u.name == ROOT)
+        own = {i: module.get_submodule(u.name) for i, u in enumerate(units) if u.name}  # each unit's own module
+        table = {}
+        for name, m in module.named_modules():
+            index = root
+            for i, unit in enumerate(units):
+                if unit.name and inside(name, unit.name):
+                    index = i
+            table[id(m)] = (m, index, own.get(index) is m or m is module)
+        self._owners = (module, table)
+        return table
+
+    def _take(self, name: str, index: int, leaf: torch.Tensor) -> None:
+        if self.sink is not None:
+            self.sink.take(name, leaf)
+        if self.then is not None:
+            self.then(index)
+
+    def bind(self, sink: Any, then: Callable[[int], None]) -> None:
+        """For a runner's step: gradients go to ``sink`` (``take(name, leaf)``), then ``then(unit index)``."""
+        self.sink, self.then, self.busy = sink, then, True
+        for leaf in self.leaves.values():
+            leaf.grad = None  # a step that raised in backward may have left some
+
+    def unbind(self, keep: bool) -> None:
+        """The runner's step is over: a backward after it (a graph kept past it) reaches no sink. ``keep``:
+        the step ended well, its buffers are free for the next (else gathers it left in flight may still write
+        into them: the next step makes its own)."""
+        self.sink, self.then, self.busy = None, None, False
+        if not keep:
+            self.over = None
+
+
+_KEPT = "shard_params.kept"  # the state.run entry of the kept buffers and leaves
+
+
+def _kept(state: TrainState, flats: tuple, host_shards: bool, trainable: bool) -> _Kept:
+    """The full buffers and leaves for a step over ``flats``: made when the run's shards are new (the first
+    step, a state copied, loaded or moved) or the last step over them failed, else the ones its last step used.
+    Leaves and hooks made once per layout, not per step: a step no longer detaches a view and registers two hooks
+    for every parameter. A runner that starts while another holds them (a model call inside ``gathered``) makes
+    its own."""
+    kept = state.run.entries.get((_KEPT, trainable))
+    if kept is None or not _same(kept.over, (flats, state.frozen, host_shards)):
+        kept = state.run.entries[(_KEPT, trainable)] = _Kept(state, flats, host_shards, trainable)
+    elif kept.busy:
+        return _Kept(state, flats, host_shards, trainable)
+    return kept
+
+
+def _same(over: tuple | None, now: tuple) -> bool:
+    """Whether kept buffers made over ``over`` serve a step over ``now``: the very same shards."""
+    if over is None or over[2] != now[2] or len(over[0]) != len(now[0]) or len(over[1]) != len(now[1]):
+        return False
+    return all(a is b for a, b in zip(over[0] + over[1], now[0] + now[1]))
