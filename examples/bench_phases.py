@@ -1,7 +1,8 @@
-"""Where a step's time goes: torch DDP and FSDP2 against zerofn's stages, phase by phase, on 2 gloo ranks.
+"""Where a step's time goes: torch DDP and FSDP2 against zerofn's stages, phase by phase, on gloo ranks (2 unless --world says otherwise).
 
     python examples/bench_phases.py                       # the benchmark's v512 shape, 40 rounds
     python examples/bench_phases.py --shape v64 --rounds 20 --json phases.json
+    python examples/bench_phases.py --world 1 --systems zf2 zf3 --dim 32 --layers 4 --seq-len 16 --batch 2 --steps 100 --rounds 7
 
 It starts its ranks itself (``zf.spawn``); run it with plain ``python``. The
 systems, built as ``python -m zerofn.bench`` builds them (the same GPT, batch
@@ -298,6 +299,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, help="blocks (default: the shape's)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the shape's)")
     p.add_argument("--batch", type=int, help="sequences per rank (default 8)")
+    p.add_argument("--world", type=int, default=2, help="gloo ranks (default 2; 1 shows a step's own overhead alone)")
     p.add_argument("--bucket-mb", type=float, help="gradient bucket size of both, MiB (default: the benchmark's)")
     p.add_argument("--quiet", type=float, default=0.15, help="the largest share of the machine others may use")
     p.add_argument("--json", help="write every rank's figures here")
@@ -306,7 +308,7 @@ def main(argv=None):
     for key in ("dim", "layers", "seq_len", "batch", "bucket_mb"):
         if getattr(args, key) is not None:
             sizes[key] = getattr(args, key)
-    cfg = Config(systems=(), rounds=args.rounds, steps=args.steps, warmup=args.warmup, **sizes)
+    cfg = Config(systems=(), rounds=args.rounds, steps=args.steps, warmup=args.warmup, world=args.world, **sizes)
     per_rank = zf.spawn(rank_fn, cfg.world, cfg, list(args.systems))
     if args.json:
         with open(args.json, "w") as f:
