@@ -144,7 +144,6 @@ class Runner:
         same unit get nothing (they run inside that call, with the unit open). A module in a compiled region
         whose unit differs from its parent's (a block of a model compiled whole) can only be reached by hooks,
         which dynamo traces: the graph breaks there (docs/compile.md)."""
-        owners = self.kept.owners(self.module)
         seen: set[int] = set()
         befores: dict[LiveUnit, Callable] = {}
         afters: dict[tuple[LiveUnit, bool], Callable] = {}
@@ -153,7 +152,7 @@ class Runner:
             if id(m) in seen:
                 return
             seen.add(id(m))
-            _, index, top = owners[id(m)]
+            index, top = self.kept.owner(self.module, m)
             unit = self.units[index]
             if not in_region and compiled(m):
                 self.intercepts.append(Intercept(m, C.with_current_group(functools.partial(self._call, unit, top, m))))
@@ -789,15 +788,17 @@ class _Kept:
             self.groups.append(groups)
             self.counts.append(count)
 
-    def owners(self, module: nn.Module) -> dict[int, tuple[nn.Module, int, bool]]:
-        """For each module in ``module`` (by id): the module, the index of the unit it belongs to (the innermost
-        unit whose name is a prefix of its own; the root's otherwise) and whether it is that unit's own module
-        (or the model itself). Found once per model, again if its modules changed."""
+    def owner(self, module: nn.Module, m: nn.Module) -> tuple[int, bool]:
+        """For ``m``, a module in ``module``: the index of the unit it belongs to (the innermost unit whose name
+        is a prefix of its own; the root's otherwise) and whether it is that unit's own module (or the model
+        itself). Found for every module once per model, again when it meets a module it has not seen."""
         found = self._owners
-        if found is not None and found[0] is module:
-            table = found[1]
-            if all((e := table.get(id(m))) is not None and e[0] is m for m in module.modules()):
-                return table
+        entry = found[1].get(id(m)) if found is not None and found[0] is module else None
+        if entry is None or entry[0] is not m:
+            entry = self._find_owners(module)[id(m)]
+        return entry[1], entry[2]
+
+    def _find_owners(self, module: nn.Module) -> dict[int, tuple[nn.Module, int, bool]]:
         units = self.layout_units
         root = next(i for i, u in enumerate(units) if u.name == ROOT)
         own = {i: module.get_submodule(u.name) for i, u in enumerate(units) if u.name}  # each unit's own module
