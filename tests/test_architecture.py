@@ -360,3 +360,18 @@ def test_no_test_folder_shadows_a_package():
     assert not folders & imported, folders & imported
     spec = importlib.util.find_spec("deepspeed")
     assert spec is None or spec.origin is not None, spec  # a namespace package: a folder, not DeepSpeed
+
+
+def test_importing_zerofn_leaves_the_heavy_torch_packages_for_when_they_are_used():
+    """Every rank and example starts by importing zerofn: ``torch.distributed.pipelining`` (dynamo and DTensor
+    with it, 1.5 s on a CI core) is imported by the pipeline's first step, not by ``import zerofn``."""
+    import subprocess
+    import sys
+
+    code = "import sys, zerofn, zerofn.transforms; print(sorted(m for m in sys.modules if m.startswith(HEAVY)))"
+    heavy = ("torch.distributed.pipelining", "torch._dynamo", "torch.distributed.tensor")
+    out = subprocess.run(
+        [sys.executable, "-c", f"HEAVY = {heavy!r}; {code}"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

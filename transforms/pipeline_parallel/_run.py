@@ -11,13 +11,13 @@ later ones reuse them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import zlib
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed import pipelining
 from zerofn.transforms.pipeline_parallel._cut import Stages, Stopped, assign, find_parts, patched
 
 from zerofn import collectives as C
@@ -57,25 +57,33 @@ def stages_of(model: nn.Module, options: Any, where: str) -> Stages:
     return assign(model, parts, options.stages * options.virtual_stages, options.split, where)
 
 
-class _Stage(pipelining.PipelineStage):
-    """A stage that tells its module which micro-batch it runs (the module reads that micro-batch's other
-    inputs: the token ids, masks and labels every stage is given)."""
+@functools.cache
+def _stage_class() -> type:
+    """``PipelineStage`` with the micro-batch told to its module, made on first use: importing
+    ``torch.distributed.pipelining`` imports dynamo and DTensor (1.5 s), which no step without a pipeline needs."""
+    from torch.distributed import pipelining
 
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
-        self.submod.chunk = fwd_chunk_id
-        with self.submod.kept.busy():
-            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        runner = self.submod.kept.runner  # micro-batches whose activations this rank holds for backward
-        runner.in_flight = max(runner.in_flight, sum(len(s.fwd_cache) for s in self.submod.kept.stages))
-        return out
+    class _Stage(pipelining.PipelineStage):
+        """A stage that tells its module which micro-batch it runs (the module reads that micro-batch's other
+        inputs: the token ids, masks and labels every stage is given)."""
 
-    def backward_one_chunk(self, *args: Any, **kwargs: Any):
-        with self.submod.kept.busy():
-            return super().backward_one_chunk(*args, **kwargs)
+        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
+            self.submod.chunk = fwd_chunk_id
+            with self.submod.kept.busy():
+                out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            runner = self.submod.kept.runner  # micro-batches whose activations this rank holds for backward
+            runner.in_flight = max(runner.in_flight, sum(len(s.fwd_cache) for s in self.submod.kept.stages))
+            return out
 
-    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any):
-        with self.submod.kept.busy():
-            return super().backward_weight_one_chunk(*args, **kwargs)
+        def backward_one_chunk(self, *args: Any, **kwargs: Any):
+            with self.submod.kept.busy():
+                return super().backward_one_chunk(*args, **kwargs)
+
+        def backward_weight_one_chunk(self, *args: Any, **kwargs: Any):
+            with self.submod.kept.busy():
+                return super().backward_weight_one_chunk(*args, **kwargs)
+
+    return _Stage
 
 
 class _Module(nn.Module):
@@ -106,7 +114,9 @@ class _Kept:
         count = stages.count
         self.modules = [_Module(self, s) for s in mine]
         group = mesh.group("pp")
-        made = [_Stage(m, s, count, device, group=group) for m, s in zip(self.modules, mine)]
+        from torch.distributed import pipelining
+
+        made = [_stage_class()(m, s, count, device, group=group) for m, s in zip(self.modules, mine)]
         kind = getattr(pipelining, SCHEDULES[options.schedule])
         loss = self._loss
         if options.schedule == "1f1b":
