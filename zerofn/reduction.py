@@ -219,28 +219,52 @@ class GradSink:
         if buf is None:
             b = self.layout.buckets[i]
             buf = self.buffers[i] = torch.empty(b.padded, dtype=self.dtypes[i], device=b.device)
-            self.views.update(self.layout.bucket_views(i, buf))
-            written: set[str] = set()
-            for name, grad in self.pending[i]:
-                if name in written:  # a second gradient for the same slot
-                    self._add(name, grad)
-                else:
-                    view = self.views[name]
-                    view.copy_(grad.reshape(view.shape))
-                    written.add(name)
-            self.pending[i] = []
-            if len(written) < len(b.slots):
-                for s in b.slots:
-                    if s.name not in written:
-                        buf[s.offset : s.offset + s.numel].zero_()
+            pending, self.pending[i] = self.pending[i], []
+            whole = self._in_slot_order(b, pending, buf.dtype)
+            if whole is not None:  # one gradient for every slot (the usual case): one copy, no view per slot
+                torch.cat([g.reshape(-1) for g in whole], out=buf[: b.numel])
+            else:
+                written: set[str] = set()
+                for name, grad in pending:
+                    if name in written:  # a second gradient for the same slot
+                        self._add(name, grad)
+                    else:
+                        view = self._view(name)
+                        view.copy_(grad.reshape(view.shape))
+                        written.add(name)
+                if len(written) < len(b.slots):
+                    for s in b.slots:
+                        if s.name not in written:
+                            buf[s.offset : s.offset + s.numel].zero_()
             if b.padded > b.numel:
                 buf[b.numel :].zero_()
-        elif self.layout.buckets[i].slots[0].name not in self.views:  # carried sums from earlier micro-steps
-            self.views.update(self.layout.bucket_views(i, buf))
         return buf
 
+    @staticmethod
+    def _in_slot_order(bucket: Bucket, pending: list, dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """The pending gradients in the bucket's slot order when they are one of the buffer's dtype for each of
+        its slots, which lie end to end from its start; None otherwise."""
+        slots = bucket.slots
+        if len(pending) != len(slots) or any(g.dtype != dtype for _, g in pending):
+            return None
+        if all(s.name == name for s, (name, _) in zip(slots, pending)):
+            return [g for _, g in pending]
+        by_name = dict(pending)
+        if len(by_name) != len(slots) or any(s.name not in by_name for s in slots):
+            return None
+        return [by_name[s.name] for s in slots]
+
+    def _view(self, name: str) -> torch.Tensor:
+        """Parameter ``name``'s slot in its bucket's buffer (the bucket's views made on first use)."""
+        view = self.views.get(name)
+        if view is None:
+            i = self.where[name]
+            self.views.update(self.layout.bucket_views(i, self.buffers[i]))
+            view = self.views[name]
+        return view
+
     def _add(self, name: str, grad: torch.Tensor) -> None:
-        view = self.views[name]
+        view = self._view(name)
         view.add_(grad.reshape(view.shape))
 
     def _take(self, name: str) -> Callable[[torch.Tensor], None]:
