@@ -126,6 +126,7 @@ class Runner:
             raise
         self.open_block: LiveUnit | None = None
         self.input_hooks: list = []  # see _watch_inputs
+        self.backward_hooks: dict[LiveUnit, Callable] = {}  # see _after
         self.stand_ins = StandIns(functional, self, self.leaves, self.unit_of, self.units)
         self.copies: dict[str, torch.Tensor] = {}  # parameters read outside their unit: gathered copies
         # Several micro-batch forwards and backwards in the step (a pipeline's schedule): see run_microbatches.
@@ -588,13 +589,19 @@ class Runner:
 
     def _after(self, unit: LiveUnit, top: bool, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled() and self.sink is not None:
-            hook = self._before_backward
             if self.micro is not None:  # the backward of this model call (a recompute's: of the one under way)
-                hook = functools.partial(self._backward_of, len(self.runs) - 1 if self.phase is Phase.FORWARD else None)
+                run = len(self.runs) - 1 if self.phase is Phase.FORWARD else None
+                hook = C.with_current_group(functools.partial(self._backward_of, run, unit))
+            else:  # one per unit and step, for every output of its modules' calls
+                hook = self.backward_hooks.get(unit)
+                if hook is None:
+                    hook = self.backward_hooks[unit] = C.with_current_group(
+                        functools.partial(self._before_backward, unit)
+                    )
             for t in T.tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     unit.backward = True
-                    t.register_hook(C.with_current_group(functools.partial(hook, unit)))
+                    t.register_hook(hook)
         if self.phase is not Phase.FORWARD:  # a recompute in backward: see _before
             return
         unit.depth -= 1
