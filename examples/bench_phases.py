@@ -13,7 +13,9 @@ loop only. Besides ``ddp`` and ``zf1`` (``shard_optimizer``) there are
 and all-gather), ``ddp-nosync`` (DDP's backward under ``no_sync()``: no
 all-reduce, so what the all-reduce costs DDP is the difference),
 ``ddp-fused`` (DDP with ``torch.optim.AdamW(fused=True)``, the kernel
-zerofn's AdamW runs), ``zf2`` (``shard_grads``), ``zf3`` (``shard_params``)
+zerofn's AdamW runs), ``torch`` (the model alone with that AdamW: no DDP, no
+collective; at ``--world 1`` what a step costs beyond it is a system's own
+overhead), ``zf2`` (``shard_grads``), ``zf3`` (``shard_params``)
 and ``fsdp2`` (torch's ``fully_shard`` on every block and the root, phased
 as DDP is: forward, backward with its reduce-scatters, optimizer step).
 ``shard_params``' own phases are its gathers (``Runner.gather``, the
@@ -61,7 +63,7 @@ from zerofn.bench.gpt import GPT, MarkovCorpus, loss_fn_for
 from zerofn.bench.harness import machine_busy
 from zerofn.bench.systems import fully_sharded
 
-SYSTEMS = ("ddp", "zf1", "zf0", "ddp-nosync", "ddp-fused", "zf2", "zf3", "fsdp2")
+SYSTEMS = ("ddp", "zf1", "zf0", "ddp-nosync", "ddp-fused", "zf2", "zf3", "fsdp2", "torch")
 WALL: dict[str, float] = collections.defaultdict(float)
 CPU: dict[str, float] = collections.defaultdict(float)
 CURRENT = ["zf1"]  # the system whose phases the wrappers are timing
@@ -149,9 +151,11 @@ def _ddp(cfg: Config, name: str):
     model = GPT(cfg.model())
     if name == "fsdp2":  # as python -m zerofn.bench runs it
         ddp = fully_sharded(model)
+    elif name == "torch":  # the model alone: torch's own forward, backward and (fused) update, no collective
+        ddp = model
     else:
         ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
-    kind = {"fused": True} if name == "ddp-fused" else {"foreach": True}
+    kind = {"fused": True} if name in ("ddp-fused", "torch") else {"foreach": True}
     opt = torch.optim.AdamW(model.parameters(), **cfg.adamw().torch_kwargs(), **kind)
 
     def backward(loss):
@@ -175,6 +179,8 @@ def _ddp(cfg: Config, name: str):
                 (
                     "backward (FSDP2's gathers and reduce-scatters inside)"
                     if name == "fsdp2"
+                    else "backward"
+                    if name == "torch"
                     else "backward (DDP's all-reduce inside)",
                     lambda: backward(box["loss"]),
                 ),
@@ -215,7 +221,9 @@ def rank_fn(cfg: Config, names: list[str]) -> dict:
     for run in systems.values():
         for _ in range(cfg.warmup):
             run(batch)
-    out = {n: {"loop": [], "proc": [], "kernel": [], "faults": [], "busy": [], "phases": []} for n in systems}
+    out = {
+        n: {"loop": [], "proc": [], "thread": [], "kernel": [], "faults": [], "busy": [], "phases": []} for n in systems
+    }
     order = list(systems)
     for r in range(cfg.rounds):
         for n in order[r % len(order) :] + order[: r % len(order)]:
@@ -223,10 +231,13 @@ def rank_fn(cfg: Config, names: list[str]) -> dict:
             CPU.clear()
             C.barrier()
             t0, p0, b0, u0 = time.perf_counter(), time.process_time(), machine_busy(), _usage()
+            c0 = time.thread_time()
             for _ in range(cfg.steps):
                 systems[n](batch)
+            c1 = time.thread_time()
             C.barrier()
             b1, u1 = machine_busy(), _usage()
+            out[n]["thread"].append((c1 - c0) / cfg.steps)
             out[n]["loop"].append((time.perf_counter() - t0) / cfg.steps)
             out[n]["proc"].append((time.process_time() - p0) / cfg.steps)
             out[n]["kernel"].append((u1[0] - u0[0]) / cfg.steps)
@@ -275,6 +286,14 @@ def report(per_rank: list[dict], quiet: float) -> str:
             f"{n:<12}{statistics.median(loop[n]):>14.1f}{statistics.median(ratios):>10.3f}"
             f"{min(ratios):>7.3f}{max(ratios):>7.3f}   {cpu}"
         )
+    lines += ["", "Main thread's CPU ms per step, each rank (over the torch system's, the model alone, where it ran):"]
+    for n in names:
+        cells = []
+        for p in per_rank:
+            mine = _median(p[n], "thread", kept, 1e3)
+            over = f" ({mine - _median(p['torch'], 'thread', kept, 1e3):+.2f})" if "torch" in names else ""
+            cells.append(f"{mine:.2f}{over}")
+        lines.append(f"  {n:<12}" + ", ".join(cells))
     lines += ["", "Phases, ms per step, the median over the kept rounds: wall time (main thread's CPU time)"]
     for n in names:
         keys = sorted({k for p in per_rank for i in kept for k in p[n]["phases"][i]})
