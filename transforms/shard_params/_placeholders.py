@@ -44,8 +44,9 @@ class Placeholder(torch.Tensor):
     ``refuse_write(name, op)`` (raises)."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, runner: Any, name: str):
-        meta = torch.empty(like.shape, dtype=like.dtype, device="meta")
+    def __new__(cls, like: torch.Tensor, runner: Any, name: str, meta: torch.Tensor | None = None):
+        if meta is None:  # else a meta tensor of like's shape and dtype, which the placeholder aliases
+            meta = torch.empty(like.shape, dtype=like.dtype, device="meta")
         out = torch.Tensor._make_subclass(cls, meta, False)
         out._runner, out._name, out._where = runner, name, like.device
         return out
@@ -82,13 +83,19 @@ class StandIns:
     which hold the unit's leaves while it is gathered and placeholders otherwise, so that a read from outside
     the unit gathers it."""
 
-    def __init__(self, functional: Functional, runner: Any, leaves: dict, unit_of: dict, units: list[LiveUnit]):
+    def __init__(
+        self, functional: Functional, runner: Any, leaves: dict, unit_of: dict, units: list[LiveUnit], metas: dict
+    ):
+        """``metas``: a meta tensor per parameter name, kept across steps (filled here where one is missing),
+        which the step's placeholders alias."""
         self.leaves = leaves
         self.places: dict[int, list] = {u.index: [] for u in units}
         for owner, attr, name in functional._slots.values():
             if name in unit_of:
                 self.places[unit_of[name].index].append((owner, attr, name))
-        self.placeholders = {n: Placeholder(leaves[n], runner, n) for n in leaves}
+        for n in leaves.keys() - metas.keys():
+            metas[n] = torch.empty(leaves[n].shape, dtype=leaves[n].dtype, device="meta")
+        self.placeholders = {n: Placeholder(leaves[n], runner, n, metas[n]) for n in leaves}
         # what the model's places get for a call: the placeholders, and the module's own (meta) ones for the
         # parameters this state does not hold (a pipeline's other stages, whose modules do not run here)
         rest = {n: t for n, t in functional.params.items() if n not in self.placeholders}

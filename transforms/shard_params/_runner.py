@@ -118,6 +118,7 @@ class Runner:
         self.unit_of = {name: self.units[i] for name, i in self.kept.unit_of.items()}
         self.read_ahead = ReadAhead(self.units, prefetch, owner=self.layout)
         self.intercepts: list[Intercept] = []
+        self.watched: dict[int, tuple[LiveUnit, bool]] = {}  # see _watch_globally
         try:
             self._watch_calls()
         except BaseException:
@@ -127,7 +128,7 @@ class Runner:
         self.open_block: LiveUnit | None = None
         self.input_hooks: list = []  # see _watch_inputs
         self.backward_hooks: dict[LiveUnit, Callable] = {}  # see _after
-        self.stand_ins = StandIns(functional, self, self.leaves, self.unit_of, self.units)
+        self.stand_ins = StandIns(functional, self, self.leaves, self.unit_of, self.units, self.kept.metas)
         self.copies: dict[str, torch.Tensor] = {}  # parameters read outside their unit: gathered copies
         # Several micro-batch forwards and backwards in the step (a pipeline's schedule): see run_microbatches.
         self.micro: int | None = None
@@ -144,7 +145,14 @@ class Runner:
         (its hooks would run inside the compiled region, where dynamo would trace them); its submodules in the
         same unit get nothing (they run inside that call, with the unit open). A module in a compiled region
         whose unit differs from its parent's (a block of a model compiled whole) can only be reached by hooks,
-        which dynamo traces: the graph breaks there (docs/compile.md)."""
+        which dynamo traces: the graph breaks there (docs/compile.md).
+
+        A model with no compiled module is watched through two global module hooks for the step instead
+        (:meth:`_watch_globally`): a step then registers and removes two hooks, not two per module."""
+        modules = list(self.module.modules())
+        if not any(compiled(m) or compiles_children(m) for m in modules):
+            self._watch_globally(modules)
+            return
         seen: set[int] = set()
         befores: dict[LiveUnit, Callable] = {}
         afters: dict[tuple[LiveUnit, bool], Callable] = {}
@@ -175,6 +183,29 @@ class Runner:
 
         walk(self.module, None, False)
 
+    def _watch_globally(self, modules: list[nn.Module]) -> None:
+        """Watch the calls of ``modules`` (the model's, none compiled) through torch's global module hooks,
+        registered until :meth:`unwatch`: each call of one of them runs the pre-hook and hook its unit's would
+        (a call of any other module, the loss's or another model's, finds no unit and passes). They run before
+        the module's own hooks: its pre-hooks see its unit gathered, as its forward does."""
+        self.watched = {
+            id(m): (self.units[index], top) for m in modules for index, top in [self.kept.owner(self.module, m)]
+        }
+        self.watched_modules = modules  # alive while watched: no other module takes one of their ids
+        # In the step's group also where autograd recomputes on a thread of its own (CUDA).
+        self.hooks.append(nn.modules.module.register_module_forward_pre_hook(C.with_current_group(self._global_before)))
+        self.hooks.append(nn.modules.module.register_module_forward_hook(C.with_current_group(self._global_after)))
+
+    def _global_before(self, module: nn.Module, args: Any) -> None:
+        entry = self.watched.get(id(module))
+        if entry is not None:
+            self._before(entry[0], module, args)
+
+    def _global_after(self, module: nn.Module, args: Any, output: Any) -> None:
+        entry = self.watched.get(id(module))
+        if entry is not None:
+            self._after(entry[0], entry[1], module, args, output)
+
     def _call(self, unit: LiveUnit, top: bool, module: nn.Module, call: Callable, args: tuple, kwargs: dict) -> Any:
         """A compiled module's call (see :meth:`_watch_calls`): the unit's hooks around it, in eager code."""
         self._before(unit, module, args)
@@ -187,6 +218,7 @@ class Runner:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        self.watched, self.watched_modules = {}, []
         for i in reversed(self.intercepts):
             i.remove()
         self.intercepts = []
@@ -765,6 +797,7 @@ class _Kept:
         self.counts: list[int] = []
         self.leaves: dict[str, torch.Tensor] = {}
         self.unit_of: dict[str, int] = {}  # parameter name -> its unit's index
+        self.metas: dict[str, torch.Tensor] = {}  # parameter name -> the meta tensor its placeholders alias
         self.layout_units = layout.units
         self._owners: tuple | None = None  # see owners
         for index, unit in enumerate(layout.units):
