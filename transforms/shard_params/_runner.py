@@ -630,7 +630,7 @@ class Runner:
                     hook = self.backward_hooks[unit] = C.with_current_group(
                         functools.partial(self._before_backward, unit)
                     )
-            for t in T.tree_leaves(output):
+            for t in (output,) if isinstance(output, torch.Tensor) else T.tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     unit.backward = True
                     t.register_hook(hook)
