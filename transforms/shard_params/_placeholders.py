@@ -44,9 +44,8 @@ class Placeholder(torch.Tensor):
     ``refuse_write(name, op)`` (raises)."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, runner: Any, name: str, meta: torch.Tensor | None = None):
-        if meta is None:  # else a meta tensor of like's shape and dtype, which the placeholder aliases
-            meta = torch.empty(like.shape, dtype=like.dtype, device="meta")
+    def __new__(cls, like: torch.Tensor, runner: Any, name: str, meta: torch.Tensor):
+        # meta: a meta tensor of like's shape and dtype (kept across steps, see StandIns), which this aliases
         out = torch.Tensor._make_subclass(cls, meta, False)
         out._runner, out._name, out._where = runner, name, like.device
         return out
