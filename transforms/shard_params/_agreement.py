@@ -29,6 +29,7 @@ class Point(enum.IntEnum):
     BACKWARD = 2  # a unit is gathered for backward
     END = 3  # the model's forward ends
     HELD = 4  # backward's plan reaches a unit this rank holds gathered already: no gather issued
+    LEFT = 5  # a forward that follows the last step's order without agreeing per unit left it (Runner._left)
 
 
 class Agreement:
@@ -42,7 +43,14 @@ class Agreement:
         self.failed: int | None = None  # the number of the first agreement the ranks failed
         self.plan: list[LiveUnit] = []  # the units backward gathers, in order, as this rank ended the forward
 
-    def agree(self, point: Point, unit: LiveUnit | None, wait: bool = True, plan: list[LiveUnit] | None = None) -> None:
+    def agree(
+        self,
+        point: Point,
+        unit: LiveUnit | None,
+        wait: bool = True,
+        plan: list[LiveUnit] | None = None,
+        digest: int = 0,
+    ) -> None:
         """Every rank must be at the same point: opening the same unit, reading the same unit's parameter
         from outside it, gathering the same unit for backward, or ending the forward (``plan``: with the
         same units for backward to gather). Every agreement in flight is settled first.
@@ -57,9 +65,18 @@ class Agreement:
         self.settled()
         if plan is not None:
             self.plan = plan
-        self.post(point, unit, _digest(plan) if plan is not None else 0)
+        self.post(point, unit, _digest(plan) if plan is not None else digest)
         if wait:
             self.settled()
+
+    def left(self, action: Point, unit: LiveUnit | None, expected: LiveUnit | None) -> None:
+        """Agree, waiting, that this rank left the order the last step recorded: it did ``action`` (opened
+        ``unit``, read a parameter of ``unit`` from outside it, or ended the forward: ``unit`` None) where the
+        order has ``expected`` next (None: the order was over). The ranks that follow the order post their
+        agreement on the forward's end at this number instead, so the codes differ, and every rank raises;
+        ranks that all left it alike pass and go on."""
+        n = len(self.units)
+        self.agree(Point.LEFT, unit, digest=action * (n + 1) + (expected.index if expected is not None else n))
 
     def post(self, point: Point, unit: LiveUnit | None, digest: int = 0) -> int:
         """Post an agreement on ``point`` and leave it in flight, whatever is in flight before it; returns its
@@ -112,7 +129,9 @@ class Agreement:
 
     def point(self, code: int) -> str:
         """What a rank did at the point an agreement's ``code`` stands for, in words."""
-        _, kind, index = self._decode(code)
+        digest, kind, index = self._decode(code)
+        if kind == Point.LEFT:
+            return self._left(digest, index)
         if index >= len(self.units):
             return "ended the model's forward"
         name = repr(self.units[index].spec.name or "<root>")
@@ -122,6 +141,20 @@ class Agreement:
             Point.BACKWARD: f"gathered unit {name} for backward",
             Point.HELD: f"held unit {name} gathered where backward gathers it",
         }[kind]
+
+    def _left(self, digest: int, index: int) -> str:
+        """What a rank that left the recorded order did (see :meth:`left`), in words."""
+        n = len(self.units)
+        action, expected = divmod(digest, n + 1)
+        name = repr(self.units[index].spec.name or "<root>") if index < n else ""
+        did = {
+            Point.OPEN: f"ran unit {name}",
+            Point.OUTSIDE: f"read a parameter of unit {name} from outside it",
+            Point.END: "ended the model's forward",
+        }[Point(action)]
+        if expected >= n:
+            return f"{did} after the last unit of the order the last step ran"
+        return f"{did} where the order the last step ran has unit {self.units[expected].spec.name or '<root>'!r}"
 
 
 def _digest(plan: list[LiveUnit]) -> int:

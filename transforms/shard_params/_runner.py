@@ -29,6 +29,10 @@ from zerofn.reduction import bucket_group
 from zerofn.state import TrainState
 
 ORDER = "shard_params.order"  # state.extra key: unit indices in the order the last step ran them
+# Ends a recorded order that the next step's forward follows without agreeing on each unit (see Runner._left):
+# the step that recorded it ran one model call, opened each unit with parameters once and read none from
+# outside its unit before the call ended (see Runner.record).
+FOLLOW = -1
 # Full buffers of gathers that a failing step left in flight, posted after an agreement the ranks failed: kept
 # allocated, since the collective may still write into them (see Runner._release).
 _ABANDONED: list[torch.Tensor] = []
@@ -97,6 +101,13 @@ class Runner:
         self.hooks: list[Any] = []
         self.forward_order: list[LiveUnit] = []
         self.last_order = state.extra.get(ORDER)
+        carried = counters.values(self.last_order) if self.last_order is not None else ()  # carried: no read
+        # Until the first model call ends, follow the carried order without agreeing on each unit (see _left).
+        self.blind = bool(carried) and carried[-1] == FOLLOW
+        self.carried = carried[:-1] if self.blind else carried
+        self.regular = True  # this step's forward may be followed that way in the next step (see record)
+        self.ends = 0  # model calls ended (each agreed on at its end)
+        self.issued = 0  # the carried order's units whose forward gathers are issued, in order (see _left)
         self.expected: list[LiveUnit] | None = None
         self.backward_queue: list[LiveUnit] | None = None
         self.queue_inner = False  # the queue is an inner torch.autograd.grad's (see _inner)
@@ -246,6 +257,7 @@ class Runner:
         call opened, in turn (the schedule repeats it), not each unit once.
         """
         self.micro, self.reshard = m, reshard
+        self.blind = self.regular = False  # every model call agrees on each unit
         for unit in self.units:
             unit.per_round = unit.remaining
             unit.rounds_left = m if unit.remaining else 0
@@ -262,12 +274,33 @@ class Runner:
         unit = self.unit_of[name]
         idle = unit.idle
         if idle:
-            self.agreement.agree(Point.OUTSIDE, unit)
+            self._agree_outside(unit)
         self.ensure(unit)
         copy = self.leaves[name].detach().clone()
         if idle and unit.depth == 0 and unit is not self.open_block:
             self._release(unit)
         return copy
+
+    def _agree_outside(self, unit: LiveUnit) -> None:
+        """Every rank must gather ``unit`` for a read from outside it at this point."""
+        if self.ends == 0:
+            self.regular = False
+        if self.blind:
+            self._left(Point.OUTSIDE, unit)
+        else:
+            self.agreement.agree(Point.OUTSIDE, unit)
+
+    def record(self, failed: bool) -> list[int]:
+        """What to carry to the next step under :data:`ORDER`: the order (:meth:`order`), and :data:`FOLLOW`
+        where the next step's forward may follow it without agreeing on each unit. It may where this step ran
+        one model call, which opened each unit with parameters once and followed the order it predicted (or
+        agreed on each unit: the first step), and read no parameter from outside its unit before the call ended:
+        the ranks then issue the order's gathers, and those alone, in the order's order."""
+        out = [u.index for u in self.order()]
+        opened = [u for u in self.forward_order if u.fulls]
+        if self.regular and not failed and self.ends == 1 and len(set(opened)) == len(opened):
+            out.append(FOLLOW)
+        return out
 
     def order(self) -> list[LiveUnit]:
         """The order to record for the next step: each unit as the forward first opened it, or, under several
@@ -298,7 +331,7 @@ class Runner:
         unit = self.unit_of[name]
         idle = unit.idle
         if idle:
-            self.agreement.agree(Point.OUTSIDE, unit)
+            self._agree_outside(unit)
         self.ensure(unit)
         leaf = self.leaves[name]
         copy = leaf.clone() if leaf.requires_grad and torch.is_grad_enabled() else leaf.detach().clone()
@@ -349,6 +382,11 @@ class Runner:
             self.phase = Phase.FORWARD if outer is Phase.FORWARD else Phase.BETWEEN  # a model call in a model call
         # Every rank's forward ends here, having run the same units, with the same units for backward to gather.
         self.plan = self._plan() if self.sink is not None and torch.is_grad_enabled() and not micro else None
+        if self.blind and self.next_open < len(self._recorded()):
+            self._left(Point.END, None)  # ended before the order did
+        self.blind = False
+        self.ends += 1
+        self.regular &= self.ends == 1
         self.agreement.agree(Point.END, None, plan=self.plan)
         return out
 
@@ -532,8 +570,8 @@ class Runner:
 
     def _expected_forward(self) -> list[LiveUnit]:
         if self.expected is None:
-            if self.last_order is not None and self.last_order.numel():
-                self.expected = [self.units[i] for i in counters.values(self.last_order)]  # carried: no read
+            if self.carried:
+                self.expected = [self.units[i] for i in self.carried]
             else:  # first step: the root runs first, then the blocks in registration order
                 self.expected = [self.by_name[ROOT]] + [u for u in reversed(self.units) if u.spec.name != ROOT]
         return self.expected
@@ -596,21 +634,26 @@ class Runner:
         if not unit.fulls:  # a unit without parameters issues no collective to disagree on
             self.ensure(unit)
             return
-        if self.last_order is not None and self.last_order.numel():
+        if self.carried:
             # The order the last step recorded (every rank's, agreed on then): every rank issues the gathers
             # it predicts at this point, the next unit in it and `prefetch` after that, whichever unit it opened,
-            # so the agreement on the unit can stay in flight; a rank that opened another unit waits for it.
-            if self.recorded is None:
-                self.recorded = [u for u in expected if u.fulls]
-            order = self.recorded
-            self.agreement.agree(Point.OPEN, unit, wait=False)
+            # so the agreement on the unit can stay in flight (or, following it blind, is not needed: see _left);
+            # a rank that opened another unit waits for it.
+            order = self._recorded()
+            if not self.blind:
+                self.agreement.agree(Point.OPEN, unit, wait=False)
             for u in order[self.next_open : self.next_open + 1 + self.prefetch]:
                 self.gather(u)
+            self.issued = max(self.issued, min(len(order), self.next_open + 1 + self.prefetch))
             if self.next_open < len(order) and unit is order[self.next_open]:
                 self.next_open += 1
                 self.ensure(unit)
                 return
-            self.agreement.settled()  # ranks that opened different units raise here together
+            self.regular = False
+            if self.blind:
+                self._left(Point.OPEN, unit)
+            else:
+                self.agreement.settled()  # ranks that opened different units raise here together
             if unit in order[self.next_open :]:
                 self.next_open = order.index(unit, self.next_open) + 1
         else:  # the first step: no order agreed on yet, each point waits for its agreement
@@ -618,6 +661,42 @@ class Runner:
         self.ensure(unit)
         if unit in expected:
             self._prefetch(expected[expected.index(unit) + 1 :], unit)
+
+    def _recorded(self) -> list[LiveUnit]:
+        """The carried order's units with parameters: the ones whose forward gathers the ranks predict."""
+        if self.recorded is None:
+            self.recorded = [u for u in self._expected_forward() if u.fulls]
+        return self.recorded
+
+    def _left(self, action: Point, unit: LiveUnit | None) -> None:
+        """This rank's forward left the carried order while following it blind (see :data:`FOLLOW`): it did
+        ``action`` (opened ``unit``, read from outside it, or ended) where the order has another unit next.
+
+        Following it blind, no rank agrees on each unit: every rank issues the order's gathers, each unit's
+        once, in the order's order, each before the unit opens. A rank that leaves it issues the order's
+        gathers it has not issued yet, as the others will, into buffers of its own, each waited for, then
+        agrees on what it did, waiting, where the others agree on the forward's end: so no rank waits for a
+        gather another never issues, the codes differ, and every rank raises, with the process groups in step.
+        Ranks that all left it alike agree and go on, each unit agreed on from there as when the order is
+        not followed blind (the gathers issued so far being the same on every rank)."""
+        order = self._recorded()
+        expected = order[self.next_open] if self.next_open < len(order) else None
+        self.blind = self.regular = False
+        if C.world_size() == 1:
+            return
+        for u in order[self.issued :]:
+            self._drain(u)
+        self.issued = len(order)
+        self.agreement.left(action, unit, expected)
+
+    def _drain(self, unit: LiveUnit) -> None:
+        """Issue the collectives :meth:`gather` issues for ``unit``'s first gather of the step (over its groups,
+        not hpZ's node: a unit the forward has not gathered yet has no piece kept within it), into buffers of
+        its own (what this rank sends is zeros), and wait for them; the unit itself is left as it is."""
+        for (full, _), group in zip(unit.fulls, unit.groups):
+            out = torch.empty(full.shape, dtype=full.dtype, device=full.device)
+            piece = torch.zeros(full.numel() // C.world_size(group), dtype=full.dtype, device=full.device)
+            self._all_gather(out, piece, group).wait()
 
     def _after(self, unit: LiveUnit, top: bool, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled() and self.sink is not None:

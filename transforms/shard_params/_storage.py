@@ -115,7 +115,7 @@ class UnitStorage(Storage):
             ACTIVE_RUN.reset(token)
             runner.close(failed)
             if runner.forward_order:
-                extra[ORDER] = counters.new_like(u.index for u in runner.order())
+                extra[ORDER] = counters.new_like(runner.record(failed))
 
     def runner(self, state: TrainState, functional: Functional, sink: GradSink | None = None) -> Runner:
         """A runner of ``state``'s units on ``functional``'s model; ``sink``: where the gradients go (None: a
