@@ -81,7 +81,10 @@ point instead of hanging; while the forward follows the order the last step
 recorded, every rank issues the gathers that order predicts at each unit,
 and backward issues the gathers of a plan agreed on at the forward's end,
 so those agreements stay in flight and are checked when a gather is waited
-for instead of costing a round trip per unit), and a
+for instead of costing a round trip per unit; after a step that ran one
+model call, each unit once, the forward agrees only at its end, and a rank
+that leaves the order issues its remaining gathers into scratch buffers
+before it agrees, so every rank raises, see ``Runner._left``), and a
 ``loss_fn`` that differentiates inside itself (a gradient penalty's
 ``torch.autograd.grad(..., create_graph=True)``: each unit that inner grad
 gathers stays gathered until its backward is over, or the step's end if it
@@ -93,9 +96,11 @@ Collectives per step: all-gather of every unit in forward and again in
 backward (but the root and the last block, kept from the forward), and a
 reduce-scatter of every unit's gradient: at most 3 x parameter bytes
 (frozen parameters: 2 x, they have no gradient), plus tiny ones: the
-unit-order agreement with each gather and at the forward's end (32 bytes
-each, on a group of its own), batch-shape agreement, and loss, gradient
-norm and finiteness; a read outside a released unit adds its gather.
+unit-order agreement with each backward gather and at the forward's end (32
+bytes each, on a group of its own; the first step, and a step after one
+whose order changed, also agree on each unit the forward opens),
+batch-shape agreement, and loss, gradient norm and finiteness; a read
+outside a released unit adds its gather.
 
 Example:
     >>> import torch, zerofn as zf

@@ -7,7 +7,11 @@ An agreement is a max-reduce of ``(code, -code)`` on the control group; ranks wh
 two values differ. It may stay in flight (:meth:`Agreement.post`) while the rank goes on: every rank posts
 its agreements in the same order, so each pairs with the others' of the same number, and a rank that waits
 for a gather posted after an agreement waits for that agreement first (:meth:`Agreement.settled`), so a rank
-that diverged is seen before any collective it did not issue is waited for."""
+that diverged is seen before any collective it did not issue is waited for.
+
+A forward that follows the order the last step recorded posts none until its end (``Runner._left``): every
+rank issues that order's gathers, and a rank that leaves it issues the rest of them too before it agrees
+(:meth:`Agreement.left`) where the others agree on the end."""
 
 from __future__ import annotations
 
