@@ -102,9 +102,12 @@ class Runner:
         self.forward_order: list[LiveUnit] = []
         self.last_order = state.extra.get(ORDER)
         carried = counters.values(self.last_order) if self.last_order is not None else ()  # carried: no read
-        # Until the first model call ends, follow the carried order without agreeing on each unit (see _left).
-        self.blind = bool(carried) and carried[-1] == FOLLOW
-        self.carried = carried[:-1] if self.blind else carried
+        # Until the first model call ends, follow the carried order without agreeing on each unit (see _left): a
+        # training step's. A forward alone (an evaluation, a generated token) may run part of the model each call,
+        # which would leave the order every time.
+        follow = bool(carried) and carried[-1] == FOLLOW
+        self.carried = carried[:-1] if follow else carried
+        self.blind = follow and sink is not None
         self.regular = True  # this step's forward may be followed that way in the next step (see record)
         self.ends = 0  # model calls ended (each agreed on at its end)
         self.issued = 0  # the carried order's units whose forward gathers are issued, in order (see _left)
