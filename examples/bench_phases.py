@@ -105,7 +105,7 @@ def _patch() -> None:
 
     import zerofn.optim as O
     from zerofn import reduction, storage
-    from zerofn.step import _call, _checks
+    from zerofn.step import _call, _checks, _stats
 
     _wrap(_checks, "check_batch", "check_batch (batch-shape all-reduce, blocking)")
     _wrap(_call, "forward_backward", "forward + backward")
@@ -115,7 +115,9 @@ def _patch() -> None:
     _wrap(ShardedReduction, "reduce", "  in backward: launch reduce-scatter")
     _wrap(reduction.GradSink, "finish", "wait for the reductions after backward")
     _wrap(_call, "unscale", "unscale + bucket norms")
-    _wrap(_call, "gather_stats", "stats all-reduce (loss, gradient norm; blocking)")
+    _wrap(_call, "gather_stats", "stats all-reduce (loss, gradient norm; blocking)")  # a zerofn before 2026-12-06
+    _wrap(_call, "start_stats", "stats all-reduce (loss, gradient norm): launch")
+    _wrap(_stats, "_read", "stats all-reduce: wait for it (blocking)")
     _wrap(O, "update_params", "update")
     _wrap(storage.Storage, "publish", "publish (launch the all-gathers)")
     from zerofn.transforms.shard_params._agreement import Agreement

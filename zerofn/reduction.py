@@ -348,9 +348,13 @@ class GradSink:
         now = tuple(int(bool(p) or n in self.got) for p, n in zip(prev, names))
         return None if all(now) else counters.new_like(now, dtype=torch.uint8)
 
-    def finish(self) -> dict[str, torch.Tensor]:
-        """Reduce what is left (a bucket with an unused parameter keeps zeros there); return every result."""
+    def launch(self) -> None:
+        """Start reducing every bucket not started yet (a bucket with an unused parameter keeps zeros there)."""
         self._launch_upto(len(self.layout.buckets))
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Reduce what is left (see :meth:`launch`); return every result."""
+        self.launch()
         for i in range(len(self.layout.buckets)):
             self._settle(i)
         out = {keys.bucket(i): r for i, r in enumerate(self.results)}

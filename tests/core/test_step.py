@@ -435,3 +435,42 @@ def test_init_refuses_ranks_that_start_from_different_parameters(ranks):
     for msg in ranks(2).run(_rank_init_from_unseeded_models):
         assert msg is not None and "the ranks passed different values for 2 parameter(s) (['bias', 'weight'])" in msg
         assert "torch.manual_seed(0)" in msg
+
+
+def _rank_collective_order(transform):
+    """The second step's all-reduce launches (with their dtype) and collective waits (with their kind), in order."""
+    from zerofn.collectives._handle import Handle
+
+    _, apply, loss_fn = make_mlp()
+    step = TRANSFORMS[transform](zf.train_step(loss_fn, _optimizer(clip=0.5)))
+    state, _ = step(step.init(apply.params), rank_slice(mlp_batch(0, 8), dist.get_rank(), dist.get_world_size()))
+    log, launch, wait = [], dist.all_reduce, Handle.wait
+
+    def launching(t, *args, **kwargs):
+        log.append(("launch all_reduce", str(t.dtype)))
+        return launch(t, *args, **kwargs)
+
+    def waiting(self):
+        if self._work is not None:
+            log.append(("wait", self._kind))
+        return wait(self)
+
+    dist.all_reduce, Handle.wait = launching, waiting
+    try:
+        step(state, rank_slice(mlp_batch(1, 8), dist.get_rank(), dist.get_world_size()))
+    finally:
+        dist.all_reduce, Handle.wait = launch, wait
+    return log
+
+
+def test_the_statistics_all_reduce_starts_before_replicated_gradients_are_waited_for(ranks):
+    """Replicated gradients are the same on every rank once all-reduced, so each rank takes their norm itself and
+    the statistics (loss, finiteness, batch digest) start reducing beside the gradients instead of after them;
+    sharded ones (shard_optimizer's reduce-scatter) bring their norm in the statistics, which wait for them."""
+    for log in ranks(2).run(_rank_collective_order, "plain"):
+        stats = log.index(("launch all_reduce", "torch.float64"))
+        grads = log.index(("launch all_reduce", "torch.float32"))
+        assert grads < stats < log.index(("wait", "all_reduce")), log
+    for log in ranks(2).run(_rank_collective_order, "shard_optimizer"):
+        stats = log.index(("launch all_reduce", "torch.float64"))
+        assert ("wait", "reduce_scatter") in log[:stats], log

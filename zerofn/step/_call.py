@@ -30,7 +30,7 @@ from zerofn import optim as O
 from zerofn import tree as T
 from zerofn.functional import BINDING
 from zerofn.optim.bucket_view import advance_steps, step_info
-from zerofn.reduction import GradSink, bucket_rank, replica
+from zerofn.reduction import GradSink, bucket_group, bucket_rank, replica
 from zerofn.state import InFlight, TrainState, collecting
 from zerofn.step._checks import (
     IGNORED_PARAMS_HELP,
@@ -45,7 +45,7 @@ from zerofn.step._checks import (
 from zerofn.step._derived import run_model, run_optimizer
 from zerofn.step._grads import average_buffers, divide, float_buffers, mean_factor, unscale
 from zerofn.step._init import device_of, opt_params
-from zerofn.step._stats import Stats, absent, any_failed, gather_stats, metrics
+from zerofn.step._stats import Stats, absent, any_failed, metrics, start_stats, sum_of_squares
 
 __all__ = ["call", "forward_backward"]
 
@@ -129,8 +129,8 @@ class _Call:
         # the model-parallel axes (tensor parallelism's): outside the step's group, their ranks hold different
         # pieces of the parameters they cut and the same whole ones of the others
         model = sorted({b.cut for b in self.layout.buckets if b.cut})
-        self.stats = functools.partial(
-            gather_stats,
+        self.start_stats = functools.partial(
+            start_stats,
             world=self.world,
             rank=self.rank,
             replicated=replicated,
@@ -144,6 +144,16 @@ class _Call:
             # a pipeline's stages hold different parameters: their norms are summed over its axis too
             model_groups=tuple(mesh.group(a) for a in model)
             + ((mesh.group("pp"),) if mesh is not None and mesh.size("pp") > 1 else ()),
+        )
+        # Every gradient whole and the same on every rank once reduced (each bucket all-reduced over the step's
+        # group, none cut along a model-parallel axis or replicated apart): each rank takes the norm itself,
+        # equal to the one rank 0 would add to the statistics' sum (zeros from the others), so the statistics
+        # need no gradient and their all-reduce starts before the gradients' reductions are waited for.
+        self.norm_here = (
+            replicated
+            and self.world > 1
+            and not self.start_stats.keywords["model_groups"]
+            and all(bucket_group(b) is None and not b.replicate for b in self.layout.buckets)
         )
 
     def _final(self, i: int, r: torch.Tensor) -> None:
@@ -173,13 +183,24 @@ class _Call:
             if not self.reduce_now:
                 end = self.accumulate(loss, aux, items, after, reported, sink.full_buffers)
             else:
+                started = None
+                if self.last and self.norm_here and items is None:
+                    sink.launch()  # every bucket's reduction under way first: they are the step's to wait for
+                    started = self.start_stats(
+                        loss,
+                        aux,
+                        None,
+                        unseen=seen is not None,
+                        seen=(seen, self.trainable),
+                        reported=self.checks(reported, loss.device),
+                    )
                 self.reduced = sink.finish()
                 if "handle" in self.early:  # no bucket landed to wait for it
                     self.early.pop("handle").wait()
                 if not self.last:
                     end = self.accumulate(loss, aux, items, after, reported, lambda: tuple(self.reduced.values()))
                 else:
-                    decision = self.judge(loss, aux, items, seen, reported)
+                    decision = self.judge(loss, aux, items, seen, reported, started)
         except BaseException:
             if self.pending is not None:  # nothing it started may stay: the state is as it was
                 self.pending.cancel()
@@ -197,16 +218,25 @@ class _Call:
         """3. Carry the gradient to the next micro-step (``carry()``: the local sums, or this rank's reduced
         partition). The statistics stay on the device: nothing here waits for it (the metrics are read when
         the user reads them)."""
-        done = self.stats(loss, aux, None, items=items)
+        done = self.start_stats(loss, aux, None, items=items)()
         return _Next({"grad_accum": carry(), **after}, done, aux, self.ls, reported=reported)
 
     # ------------------------------------------------------------ the update's verdict
 
-    def judge(self, loss, aux, items, seen, reported: list) -> _Decision:
+    def checks(self, reported: list, device: Any) -> torch.Tensor | None:
+        """Whether any part's check of this update failed (None: no part reports)."""
+        return any_failed(reported, device) if any(e.reports for e in self.step.extensions) else None
+
+    @property
+    def trainable(self) -> int:
+        return len(self.layout.trainable_names)
+
+    def judge(self, loss, aux, items, seen, reported: list, started: Any = None) -> _Decision:
         """4. Average over ranks and micro-steps and undo the loss scale: one fused multiply. A zf.Mean
         divides by its global count instead, which the statistics bring: the norms are taken first (of the
         gradient before that division, which scales them alike) and the multiply follows. Then whether the
-        update applies."""
+        update applies. ``started``: the statistics, their all-reduce under way since before the gradients were
+        waited for, with no norm in them (see ``norm_here``)."""
         step, layout, state, precision = self.step, self.layout, self.state, self.precision
         norms = self.norms
         divide_later = self.pending is None and items is not None
@@ -215,16 +245,18 @@ class _Call:
             self.reduced, norms = unscale(precision, self.reduced, None, scales)
         elif self.pending is None:
             self.reduced, norms = unscale(precision, self.reduced, self.factors)
-        checks = any_failed(reported, loss.device) if any(e.reports for e in step.extensions) else None
-        done = self.stats(
-            loss,
-            aux,
-            norms,
-            unseen=seen is not None,
-            items=items,
-            seen=(seen, len(layout.trainable_names)),
-            reported=checks,
-        )
+        if started is not None:
+            done = dataclasses.replace(started(), sumsq=sum_of_squares(norms, loss.device))
+        else:
+            done = self.start_stats(
+                loss,
+                aux,
+                norms,
+                unseen=seen is not None,
+                items=items,
+                seen=(seen, self.trainable),
+                reported=self.checks(reported, loss.device),
+            )()
         if divide_later:
             n = done.count
             for g, d in zip(self.reduced.values(), self.sink.predivide):

@@ -12,7 +12,9 @@ read them by name.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ import torch
 from zerofn import collectives as C
 from zerofn.precision import Precision
 
-__all__ = ["Stats", "absent", "any_failed", "gather_stats", "metrics", "pack_seen"]
+__all__ = ["Stats", "absent", "any_failed", "gather_stats", "metrics", "pack_seen", "start_stats", "sum_of_squares"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +70,19 @@ class _Slots:
         self.bits = end + reported
 
 
-def gather_stats(
+def gather_stats(*args, **kwargs) -> Stats:
+    """The statistics, summed over the ranks (see :func:`start_stats`, whose all-reduce this waits for)."""
+    return start_stats(*args, **kwargs)()
+
+
+def sum_of_squares(norms: list, device: Any) -> torch.Tensor:
+    """The sum of the squares of ``norms`` (0-dim tensors), in float64 on ``device`` (0 for none)."""
+    if not norms:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([n.double().square() for n in norms]).sum().to(device)
+
+
+def start_stats(
     loss,
     aux,
     norms,
@@ -83,7 +97,7 @@ def gather_stats(
     reported=None,
     counted=None,
     model_groups: tuple = (),
-) -> Stats:
+) -> Callable[[], Stats]:
     """One small all-reduce, on the loss's device, read by no one here: the loss (mean over ranks), the
     gradient sum of squares (from each bucket's norm; None: no gradient; ``counted``: which of them this
     rank counts, see below; summed first over each of ``model_groups``, the model-parallel axes' groups,
@@ -93,7 +107,10 @@ def gather_stats(
     their quotient) and how many ranks counted a negative number, the scalar aux values and, on an update
     across ranks (``seen``: this rank's bits or None, and how many trainable parameters), how many ranks gave
     each parameter a gradient. The verdict decides on the device from the record, or the host reads what it
-    must know, once per update (``zerofn.step._checks``)."""
+    must know, once per update (``zerofn.step._checks``).
+
+    Returns a function that waits for the all-reduce, which stays in flight until then, and gives the record.
+    """
     scalars = {k: v for k, v in sorted(aux.items()) if _is_scalar(v)}
     dev = loss.device
     slots = _Slots(items is not None, len(scalars), reported is not None)
@@ -105,11 +122,7 @@ def gather_stats(
     # sharded bucket, rank 0 of a replicated one's group, and along a model-parallel axis every rank of a
     # bucket cut along it, rank 0 of one whole along it (``counted``; default: rank 0 of the step's group).
     counted = counted if counted is not None else [not replicated or rank == 0] * len(norms or ())
-    mine = [n for n, c in zip(norms or (), counted) if c]
-    if not mine:  # no gradient, or none this rank counts
-        sumsq = const(0.0)
-    else:
-        sumsq = torch.stack([n.double().square() for n in mine]).sum().to(dev)
+    sumsq = sum_of_squares([n for n, c in zip(norms or (), counted) if c], dev)  # 0: none this rank counts
     if norms is not None:  # summed over the model-parallel axes too: their ranks hold different pieces (tensor
         # parallelism's slices, a pipeline's stages; a stage with nothing to train adds 0)
         for g in model_groups:
@@ -128,17 +141,22 @@ def gather_stats(
         mine, n = seen
         bits = pack_seen(torch.ones(n, device=dev) if mine is None else mine.to(dev), world)
     vec = torch.stack(parts) if bits is None else torch.cat([torch.stack(parts), bits])
-    C.all_reduce(vec, "sum")
+    handle = C.all_reduce(vec, "sum", async_op=True)
+    return functools.partial(_read, handle, slots, world, scalars, items is not None, bits is not None, seen, dev)
 
+
+def _read(handle: Any, slots: _Slots, world: int, scalars: dict, items: bool, bits: bool, seen, dev) -> Stats:
+    """The record of :func:`start_stats`' vector, once its all-reduce is done."""
+    vec = handle.wait()
     out: dict[str, Any] = {"loss": vec[slots.LOSS] / world}
-    if items is not None:
+    if items:
         total, n = vec[slots.TOTAL], vec[slots.COUNT]
         # nan when no rank counted any: the step is then skipped
         out.update(loss=total / n, count=n, negative=vec[slots.NEGATIVE])
     out["aux"] = {k: vec[slots.aux + j] / world for j, k in enumerate(scalars)}
     if slots.reported is not None:
         out["reported"] = vec[slots.reported]
-    if bits is not None:
+    if bits:
         out["seen"] = (vec[slots.bits :], seen[1])
     elif seen is not None and seen[0] is not None:  # one rank: its own bits, one per field
         out["seen"] = (pack_seen(seen[0].to(dev), 1), seen[1])
