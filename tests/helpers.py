@@ -299,3 +299,30 @@ def counting():
     finally:
         for name, real in patched.items():
             setattr(torch.Tensor, name, real)
+
+
+@contextlib.contextmanager
+def agreements():
+    """Every agreement shard_params' ranks make on the units inside the block, in order: (point, "waited") for
+    one waited for before anything else ran, (point, "posted") for one left in flight."""
+    from zerofn.transforms.shard_params._agreement import Agreement
+
+    seen, agree, post = [], Agreement.agree, Agreement.post
+
+    def agreeing(self, point, unit, wait=True, plan=None, digest=0):
+        seen.append((point.name, "waited" if wait else "posted"))
+        Agreement.post = post  # the agreement's own post is counted above
+        try:
+            return agree(self, point, unit, wait, plan, digest)
+        finally:
+            Agreement.post = posting
+
+    def posting(self, point, unit, digest=0):
+        seen.append((point.name, "posted"))
+        return post(self, point, unit, digest)
+
+    Agreement.agree, Agreement.post = agreeing, posting
+    try:
+        yield seen
+    finally:
+        Agreement.agree, Agreement.post = agree, post

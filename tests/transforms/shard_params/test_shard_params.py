@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import max_abs_diff, stats_bytes, train
+from helpers import agreements, max_abs_diff, stats_bytes, train
 from torch import nn
 from zerofn.transforms import shard_grads, shard_optimizer, shard_params
 
@@ -215,7 +214,7 @@ def _rank_memory(prefetch, units=None):
     state = step.init(apply.params)
     x = torch.randn(2, 192)
     state, m1 = step(state, x)
-    with zf.memory.track() as t, _agreements() as agreed:
+    with zf.memory.track() as t, agreements() as agreed:
         state, m2 = step(state, x)
     layout = state.spec.layout
     last = next((u for u in layout.units if u.name == f"blocks.{len(model.blocks) - 1}"), None)
@@ -232,33 +231,6 @@ def _rank_memory(prefetch, units=None):
         trainable=len(layout.trainable_names),
         agreed=agreed,
     )
-
-
-@contextlib.contextmanager
-def _agreements():
-    """Every agreement on the units in the block: (point, "waited" for one waited for before anything else ran,
-    "posted" for one left in flight)."""
-    from zerofn.transforms.shard_params._agreement import Agreement
-
-    seen, agree, post = [], Agreement.agree, Agreement.post
-
-    def agreeing(self, point, unit, wait=True, plan=None):
-        seen.append((point.name, "waited" if wait else "posted"))
-        Agreement.post = post  # the agreement's own post is counted above
-        try:
-            return agree(self, point, unit, wait, plan)
-        finally:
-            Agreement.post = posting
-
-    def posting(self, point, unit, digest=0):
-        seen.append((point.name, "posted"))
-        return post(self, point, unit, digest)
-
-    Agreement.agree, Agreement.post = agreeing, posting
-    try:
-        yield seen
-    finally:
-        Agreement.agree, Agreement.post = agree, post
 
 
 def _bound(r, prefetch):

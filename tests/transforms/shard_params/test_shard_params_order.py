@@ -7,15 +7,13 @@ error with the other in seconds, the process groups still in step after it."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import pytest
 import torch
-from helpers import rank_slice
+from helpers import agreements, rank_slice
 from torch import nn
 from zerofn.transforms import shard_params
-from zerofn.transforms.shard_params._agreement import Agreement
 
 import zerofn as zf
 from zerofn import collectives as C
@@ -78,30 +76,6 @@ def _loss(out_of_unit: list[bool], run):
     return loss_fn
 
 
-@contextlib.contextmanager
-def _points():
-    """The agreements the block posts: (point, "waited" or "posted")."""
-    seen, agree, post = [], Agreement.agree, Agreement.post
-
-    def agreeing(self, point, unit, wait=True, plan=None, digest=0):
-        seen.append((point.name, "waited" if wait else "posted"))
-        Agreement.post = post
-        try:
-            return agree(self, point, unit, wait, plan, digest)
-        finally:
-            Agreement.post = posting
-
-    def posting(self, point, unit, digest=0):
-        seen.append((point.name, "posted"))
-        return post(self, point, unit, digest)
-
-    Agreement.agree, Agreement.post = agreeing, posting
-    try:
-        yield seen
-    finally:
-        Agreement.agree, Agreement.post = agree, post
-
-
 def _kind(points: list) -> str:
     forward = [p for p in points if p[0] in ("OPEN", "LEFT", "OUTSIDE")]
     if any(p[0] == "LEFT" for p in forward):
@@ -131,7 +105,7 @@ def _rank_alike(gather_dtype: str | None) -> dict:
     for route, read, _ in STEPS:
         model.route = ref.route = route
         out_of_unit[0] = read
-        with _points() as points:
+        with agreements() as points:
             state, metrics = step(state, rank_slice(data, C.rank(), C.world_size()))
         kinds.append(_kind(points))
         losses.append(float(metrics["loss"]))
