@@ -30,9 +30,10 @@ and ``zerofn.step._checks``; any that a version of zerofn lacks is left out):
 forward (the ``loss_fn``), backward with the gradient sink's work in it (the
 bucket buffer and the gradients written into it, the launch of each
 reduction), the wait for the reductions after backward (``GradSink.finish``),
-``unscale``, ``gather_stats`` (the loss and gradient-norm all-reduce,
-blocking), the update and the publish; and every wait on a collective by its
-kind. Each phase has its wall time and the CPU time of the rank's main thread
+``unscale``, the statistics' all-reduce (the loss and gradient norm: its
+launch, ``start_stats``, and the wait for it, ``_stats._read``; one blocking
+``gather_stats`` in a zerofn before 2026-12-06), the update and the publish;
+and every wait on a collective by its kind. Each phase has its wall time and the CPU time of the rank's main thread
 (``time.thread_time``): on a shared machine the CPU time moves far less
 than the wall time.
 

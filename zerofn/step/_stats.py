@@ -22,7 +22,7 @@ import torch
 from zerofn import collectives as C
 from zerofn.precision import Precision
 
-__all__ = ["Stats", "absent", "any_failed", "gather_stats", "metrics", "pack_seen", "start_stats", "sum_of_squares"]
+__all__ = ["Stats", "absent", "any_failed", "metrics", "pack_seen", "start_stats", "sum_of_squares"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +68,6 @@ class _Slots:
         end = self.aux + scalars
         self.reported = end if reported else None
         self.bits = end + reported
-
-
-def gather_stats(*args, **kwargs) -> Stats:
-    """The statistics, summed over the ranks (see :func:`start_stats`, whose all-reduce this waits for)."""
-    return start_stats(*args, **kwargs)()
 
 
 def sum_of_squares(norms: list, device: Any) -> torch.Tensor:
