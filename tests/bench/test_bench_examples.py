@@ -147,6 +147,9 @@ def test_bench_phases_py_breaks_the_step_into_phases():
         step, fb = phases[system, "step"], phases[system, "forward + backward"]
         assert 0 < phases[system, "forward (inside forward + backward)"] < fb <= step, out
         assert phases[system, "update"] > 0, out
+        # the statistics' all-reduce, launched (beside the gradients' under train_step) and waited for apart
+        assert phases[system, "stats all-reduce (loss, gradient norm): launch"] > 0, out
+        assert phases[system, "stats all-reduce: wait for it (blocking)"] > 0, out
     assert ("zf1", "in backward: launch reduce-scatter") in phases and (
         "zf0",
         "in backward: launch all-reduce",
