@@ -368,10 +368,10 @@ def test_state_from_other_world_size(ranks):
     assert sizes["optimizer"] == 2 * 4 * -(-numel // 2) + 8
 
 
-def _rank_nan_on_one_rank():
+def _rank_nan_on_one_rank(transform):
     rank = dist.get_rank()
     _, apply, loss_fn = make_mlp()
-    step = shard_optimizer(zf.train_step(loss_fn, zf.optim.adamw(1e-2)))
+    step = TRANSFORMS[transform](zf.train_step(loss_fn, zf.optim.adamw(1e-2)))
     state = step.init(apply.params)
     before = step.full_params(state)
     batch = mlp_batch(0, 4)
@@ -383,8 +383,9 @@ def _rank_nan_on_one_rank():
     return bool(m["skipped"]), unchanged, bool(m2["skipped"]), int(state.count)
 
 
-def test_non_finite_gradient_on_one_rank_skips_everywhere(ranks):
-    for skipped, unchanged, later_skipped, count in ranks(2).run(_rank_nan_on_one_rank, timeout=60):
+@pytest.mark.parametrize("transform", ["plain", "shard_optimizer"])  # the statistics beside or after the gradients
+def test_non_finite_gradient_on_one_rank_skips_everywhere(ranks, transform):
+    for skipped, unchanged, later_skipped, count in ranks(2).run(_rank_nan_on_one_rank, transform, timeout=60):
         assert skipped is True and unchanged and later_skipped is False and count == 1
 
 
