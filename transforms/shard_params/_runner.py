@@ -100,8 +100,8 @@ class Runner:
         self.by_name = {u.spec.name: u for u in self.units}
         self.hooks: list[Any] = []
         self.forward_order: list[LiveUnit] = []
-        self.last_order = state.extra.get(ORDER)
-        carried = counters.values(self.last_order) if self.last_order is not None else ()  # carried: no read
+        last_order = state.extra.get(ORDER)
+        carried = counters.values(last_order) if last_order is not None else ()  # carried: no read
         # Until the first model call ends, follow the carried order without agreeing on each unit (see _left): a
         # training step's. A forward alone (an evaluation, a generated token) may run part of the model each call,
         # which would leave the order every time.
@@ -389,7 +389,6 @@ class Runner:
             self._left(Point.END, None)  # ended before the order did
         self.blind = False
         self.ends += 1
-        self.regular &= self.ends == 1
         self.agreement.agree(Point.END, None, plan=self.plan)
         return out
 
