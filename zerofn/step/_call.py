@@ -129,6 +129,10 @@ class _Call:
         # the model-parallel axes (tensor parallelism's): outside the step's group, their ranks hold different
         # pieces of the parameters they cut and the same whole ones of the others
         model = sorted({b.cut for b in self.layout.buckets if b.cut})
+        # a pipeline's stages hold different parameters: their norms are summed over its axis too
+        model_groups = tuple(mesh.group(a) for a in model) + (
+            (mesh.group("pp"),) if mesh is not None and mesh.size("pp") > 1 else ()
+        )
         self.start_stats = functools.partial(
             start_stats,
             world=self.world,
@@ -141,9 +145,7 @@ class _Call:
                 and all(mesh.coordinate(a) % (b.share if b.cut == a else mesh.size(a)) == 0 for a in model)
                 for b in self.layout.buckets
             ],
-            # a pipeline's stages hold different parameters: their norms are summed over its axis too
-            model_groups=tuple(mesh.group(a) for a in model)
-            + ((mesh.group("pp"),) if mesh is not None and mesh.size("pp") > 1 else ()),
+            model_groups=model_groups,
         )
         # Every gradient whole and the same on every rank once reduced (each bucket all-reduced over the step's
         # group, none cut along a model-parallel axis or replicated apart): each rank takes the norm itself,
@@ -152,7 +154,7 @@ class _Call:
         self.norm_here = (
             replicated
             and self.world > 1
-            and not self.start_stats.keywords["model_groups"]
+            and not model_groups
             and all(bucket_group(b) is None and not b.replicate for b in self.layout.buckets)
         )
 
@@ -186,14 +188,7 @@ class _Call:
                 started = None
                 if self.last and self.norm_here and items is None:
                     sink.launch()  # every bucket's reduction under way first: they are the step's to wait for
-                    started = self.start_stats(
-                        loss,
-                        aux,
-                        None,
-                        unseen=seen is not None,
-                        seen=(seen, self.trainable),
-                        reported=self.checks(reported, loss.device),
-                    )
+                    started = self.update_stats(loss, aux, None, items, seen, reported)
                 self.reduced = sink.finish()
                 if "handle" in self.early:  # no bucket landed to wait for it
                     self.early.pop("handle").wait()
@@ -223,13 +218,19 @@ class _Call:
 
     # ------------------------------------------------------------ the update's verdict
 
-    def checks(self, reported: list, device: Any) -> torch.Tensor | None:
-        """Whether any part's check of this update failed (None: no part reports)."""
-        return any_failed(reported, device) if any(e.reports for e in self.step.extensions) else None
-
-    @property
-    def trainable(self) -> int:
-        return len(self.layout.trainable_names)
+    def update_stats(self, loss, aux, norms, items, seen, reported: list) -> Any:
+        """The update's statistics (``norms``: None, none in them), their all-reduce launched: the returned
+        function waits for it (:func:`start_stats`)."""
+        checks = any_failed(reported, loss.device) if any(e.reports for e in self.step.extensions) else None
+        return self.start_stats(
+            loss,
+            aux,
+            norms,
+            unseen=seen is not None,
+            items=items,
+            seen=(seen, len(self.layout.trainable_names)),
+            reported=checks,
+        )
 
     def judge(self, loss, aux, items, seen, reported: list, started: Any = None) -> _Decision:
         """4. Average over ranks and micro-steps and undo the loss scale: one fused multiply. A zf.Mean
@@ -248,15 +249,7 @@ class _Call:
         if started is not None:
             done = dataclasses.replace(started(), sumsq=sum_of_squares(norms, loss.device))
         else:
-            done = self.start_stats(
-                loss,
-                aux,
-                norms,
-                unseen=seen is not None,
-                items=items,
-                seen=(seen, self.trainable),
-                reported=self.checks(reported, loss.device),
-            )()
+            done = self.update_stats(loss, aux, norms, items, seen, reported)()
         if divide_later:
             n = done.count
             for g, d in zip(self.reduced.values(), self.sink.predivide):
