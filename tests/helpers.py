@@ -326,3 +326,15 @@ def agreements():
         yield seen
     finally:
         Agreement.agree, Agreement.post = agree, post
+
+
+def groups_in_step(case: int) -> bool:
+    """Whether both process groups still pair this rank's collectives with the other ranks': an all-gather on the
+    default group and a max-reduce on the control one, of values that tell the case and the rank. A collective
+    that a failed step left in flight on one rank would pair with these instead (wrong values, or a wait)."""
+    C = zf.collectives
+    world, rank = C.world_size(), C.rank()
+    full = torch.empty(world, dtype=torch.int64)
+    C.all_gather(full, torch.tensor([100 * case + rank]))
+    hi, lo = C.max_min(torch.tensor([case]))
+    return full.tolist() == [100 * case + r for r in range(world)] and int(hi) == int(lo) == case

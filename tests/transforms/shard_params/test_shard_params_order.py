@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import agreements, rank_slice
+from helpers import agreements, groups_in_step, rank_slice
 from torch import nn
 from zerofn.transforms import shard_params
 
@@ -141,13 +141,6 @@ ALONE = {
 }
 
 
-def _in_step(n: int) -> bool:
-    full = torch.empty(C.world_size(), dtype=torch.int64)
-    C.all_gather(full, torch.tensor([100 * n + C.rank()]))
-    hi, lo = C.max_min(torch.tensor([n]))
-    return full.tolist() == [100 * n + r for r in range(C.world_size())] and int(hi) == int(lo) == n
-
-
 def _rank_alone(gather_dtype: str | None) -> list:
     """For each case of ALONE: the error, seconds until it was raised, and whether both process groups pair this
     rank's collectives with the other's after it."""
@@ -170,7 +163,7 @@ def _rank_alone(gather_dtype: str | None) -> list:
             msg = None
         except RuntimeError as err:
             msg = str(err)
-        out.append((msg, time.monotonic() - start, _in_step(n)))
+        out.append((msg, time.monotonic() - start, groups_in_step(n)))
     return out
 
 

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compositions, max_abs_diff, rank_slice
+from helpers import compositions, groups_in_step, max_abs_diff, rank_slice
 from torch import nn
 
 import zerofn as zf
@@ -401,24 +401,13 @@ def _rank_backward_diverging():
     return None, time.monotonic() - start
 
 
-def _in_step(case: int) -> bool:
-    """Whether both process groups still pair this rank's collectives with the other's: an all-gather on the
-    default group and a max-reduce on the control one, of values that tell the case and the rank. A collective
-    that a failed step left in flight on one rank would pair with these instead (wrong values, or a wait)."""
-    world, rank = C.world_size(), C.rank()
-    full = torch.empty(world, dtype=torch.int64)
-    C.all_gather(full, torch.tensor([100 * case + rank]))
-    hi, lo = C.max_min(torch.tensor([case]))
-    return full.tolist() == [100 * case + r for r in range(world)] and int(hi) == int(lo) == case
-
-
 def _rank_all_diverging(cases: list) -> list:
     """Every diverging case in turn on the same ranks, each followed by the check that the ranks are still in step:
     [(error text, seconds, in step after it)], and the collectives' timeout these ranks have."""
     out = []
     for i, case in enumerate(cases):
         msg, seconds = _rank_diverging(*case) if case != BACKWARD_CASE else _rank_backward_diverging()
-        out.append((msg, seconds, _in_step(i)))
+        out.append((msg, seconds, groups_in_step(i)))
     return out, C.timeout_s()
 
 
