@@ -33,9 +33,9 @@ reduction), the wait for the reductions after backward (``GradSink.finish``),
 ``unscale``, the statistics' all-reduce (the loss and gradient norm: its
 launch, ``start_stats``, and the wait for it, ``_stats._read``; one blocking
 ``gather_stats`` in a zerofn before 2026-12-06), the update and the publish;
-and every wait on a collective by its kind. Each phase has its wall time and the CPU time of the rank's main thread
-(``time.thread_time``): on a shared machine the CPU time moves far less
-than the wall time.
+and every wait on a collective by its kind. Each phase has its wall time and
+the CPU time of the rank's main thread (``time.thread_time``): on a shared
+machine the CPU time moves far less than the wall time.
 
 Rounds in which other processes used more than ``--quiet`` of the
 machine's CPU time (``/proc/stat`` less the ranks' own, in any system's
