@@ -277,6 +277,8 @@ def with_current_group(fn: Any, group: Any = None) -> Any:
 
     def run(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # not a call of its own in error messages (see _errors._where)
+        if _CURRENT.get() is g:  # run where it was made (autograd's CPU backward, a gradient hook's): in it now
+            return fn(*args, **kwargs)
         with group_scope(g):
             return fn(*args, **kwargs)
 
