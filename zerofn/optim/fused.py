@@ -74,6 +74,7 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool,
             _advance_counts(state, found == 0)
             number = adam.count.float()  # this update's number where it applies
         keys = keys_of(spec)
+        one_kind = len({(t.device, t.dtype) for t in p}) == 1
         wd = [weight_decay if decayed is None or k in decayed else 0.0 for k in keys]
         # parameters some of which may have gone without a gradient, or received unequal numbers of updates
         each = found is not None and info is not None and (bool(info.maybe) or info.counts is not None)
@@ -92,7 +93,10 @@ def fused_adam(base, adam_at, lr, b1, b2, eps, weight_decay, *, decoupled: bool,
             if view is not None and all(t.device.type == "cpu" for t in cols[1]):
                 at, cols = _cut(runs_of, view, *cols, keep=(0, 2, 3))  # params and moments: the same tensors
             for t, (p_, g_, mu_, nu_) in by_step(at, cols[0], info, count, *cols[1:]):
-                for p2, g2, mu2, nu2 in foreach_groups(p_, g_, mu_, nu_):
+                # each leaf's parameter, gradient and moments share its dtype and device (_fusable), and so do
+                # its runs: one group where the leaves do
+                groups = [(p_, g_, mu_, nu_)] if one_kind else foreach_groups(p_, g_, mu_, nu_)
+                for p2, g2, mu2, nu2 in groups:
                     if found is None:
                         step = torch.full((), float(t), dtype=torch.float32, device=p2[0].device)
                     kernel(
@@ -122,7 +126,8 @@ _RUN_BYTES = 256
 
 def _runs(view: ParamView, keys: list[str], itemsizes: list[int]) -> tuple[list[str], ParamView, list]:
     """The leaves ``keys`` of ``view`` cut into runs of contiguous pieces, each run ending after the first
-    piece whose size is not a multiple of ``_RUN_BYTES``: ``(run keys, their view, [(leaf index, lo, hi)])``.
+    piece whose size is not a multiple of ``_RUN_BYTES``: ``(run keys, their view, where they lie)`` (see
+    :func:`_spans`).
 
     torch's CPU fused Adam computes a tensor's last ``numel % vector width`` elements in scalar code,
     which rounds differently from its vector code (no fused multiply-add); torch calls it once per
@@ -151,7 +156,23 @@ def _runs(view: ParamView, keys: list[str], itemsizes: list[int]) -> tuple[list[
             leaves[key] = LeafView(pieces, hi - lo, leaf.sharded)
             run_keys.append(key)
             where.append((i, lo, hi))
-    return run_keys, ParamView(leaves, view.treedef, view.names, view.shapes, view.dtypes, view.trainable), where
+    at = ParamView(leaves, view.treedef, view.names, view.shapes, view.dtypes, view.trainable)
+    return run_keys, at, _spans(where)
+
+
+def _spans(where: list) -> list[tuple[int, int | None, list[int] | None]]:
+    """``where``'s runs as stretches that lie end to end in one leaf: ``(leaf index, start, run sizes)``, each
+    cut from its leaf with one split (a leaf taken whole: ``(index, None, None)``)."""
+    spans: list = []
+    for i, lo, hi in where:
+        last = spans[-1] if spans else None
+        if lo is None:
+            spans.append((i, None, None))
+        elif last is not None and last[0] == i and last[1] is not None and last[1] + sum(last[2]) == lo:
+            last[2].append(hi - lo)
+        else:
+            spans.append((i, lo, [hi - lo]))
+    return spans
 
 
 def _cut(cache: dict, view: ParamView, keys: list[str], *columns: list, keep: tuple[int, ...] = ()) -> tuple:
@@ -163,10 +184,20 @@ def _cut(cache: dict, view: ParamView, keys: list[str], *columns: list, keep: tu
     key = (tuple(keys), tuple(sizes))
     if key not in cache:
         cache[key] = _runs(view, keys, sizes)
-    run_keys, at, where = cache[key]
+    run_keys, at, spans = cache[key]
 
     def runs(c: list) -> list:
-        return [c[i] if lo is None else c[i].view(-1)[lo:hi] for i, lo, hi in where]
+        out = []
+        for i, lo, sizes in spans:
+            if lo is None:
+                out.append(c[i])
+                continue
+            t = c[i] if c[i].dim() == 1 else c[i].view(-1)
+            if len(sizes) == 1:
+                out.append(t[lo : lo + sizes[0]])
+            else:  # one call for the stretch's runs, not one per run
+                out.extend(t[lo : lo + sum(sizes)].split_with_sizes(sizes))
+        return out
 
     out = []
     for j, c in enumerate(columns):
