@@ -142,7 +142,8 @@ class Runner:
         self.open_block: LiveUnit | None = None
         self.input_hooks: list = []  # see _watch_inputs
         self.backward_hooks: dict[LiveUnit, Callable] = {}  # see _after
-        self.stand_ins = StandIns(functional, self, self.leaves, self.unit_of, self.units, self.kept.metas)
+        self.stand_ins = self.kept.stand_ins(functional)
+        self.stand_ins.bind(self)
         self.copies: dict[str, torch.Tensor] = {}  # parameters read outside their unit: gathered copies
         # Several micro-batch forwards and backwards in the step (a pipeline's schedule): see run_microbatches.
         self.micro: int | None = None
@@ -323,11 +324,6 @@ class Runner:
         released again unless it was gathered or on its way; the copy lives as long as what uses it (autograd
         keeps it until backward passes it). One copy per parameter and step.
         """
-        if self.phase is Phase.CLOSED:
-            raise RuntimeError(
-                f"shard_params: parameter {name!r} (a placeholder loss_fn received) was used after its step ended; "
-                "the parameters live sharded across the ranks. Read them with step.full_params(state)."
-            )
         copy = self.copies.get(name)
         if copy is not None:
             return copy
@@ -431,6 +427,7 @@ class Runner:
         self.copies = {}
         self.tasks = {}
         self.read_ahead.close()
+        self.stand_ins.unbind()
         self.kept.unbind(keep=not failed)
 
     # ---------------------------------------------------------- gather and release
@@ -878,7 +875,7 @@ class _Kept:
         self.counts: list[int] = []
         self.leaves: dict[str, torch.Tensor] = {}
         self.unit_of: dict[str, int] = {}  # parameter name -> its unit's index
-        self.metas: dict[str, torch.Tensor] = {}  # parameter name -> the meta tensor its placeholders alias
+        self._stand_ins: StandIns | None = None  # see stand_ins
         self.layout_units = layout.units
         self._owners: tuple | None = None  # see owners
         for index, unit in enumerate(layout.units):
@@ -938,6 +935,13 @@ class _Kept:
             self.sink.take(name, leaf)
         if self.then is not None:
             self.then(index)
+
+    def stand_ins(self, functional: Functional) -> StandIns:
+        """The placeholders over these leaves for ``functional``'s model, made once (a step no longer makes one
+        per parameter)."""
+        if self._stand_ins is None or self._stand_ins.functional is not functional:
+            self._stand_ins = StandIns(functional, self.leaves, self.unit_of, len(self.layout_units))
+        return self._stand_ins
 
     def bind(self, sink: Any, then: Callable[[int], None]) -> None:
         """For a runner's step: gradients go to ``sink`` (``take(name, leaf)``), then ``then(unit index)``."""
