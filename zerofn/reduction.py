@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from zerofn import collectives as C
 from zerofn import counters, keys
@@ -217,13 +218,16 @@ class GradSink:
         storage, and only what none of them wrote (padding, parameters without a gradient) zeroed."""
         buf = self.buffers[i]
         if buf is None:
-            b = self.layout.buckets[i]
-            buf = self.buffers[i] = torch.empty(b.padded, dtype=self.dtypes[i], device=b.device)
+            b, dtype = self.layout.buckets[i], self.dtypes[i]
             pending, self.pending[i] = self.pending[i], []
-            whole = self._in_slot_order(b, pending, buf.dtype)
-            if whole is not None:  # one gradient for every slot (the usual case): one copy, no view per slot
-                torch.cat([g.reshape(-1) for g in whole], out=buf[: b.numel])
+            whole = self._in_slot_order(b, pending, dtype)
+            if whole:  # one gradient for every slot (the usual case): one copy, no view per slot
+                if b.padded > b.numel:
+                    whole.append(torch.zeros(b.padded - b.numel, dtype=dtype, device=b.device))
+                # torch's own concatenation of flattened tensors (DDP's, apex's): no Python call per gradient
+                self.buffers[i] = buf = _flatten_dense_tensors(whole)
             else:
+                buf = self.buffers[i] = torch.empty(b.padded, dtype=dtype, device=b.device)
                 written: set[str] = set()
                 for name, grad in pending:
                     if name in written:  # a second gradient for the same slot
@@ -236,8 +240,8 @@ class GradSink:
                     for s in b.slots:
                         if s.name not in written:
                             buf[s.offset : s.offset + s.numel].zero_()
-            if b.padded > b.numel:
-                buf[b.numel :].zero_()
+                if b.padded > b.numel:
+                    buf[b.numel :].zero_()
         return buf
 
     @staticmethod
@@ -273,16 +277,22 @@ class GradSink:
     def take(self, name: str, leaf: torch.Tensor) -> None:
         """Take parameter ``name``'s gradient from ``leaf`` (its post-accumulate-grad hook): into its bucket,
         and launch the bucket's reduction once it is complete."""
-        i = self.where[name]
+        self.take_bucket(self.where[name], [(name, leaf)])
+
+    def take_bucket(self, i: int, leaves: list[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`take` for several parameters of bucket ``i`` at once, ``(name, leaf)`` each: one call for a
+        bucket's gradients, not one per parameter."""
         if self.buffers[i] is None:
-            self.pending[i].append((name, leaf.grad))
+            self.pending[i] += [(name, leaf.grad) for name, leaf in leaves]
         else:
             self.buffer(i)
-            self._add(name, leaf.grad)
-        leaf.grad = None
-        self.received += 1
-        self.got.add(name)
-        self.remaining[i] -= 1
+            for name, leaf in leaves:
+                self._add(name, leaf.grad)
+        for name, leaf in leaves:
+            leaf.grad = None
+            self.got.add(name)
+        self.received += len(leaves)
+        self.remaining[i] -= len(leaves)
         if self.reduce and self.remaining[i] == 0:
             j = self.launched
             while j < len(self.remaining) and self.remaining[j] == 0:

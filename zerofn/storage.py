@@ -216,6 +216,7 @@ class Storage:
         flats = state.arriving_params()
         made = _kept_leaves(state, flats)
         made.sink = sink
+        made.closers.start(sink)
         leaves = made.leaves
         inflight = state.inflight
         try:
@@ -226,6 +227,7 @@ class Storage:
                 else:  # a tree the reads cannot be followed through: whole before the forward
                     inflight.wait_params()
             yield tree
+            made.closers.end()
         finally:
             made.sink = None  # a backward after the step (a graph kept past it) reaches no sink
             inflight.wait_params()
@@ -343,19 +345,101 @@ def gathered(part: torch.Tensor, bucket: Bucket) -> torch.Tensor:
 
 class _Leaves:
     """A run's parameter leaves over its buckets, made once (see :func:`_kept_leaves`): each views its slot of
-    ``flats`` and hands its gradient to ``sink``, the running step's, through a hook registered once."""
+    ``flats`` and hands its gradient to ``sink``, the running step's, through hooks registered once (see
+    :class:`_Closers`)."""
 
     def __init__(self, flats: tuple, layout: Layout):
         self.flats, self.sink = flats, None
-        self.leaves: dict[str, torch.Tensor] = {}
-        for name, view in layout.views(flats).items():
-            leaf = self.leaves[name] = view.detach().requires_grad_(True)
-            # In the step's process group also where autograd runs the hook on a thread of its own (CUDA).
-            leaf.register_post_accumulate_grad_hook(C.with_current_group(functools.partial(self.take, name)))
+        self.leaves: dict[str, torch.Tensor] = {
+            name: view.detach().requires_grad_(True) for name, view in layout.views(flats).items()
+        }
+        self.closers = _Closers(self, [[s.name for s in b.slots if s.name in self.leaves] for b in layout.buckets])
 
-    def take(self, name: str, leaf: torch.Tensor) -> None:
-        if self.sink is not None:
-            self.sink.take(name, leaf)
+
+class _Closers:
+    """The leaves' gradient hooks: one Python call per bucket and step where the buckets' gradients arrive
+    in the order they arrived in the last step, not one per parameter.
+
+    A bucket's gradients are whole when the last of them arrives: its "closer", the last to arrive in the last
+    step. Only the closer has a hook; it hands the bucket's gradients to the sink at once
+    (``GradSink.take_bucket``), from the leaves' ``.grad``, so the bucket is reduced when it would be with a hook
+    on each. The first step, and the step after one where a bucket's closer got no gradient, hooks every leaf
+    of the bucket and learns its order. A gradient that arrives after its closer's (the order changed) is
+    taken by a hook registered on its leaf then, and becomes the next step's closer; a closer that gets no
+    gradient leaves its bucket's gradients to :meth:`end`, after backward. A sink that must see each leaf's
+    gradient (a pipeline's, which counts each leaf's micro-batches) gets a hook on every leaf."""
+
+    def __init__(self, leaves: _Leaves, buckets: list[list[str]]):
+        self.owner = leaves
+        self.members = [[(n, leaves.leaves[n]) for n in names] for names in buckets]
+        self.closer: list[str | None] = [None] * len(buckets)  # None: a hook on every leaf (learning the order)
+        self.handles: dict[str, Any] = {}  # leaf name -> its hook's handle
+        # this step's arrivals by their own hook, in order: every one while learning, else those after the closer
+        self.arrived: list[list[str]] = [[] for _ in buckets]
+        self.closed = [False] * len(buckets)  # this step's closer arrived
+        self.batched = False  # the running step's sink takes a bucket at once
+        for i in range(len(buckets)):
+            self._hook_all(i)
+
+    def _hook(self, i: int, name: str) -> None:
+        if name not in self.handles:
+            leaf = dict(self.members[i])[name]
+            # In the step's process group also where autograd runs the hook on a thread of its own (CUDA).
+            hook = C.with_current_group(functools.partial(self._arrive, i, name))
+            self.handles[name] = leaf.register_post_accumulate_grad_hook(hook)
+
+    def _hook_all(self, i: int) -> None:
+        self.closer[i] = None
+        for name, _ in self.members[i]:
+            self._hook(i, name)
+
+    def start(self, sink: Any) -> None:
+        """A step begins, its gradients going to ``sink``."""
+        self.batched = type(sink) is GradSink
+        for i, c in enumerate(self.closer):
+            if c is not None and not self.batched:
+                self._hook_all(i)
+            self.arrived[i] = []
+            self.closed[i] = False
+
+    def _arrive(self, i: int, name: str, leaf: torch.Tensor) -> None:
+        sink = self.owner.sink
+        if sink is None:  # a backward after the step (a graph kept past it)
+            return
+        if name != self.closer[i] or not self.batched:
+            if self.closer[i] is None or self.closed[i]:  # learning the order, or arriving after the closer
+                self.arrived[i].append(name)
+            sink.take(name, leaf)
+            return
+        self.closed[i] = True
+        here = [(n, t) for n, t in self.members[i] if t.grad is not None]
+        if len(here) < len(self.members[i]):  # arriving after their closer (the order changed): hooked now
+            for n, t in self.members[i]:
+                if t.grad is None:
+                    self._hook(i, n)
+        sink.take_bucket(i, here)
+
+    def end(self) -> None:
+        """Backward is over (the step's gradients all in): a bucket whose closer got no gradient hands what its
+        leaves hold to the sink, and learns its order again next step; the next step's closer of each bucket is
+        the last gradient to arrive, its other hooks removed."""
+        sink = self.owner.sink
+        for i, members in enumerate(self.members):
+            c = self.closer[i]
+            if c is not None and not self.closed[i]:
+                here = [(n, t) for n, t in members if t.grad is not None]
+                if here:
+                    sink.take_bucket(i, here)
+                self._hook_all(i)
+                continue
+            if not self.batched:
+                continue
+            if self.arrived[i]:
+                self.closer[i] = self.arrived[i][-1]
+            if self.closer[i] is not None:  # its hook alone
+                for n, _ in members:
+                    if n != self.closer[i] and n in self.handles:
+                        self.handles.pop(n).remove()
 
 
 _LEAVES = "storage.leaves"  # the state.run entry of the kept leaves
