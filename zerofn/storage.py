@@ -216,7 +216,7 @@ class Storage:
         flats = state.arriving_params()
         made = _kept_leaves(state, flats)
         made.sink = sink
-        made.closers.start(sink)
+        made.closers.start(type(sink) is GradSink)
         leaves = made.leaves
         inflight = state.inflight
         try:
@@ -229,7 +229,8 @@ class Storage:
             yield tree
             made.closers.end()
         finally:
-            made.sink = None  # a backward after the step (a graph kept past it) reaches no sink
+            made.closers.stop()  # a backward after the step (a graph kept past it) reaches no sink
+            made.sink = None
             inflight.wait_params()
 
     def opt_view(self, flat: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
@@ -346,38 +347,48 @@ def gathered(part: torch.Tensor, bucket: Bucket) -> torch.Tensor:
 class _Leaves:
     """A run's parameter leaves over its buckets, made once (see :func:`_kept_leaves`): each views its slot of
     ``flats`` and hands its gradient to ``sink``, the running step's, through hooks registered once (see
-    :class:`_Closers`)."""
+    :class:`Closers`)."""
 
     def __init__(self, flats: tuple, layout: Layout):
         self.flats, self.sink = flats, None
         self.leaves: dict[str, torch.Tensor] = {
             name: view.detach().requires_grad_(True) for name, view in layout.views(flats).items()
         }
-        self.closers = _Closers(self, [[s.name for s in b.slots if s.name in self.leaves] for b in layout.buckets])
+        members = [[(s.name, self.leaves[s.name]) for s in b.slots if s.name in self.leaves] for b in layout.buckets]
+        self.closers = Closers(members, self._take, self._take_bucket)
+
+    def _take(self, name: str, leaf: torch.Tensor) -> None:
+        self.sink.take(name, leaf)
+
+    def _take_bucket(self, i: int, leaves: list[tuple[str, torch.Tensor]]) -> None:
+        self.sink.take_bucket(i, leaves)
 
 
-class _Closers:
-    """The leaves' gradient hooks: one Python call per bucket and step where the buckets' gradients arrive
-    in the order they arrived in the last step, not one per parameter.
+class Closers:
+    """Gradient hooks on a run's leaves, registered once, that make one Python call per bucket and step where
+    the buckets' gradients arrive in the order they arrived in the last step, not one per parameter.
 
     A bucket's gradients are whole when the last of them arrives: its "closer", the last to arrive in the last
-    step. Only the closer has a hook; it hands the bucket's gradients to the sink at once
-    (``GradSink.take_bucket``), from the leaves' ``.grad``, so the bucket is reduced when it would be with a hook
-    on each. The first step, and the step after one where a bucket's closer got no gradient, hooks every leaf
-    of the bucket and learns its order. A gradient that arrives after its closer's (the order changed) is
-    taken by a hook registered on its leaf then, and becomes the next step's closer; a closer that gets no
-    gradient leaves its bucket's gradients to :meth:`end`, after backward. A sink that must see each leaf's
-    gradient (a pipeline's, which counts each leaf's micro-batches) gets a hook on every leaf."""
+    step. Only the closer has a hook; it hands the bucket's gradients over at once (``take_bucket(i, [(name,
+    leaf), ...])``, from the leaves' ``.grad``), when a hook on each leaf would have completed the bucket. The
+    first step, and the step after one where a bucket's closer got no gradient, hooks every leaf of the bucket
+    (``take(name, leaf)`` each) and learns its order. A gradient that arrives after its closer's (the order
+    changed) is taken by a hook registered on its leaf then, and the last of them is the next step's closer; a
+    closer that gets no gradient leaves its bucket's gradients to :meth:`end`, after backward. A step whose sink
+    must see each leaf's gradient (a pipeline's, which counts each leaf's micro-batches) hooks every leaf.
 
-    def __init__(self, leaves: _Leaves, buckets: list[list[str]]):
-        self.owner = leaves
-        self.members = [[(n, leaves.leaves[n]) for n in names] for names in buckets]
+    ``buckets``: per bucket (the layout's index), its trainable leaves as ``(name, leaf)`` in slot order.
+    """
+
+    def __init__(self, buckets: list[list[tuple[str, torch.Tensor]]], take: Callable, take_bucket: Callable):
+        self.members, self.take, self.take_bucket = buckets, take, take_bucket
         self.closer: list[str | None] = [None] * len(buckets)  # None: a hook on every leaf (learning the order)
         self.handles: dict[str, Any] = {}  # leaf name -> its hook's handle
         # this step's arrivals by their own hook, in order: every one while learning, else those after the closer
         self.arrived: list[list[str]] = [[] for _ in buckets]
         self.closed = [False] * len(buckets)  # this step's closer arrived
-        self.batched = False  # the running step's sink takes a bucket at once
+        self.active = False  # a step is running (see start)
+        self.batched = False  # its gradients may go over a bucket at once
         for i in range(len(buckets)):
             self._hook_all(i)
 
@@ -393,23 +404,26 @@ class _Closers:
         for name, _ in self.members[i]:
             self._hook(i, name)
 
-    def start(self, sink: Any) -> None:
-        """A step begins, its gradients going to ``sink``."""
-        self.batched = type(sink) is GradSink
+    def start(self, batched: bool) -> None:
+        """A step begins; ``batched``: its sink takes a bucket's gradients at once (``GradSink.take_bucket``)."""
+        self.active, self.batched = True, batched
         for i, c in enumerate(self.closer):
-            if c is not None and not self.batched:
+            if c is not None and not batched:
                 self._hook_all(i)
             self.arrived[i] = []
             self.closed[i] = False
 
+    def stop(self) -> None:
+        """The step is over, well or not: a backward after it (a graph kept past it) hands nothing over."""
+        self.active = False
+
     def _arrive(self, i: int, name: str, leaf: torch.Tensor) -> None:
-        sink = self.owner.sink
-        if sink is None:  # a backward after the step (a graph kept past it)
+        if not self.active:
             return
         if name != self.closer[i] or not self.batched:
             if self.closer[i] is None or self.closed[i]:  # learning the order, or arriving after the closer
                 self.arrived[i].append(name)
-            sink.take(name, leaf)
+            self.take(name, leaf)
             return
         self.closed[i] = True
         here = [(n, t) for n, t in self.members[i] if t.grad is not None]
@@ -417,19 +431,17 @@ class _Closers:
             for n, t in self.members[i]:
                 if t.grad is None:
                     self._hook(i, n)
-        sink.take_bucket(i, here)
+        self.take_bucket(i, here)
 
     def end(self) -> None:
-        """Backward is over (the step's gradients all in): a bucket whose closer got no gradient hands what its
-        leaves hold to the sink, and learns its order again next step; the next step's closer of each bucket is
-        the last gradient to arrive, its other hooks removed."""
-        sink = self.owner.sink
+        """The step's backward is over: a bucket whose closer got no gradient hands over what its leaves hold,
+        and learns its order again next step; each other bucket's next closer is its last gradient to arrive,
+        its other hooks removed."""
         for i, members in enumerate(self.members):
-            c = self.closer[i]
-            if c is not None and not self.closed[i]:
+            if self.closer[i] is not None and not self.closed[i]:
                 here = [(n, t) for n, t in members if t.grad is not None]
                 if here:
-                    sink.take_bucket(i, here)
+                    self.take_bucket(i, here)
                 self._hook_all(i)
                 continue
             if not self.batched:

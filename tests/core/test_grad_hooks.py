@@ -1,4 +1,4 @@
-"""A step hands each bucket's gradients to its reduction with one Python hook call per bucket once it has seen
+"""A step (plain, stage 2 or stage 3) hands each bucket's gradients to its reduction with one Python hook call per bucket once it has seen
 the order they arrive in (the bucket's last gradient, its closer, is the only one hooked), not one per parameter;
 and it loses none where the order changes (a gradient arriving after the closer's) or the closer gets no
 gradient (its layer skipped): the parameters stay those of torch's AdamW on the concatenated batch."""
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from helpers import max_abs_diff, rank_slice
 from torch import nn
-from zerofn.transforms import shard_grads
+from zerofn.transforms import shard_grads, shard_params
 
 import zerofn as zf
 
@@ -45,7 +45,7 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _rank_routes(transform: str, bucket_bytes: int | None):
-    from zerofn.storage import _Closers
+    from zerofn.storage import Closers
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
@@ -58,15 +58,15 @@ def _rank_routes(transform: str, bucket_bytes: int | None):
 
     kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     step = zf.train_step(loss_fn, zf.optim.adamw(LR, weight_decay=0.0), **kw)
-    step = shard_grads(step) if transform == "shard_grads" else step
+    step = {"plain": lambda s: s, "shard_grads": shard_grads, "shard_params": shard_params}[transform](step)
     state = step.init(apply.params)
-    calls, arrive = [0], _Closers._arrive
+    calls, arrive = [0], Closers._arrive
 
     def counted(self, *args):
         calls[0] += 1
         return arrive(self, *args)
 
-    _Closers._arrive = counted
+    Closers._arrive = counted
     hooks, used = [], []  # per step: hook calls, buckets that got a gradient
     where = state.spec.layout.bucket_of
     try:
@@ -76,7 +76,7 @@ def _rank_routes(transform: str, bucket_bytes: int | None):
             hooks.append(calls[0])
             used.append(len({b for n, b in where.items() if n.split(".")[0] in (*r, "head")}))
     finally:
-        _Closers._arrive = arrive
+        Closers._arrive = arrive
     return {k: v.detach().clone() for k, v in step.full_params(state).items()}, hooks, used
 
 
@@ -93,7 +93,7 @@ def _torch_routes() -> dict:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("transform", ["plain", "shard_grads"])
+@pytest.mark.parametrize("transform", ["plain", "shard_grads", "shard_params"])
 @pytest.mark.parametrize("bucket_bytes", [None, 200])  # one bucket; a bucket per layer
 def test_one_hook_call_per_bucket_and_no_gradient_lost_when_the_order_changes(ranks, world, transform, bucket_bytes):
     want = _torch_routes()

@@ -25,8 +25,9 @@ from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn._io import FileTensor
 from zerofn.functional import Functional
-from zerofn.reduction import bucket_group
+from zerofn.reduction import GradSink, bucket_group
 from zerofn.state import TrainState
+from zerofn.storage import Closers
 
 ORDER = "shard_params.order"  # state.extra key: unit indices in the order the last step ran them
 # Ends a recorded order that the next step's forward follows without agreeing on each unit (see Runner._left):
@@ -408,6 +409,8 @@ class Runner:
         """End the step: release every unit and settle the agreements in flight. ``failed``: the step is
         ending by an exception; a divergence found now is not raised over it, and a gather posted after an
         agreement the ranks failed is not waited for (another rank may never issue it)."""
+        if not failed:
+            self.kept.closers.end()  # gradients whose bucket's hook did not run (see Closers)
         self.phase = Phase.CLOSED  # the model has its own parameters back
         self.unwatch()
         for h in self.input_hooks:
@@ -779,13 +782,14 @@ class Runner:
             else:  # gathered already (off the plan): no gather; a rank that issues one sees the codes differ
                 self.agreement.post(Point.HELD, u)
 
-    def _grad_in(self, index: int) -> None:
-        """One of unit ``index``'s gradients is in (its leaf's hook, after the sink took it)."""
+    def _grad_in(self, index: int, n: int = 1) -> None:
+        """``n`` of unit ``index``'s gradients are in (its leaves' hook, after the sink took them)."""
         unit = self.units[index]
         if self.micro is not None:
-            self._micro_grad_in(unit)
+            for _ in range(n):
+                self._micro_grad_in(unit)
             return
-        unit.remaining -= 1
+        unit.remaining -= n
         if unit.remaining == 0 and unit.inputs == 0:  # its backward is over: the full parameters can go
             self._release(unit, over=True)
 
@@ -868,7 +872,7 @@ class _Kept:
         layout = state.spec.layout
         self.over: tuple | None = (flats, state.frozen, host_shards)  # what it was made over (None: made anew)
         self.sink: Any = None
-        self.then: Callable[[int], None] | None = None
+        self.then: Callable[..., None] | None = None
         self.busy = False  # a runner uses it
         self.fulls: list[list[tuple[torch.Tensor, Any]]] = []
         self.groups: list[list] = []
@@ -878,11 +882,12 @@ class _Kept:
         self._stand_ins: StandIns | None = None  # see stand_ins
         self.layout_units = layout.units
         self._owners: tuple | None = None  # see owners
+        members: list[list] = [[] for _ in layout.buckets]  # each bucket's trainable leaves, for the closers
         for index, unit in enumerate(layout.units):
             fulls, groups, count = [], [], 0
-            pairs = [(flats[i], layout.buckets[i], True) for i in unit.buckets]
-            pairs += [(state.frozen[i], layout.frozen_buckets[i], False) for i in unit.frozen]
-            for shard, bucket, grads in pairs:
+            pairs = [(flats[i], layout.buckets[i], i) for i in unit.buckets]
+            pairs += [(state.frozen[i], layout.frozen_buckets[i], None) for i in unit.frozen]
+            for shard, bucket, trained in pairs:
                 # A bucket of one shard on the device (every bucket of one rank; the experts where each rank
                 # holds its own: Bucket.apart) is whole: the leaves view it where it lies, nothing to gather.
                 whole = bucket.shards == 1 and not host_shards
@@ -890,11 +895,9 @@ class _Kept:
                 raw = full.data  # leaves view this alias: refilling `full` bumps no version they saved
                 for s in bucket.slots:
                     leaf = raw[s.offset : s.offset + s.numel].view(s.shape)
-                    if grads and trainable:
+                    if trained is not None and trainable:
                         leaf = leaf.detach().requires_grad_(True)
-                        # In the step's process group also where autograd runs the hook on a thread of its own.
-                        hook = C.with_current_group(functools.partial(self._take, s.name, index))
-                        leaf.register_post_accumulate_grad_hook(hook)
+                        members[trained].append((s.name, leaf))
                         count += 1
                     self.leaves[s.name] = leaf
                     self.unit_of[s.name] = index
@@ -905,6 +908,9 @@ class _Kept:
             self.fulls.append(fulls)
             self.groups.append(groups)
             self.counts.append(count)
+        # Each trainable leaf hands its gradient to the step's sink, then to its runner (bind): one hook call per
+        # bucket where the gradients arrive as they did in the last step (see Closers).
+        self.closers = Closers(members, self._take, self._take_bucket)
 
     def owner(self, module: nn.Module, m: nn.Module) -> tuple[int, bool]:
         """For ``m``, a module in ``module``: the index of the unit it belongs to (the innermost unit whose name
@@ -930,11 +936,16 @@ class _Kept:
         self._owners = (module, table)
         return table
 
-    def _take(self, name: str, index: int, leaf: torch.Tensor) -> None:
+    def _take(self, name: str, leaf: torch.Tensor) -> None:
         if self.sink is not None:
             self.sink.take(name, leaf)
         if self.then is not None:
-            self.then(index)
+            self.then(self.unit_of[name])
+
+    def _take_bucket(self, i: int, leaves: list[tuple[str, torch.Tensor]]) -> None:
+        self.sink.take_bucket(i, leaves)
+        if self.then is not None:
+            self.then(self.unit_of[leaves[0][0]], len(leaves))  # a bucket lies in one unit
 
     def stand_ins(self, functional: Functional) -> StandIns:
         """The placeholders over these leaves for ``functional``'s model, made once (a step no longer makes one
@@ -943,16 +954,19 @@ class _Kept:
             self._stand_ins = StandIns(functional, self.leaves, self.unit_of, len(self.layout_units))
         return self._stand_ins
 
-    def bind(self, sink: Any, then: Callable[[int], None]) -> None:
-        """For a runner's step: gradients go to ``sink`` (``take(name, leaf)``), then ``then(unit index)``."""
+    def bind(self, sink: Any, then: Callable[..., None]) -> None:
+        """For a runner's step: gradients go to ``sink`` (``take(name, leaf)``, or ``take_bucket`` where it is a
+        ``GradSink``), then ``then(unit index, how many)``."""
         self.sink, self.then, self.busy = sink, then, True
         for leaf in self.leaves.values():
             leaf.grad = None  # a step that raised in backward may have left some
+        self.closers.start(type(sink) is GradSink)
 
     def unbind(self, keep: bool) -> None:
         """The runner's step is over: a backward after it (a graph kept past it) reaches no sink. ``keep``:
         the step ended well, its buffers are free for the next (else gathers it left in flight may still write
         into them: the next step makes its own)."""
+        self.closers.stop()
         self.sink, self.then, self.busy = None, None, False
         if not keep:
             self.over = None
