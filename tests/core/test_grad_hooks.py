@@ -1,7 +1,8 @@
-"""A step (plain, stage 2 or stage 3) hands each bucket's gradients to its reduction with one Python hook call per bucket once it has seen
-the order they arrive in (the bucket's last gradient, its closer, is the only one hooked), not one per parameter;
-and it loses none where the order changes (a gradient arriving after the closer's) or the closer gets no
-gradient (its layer skipped): the parameters stay those of torch's AdamW on the concatenated batch."""
+"""A step (plain, stage 2 or stage 3) hands each bucket's gradients to its reduction with one Python hook call
+per bucket once it has seen the order they arrive in (the bucket's last gradient, its closer, is the only one
+hooked), not one per parameter; and it loses none where the order changes (a gradient arriving after the
+closer's) or the closer gets no gradient (its layer skipped): the parameters stay those of torch's AdamW on the
+concatenated batch."""
 
 from __future__ import annotations
 
