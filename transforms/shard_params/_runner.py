@@ -487,6 +487,8 @@ class Runner:
 
     def ensure(self, unit: LiveUnit) -> None:
         """Have ``unit``'s full buffers gathered: start the gather if it is not under way, and wait for it."""
+        if unit.ready:  # gathered and waited for already (each of a unit's module calls and outputs ensures it)
+            return
         self.gather(unit)
         self._wait(unit)
         unit.give_back()
