@@ -249,9 +249,14 @@ class GradSink:
         """The pending gradients in the bucket's slot order when they are one of the buffer's dtype for each of
         its slots, which lie end to end from its start; None otherwise."""
         slots = bucket.slots
-        if len(pending) != len(slots) or any(g.dtype != dtype for _, g in pending):
+        if len(pending) != len(slots):
             return None
-        if all(s.name == name for s, (name, _) in zip(slots, pending)):
+        in_order = True
+        for s, (name, g) in zip(slots, pending):
+            if g.dtype != dtype:
+                return None
+            in_order = in_order and s.name == name
+        if in_order:
             return [g for _, g in pending]
         by_name = dict(pending)
         if len(by_name) != len(slots) or any(s.name not in by_name for s in slots):
