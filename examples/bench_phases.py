@@ -37,6 +37,9 @@ and every wait on a collective by its kind. Each phase has its wall time and
 the CPU time of the rank's main thread (``time.thread_time``): on a shared
 machine the CPU time moves far less than the wall time.
 
+``--no-phases`` wraps and times nothing inside a step (the loops alone): a
+step's own overhead at ``--world 1`` without the wrappers' share of it.
+
 Rounds in which other processes used more than ``--quiet`` of the
 machine's CPU time (``/proc/stat`` less the ranks' own, in any system's
 loop) are left out of the medians when at least 3 rounds remain; the script
@@ -76,6 +79,7 @@ SYSTEMS = ("ddp", "zf1", "zf0", "ddp-nosync", "ddp-fused", "zf2", "zf3", "fsdp2"
 WALL: dict[str, float] = collections.defaultdict(float)
 CPU: dict[str, float] = collections.defaultdict(float)
 CURRENT = ["zf1"]  # the system whose phases the wrappers are timing
+PHASES = [True]  # False (--no-phases): nothing wrapped or timed inside a step, each system's loop alone
 
 
 def _add(label: str, wall: float, cpu: float) -> None:
@@ -148,6 +152,10 @@ def _usage() -> tuple[float, int]:
 
 
 def _phases(prefix: str, parts) -> None:
+    if not PHASES[0]:
+        for _, fn in parts:
+            fn()
+        return
     for label, fn in parts:
         t, c = time.perf_counter(), time.thread_time()
         fn()
@@ -208,7 +216,9 @@ def _zerofn(cfg: Config, name: str):
 
     torch.manual_seed(0)
     apply = zf.functional(GPT(cfg.model()))
-    loss_fn = _timed("  forward (inside forward + backward)", loss_fn_for(apply))
+    loss_fn = loss_fn_for(apply)
+    if PHASES[0]:
+        loss_fn = _timed("  forward (inside forward + backward)", loss_fn)
     step = zf.train_step(loss_fn, zf.optim.adamw(**cfg.adamw().torch_kwargs()), bucket_bytes=int(cfg.bucket_mb * 2**20))
     step = {"zf1": shard_optimizer, "zf2": shard_grads, "zf3": shard_params}.get(name, lambda s: s)(step)
     box = [step.init(apply.params)]
@@ -219,12 +229,17 @@ def _zerofn(cfg: Config, name: str):
         box[0], _ = step(box[0], batch)
         _add("step", time.perf_counter() - t, time.thread_time() - c)
 
-    return run
+    def bare(batch):
+        box[0], _ = step(box[0], batch)
+
+    return run if PHASES[0] else bare
 
 
-def rank_fn(cfg: Config, names: list[str]) -> dict:
+def rank_fn(cfg: Config, names: list[str], phases: bool = True) -> dict:
     torch.set_num_threads(cfg.threads)
-    _patch()
+    PHASES[0] = phases
+    if phases:
+        _patch()
     rank, world = C.rank(), C.world_size()
     data = MarkovCorpus(vocab=cfg.vocab).sample(cfg.batch * world, cfg.seq_len + 1, seed=1)
     batch = data[rank * cfg.batch : (rank + 1) * cfg.batch]
@@ -333,13 +348,16 @@ def main(argv=None):
     p.add_argument("--bucket-mb", type=float, help="gradient bucket size of both, MiB (default: the benchmark's)")
     p.add_argument("--quiet", type=float, default=0.15, help="the largest share of the machine others may use")
     p.add_argument("--json", help="write every rank's figures here")
+    p.add_argument(
+        "--no-phases", action="store_true", help="time each system's loop alone: no phase wrapped or timed in a step"
+    )
     args = p.parse_args(argv)
     sizes = dict(SHAPES[args.shape])
     for key in ("dim", "layers", "seq_len", "batch", "bucket_mb"):
         if getattr(args, key) is not None:
             sizes[key] = getattr(args, key)
     cfg = Config(systems=(), rounds=args.rounds, steps=args.steps, warmup=args.warmup, world=args.world, **sizes)
-    per_rank = zf.spawn(rank_fn, cfg.world, cfg, list(args.systems))
+    per_rank = zf.spawn(rank_fn, cfg.world, cfg, list(args.systems), not args.no_phases)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(per_rank, f)

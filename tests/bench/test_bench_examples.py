@@ -164,6 +164,21 @@ def test_bench_phases_py_breaks_the_step_into_phases():
     assert ("zf2", "in forward and backward: launch a unit's all-gathers") not in phases, out
 
 
+def test_bench_phases_py_without_phases_times_the_loops_alone():
+    """``--no-phases`` at world size 1: every system's loop and its CPU over the model alone, and no phase timed
+    inside a step (nothing wrapped)."""
+    out = _run(
+        "examples/bench_phases.py",
+        *("--world", "1", "--dim", "32", "--layers", "1", "--seq-len", "16", "--batch", "2"),
+        *("--rounds", "1", "--steps", "1", "--warmup", "1", "--no-phases"),
+        *("--systems", "torch", "zf0", "zf3"),
+    )
+    rows = dict(re.findall(r"^(torch|zf0|zf3)\s+([\d.]+)\s", out, re.M))
+    assert set(rows) == {"torch", "zf0", "zf3"} and all(float(v) > 0 for v in rows.values()), out
+    assert re.search(r"^  zf3\s+[\d.]+ \([+-][\d.]+\)", out, re.M), out  # its CPU over the model alone
+    assert not re.search(r"^  (torch|zf0|zf3): ", out, re.M), out  # no phase
+
+
 def test_bench_tp_py_trains_tp_2_x_dp_2_as_dp_4_and_counts_the_all_reduces(tmp_path):
     """The tensor-parallel benchmark at a tiny size under torchrun on 4 ranks: both systems train and are timed
     and reach the same loss; tp 2 x dp 2 holds per rank what dp 4 holds (a quarter of every split layer) plus
