@@ -59,7 +59,10 @@ def _rank_routes(transform: str, bucket_bytes: int | None):
 
     kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     step = zf.train_step(loss_fn, zf.optim.adamw(LR, weight_decay=0.0), **kw)
-    step = {"plain": lambda s: s, "shard_grads": shard_grads, "shard_params": shard_params}[transform](step)
+    if transform == "shard_params":  # two units: the head, and the root holding the routed layers' buckets
+        step = shard_params(step, units=["head"])
+    elif transform == "shard_grads":
+        step = shard_grads(step)
     state = step.init(apply.params)
     calls, arrive = [0], Closers._arrive
 
