@@ -108,3 +108,52 @@ def test_one_hook_call_per_bucket_and_no_gradient_lost_when_the_order_changes(ra
         # the step whose closer got no gradient: its bucket's gradients were taken after backward
         assert hooks[SKIPPED_CLOSER] < used[SKIPPED_CLOSER], (hooks, used)
         assert hooks[6] > used[6], (hooks, used)  # the reversed order: gradients after their closer's, hooked then
+
+
+def _rank_micro_routes(transform: str):
+    """Two micro-steps per update, the second running the first's route reversed: the closers learnt over one
+    micro-step meet the other order in the next, every step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    apply = zf.functional(Routed())
+    route = [ROUTES[0]]
+
+    def loss_fn(params, batch):
+        return _loss(apply(params, batch["x"], route[0]), batch["y"])
+
+    step = zf.train_step(loss_fn, zf.optim.adamw(LR, weight_decay=0.0), 2, bucket_bytes=200)
+    step = {"plain": lambda s: s, "shard_grads": shard_grads}.get(transform, lambda s: shard_params(s, units=["head"]))(
+        step
+    )
+    state = step.init(apply.params)
+    for i, r in enumerate(ROUTES):
+        local = rank_slice(_batch(i), rank, world)
+        for m in range(2):
+            route[0] = r if m == 0 else r[::-1]
+            state, _ = step(state, rank_slice(local, m, 2))
+    return {k: v.detach().clone() for k, v in step.full_params(state).items()}
+
+
+def _torch_micro_routes(world: int) -> dict:
+    """torch on the same parts: each rank's slice of the batch in two micro-batches, each with its route, the
+    loss the mean over all of them."""
+    torch.manual_seed(0)
+    model = Routed()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    for i, r in enumerate(ROUTES):
+        batch = _batch(i)
+        for rank in range(world):
+            local = rank_slice(batch, rank, world)
+            for m in range(2):
+                part = rank_slice(local, m, 2)
+                (_loss(model(part["x"], r if m == 0 else r[::-1]), part["y"]) / (2 * world)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize("transform", ["plain", "shard_grads", "shard_params"])
+def test_micro_steps_in_different_orders_lose_no_gradient(ranks, transform):
+    want = _torch_micro_routes(2)
+    for params in ranks(2).run(_rank_micro_routes, transform):
+        assert max_abs_diff(params, want) < 1e-6
