@@ -216,7 +216,7 @@ class Storage:
         flats = state.arriving_params()
         made = _kept_leaves(state, flats)
         made.sink = sink
-        made.closers.start(type(sink) is GradSink)
+        made.closers.start(sink)
         leaves = made.leaves
         inflight = state.inflight
         try:
@@ -383,7 +383,7 @@ class Closers:
     def __init__(self, buckets: list[list[tuple[str, torch.Tensor]]], take: Callable, take_bucket: Callable):
         self.members, self.take, self.take_bucket = buckets, take, take_bucket
         self.closer: list[str | None] = [None] * len(buckets)  # None: a hook on every leaf (learning the order)
-        self.handles: dict[str, Any] = {}  # leaf name -> its hook's handle
+        self.handles: list[dict[str, Any]] = [{} for _ in buckets]  # per bucket: leaf name -> its hook's handle
         # this step's arrivals by their own hook, in order: every one while learning, else those after the closer
         self.arrived: list[list[str]] = [[] for _ in buckets]
         self.closed = [False] * len(buckets)  # this step's closer arrived
@@ -392,21 +392,22 @@ class Closers:
         for i in range(len(buckets)):
             self._hook_all(i)
 
-    def _hook(self, i: int, name: str) -> None:
-        if name not in self.handles:
-            leaf = dict(self.members[i])[name]
+    def _hook(self, i: int, name: str, leaf: torch.Tensor) -> None:
+        if name not in self.handles[i]:
             # In the step's process group also where autograd runs the hook on a thread of its own (CUDA).
             hook = C.with_current_group(functools.partial(self._arrive, i, name))
-            self.handles[name] = leaf.register_post_accumulate_grad_hook(hook)
+            self.handles[i][name] = leaf.register_post_accumulate_grad_hook(hook)
 
     def _hook_all(self, i: int) -> None:
         self.closer[i] = None
-        for name, _ in self.members[i]:
-            self._hook(i, name)
+        for name, leaf in self.members[i]:
+            self._hook(i, name, leaf)
 
-    def start(self, batched: bool) -> None:
-        """A step begins; ``batched``: its sink takes a bucket's gradients at once (``GradSink.take_bucket``)."""
-        self.active, self.batched = True, batched
+    def start(self, sink: Any) -> None:
+        """A step begins, its gradients going to ``sink``: a bucket at once where it is a ``GradSink``
+        (``take_bucket``); each leaf's where it is another (a pipeline's, which counts each leaf's micro-batches)."""
+        self.active = True
+        self.batched = batched = type(sink) is GradSink
         for i, c in enumerate(self.closer):
             if c is not None and not batched:
                 self._hook_all(i)
@@ -430,7 +431,7 @@ class Closers:
         if len(here) < len(self.members[i]):  # arriving after their closer (the order changed): hooked now
             for n, t in self.members[i]:
                 if t.grad is None:
-                    self._hook(i, n)
+                    self._hook(i, n, t)
         self.take_bucket(i, here)
 
     def end(self) -> None:
@@ -448,10 +449,10 @@ class Closers:
                 continue
             if self.arrived[i]:
                 self.closer[i] = self.arrived[i][-1]
-            if self.closer[i] is not None:  # its hook alone
-                for n, _ in members:
-                    if n != self.closer[i] and n in self.handles:
-                        self.handles.pop(n).remove()
+            hooked = self.handles[i]
+            if self.closer[i] is not None and len(hooked) > 1:  # its hook alone
+                for n in [n for n in hooked if n != self.closer[i]]:
+                    hooked.pop(n).remove()
 
 
 _LEAVES = "storage.leaves"  # the state.run entry of the kept leaves

@@ -25,7 +25,7 @@ from zerofn import collectives as C
 from zerofn import tree as T
 from zerofn._io import FileTensor
 from zerofn.functional import Functional
-from zerofn.reduction import GradSink, bucket_group
+from zerofn.reduction import bucket_group
 from zerofn.state import TrainState
 from zerofn.storage import Closers
 
@@ -962,7 +962,7 @@ class _Kept:
         self.sink, self.then, self.busy = sink, then, True
         for leaf in self.leaves.values():
             leaf.grad = None  # a step that raised in backward may have left some
-        self.closers.start(type(sink) is GradSink)
+        self.closers.start(sink)
 
     def unbind(self, keep: bool) -> None:
         """The runner's step is over: a backward after it (a graph kept past it) reaches no sink. ``keep``:
