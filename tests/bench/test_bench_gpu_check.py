@@ -67,4 +67,5 @@ def test_the_long_context_case_runs_in_its_cpu_form():
     ctx = gpu_checks.Ctx(torch.device("cpu"), tiny=True)
     r = gpu_checks.run_case("context_parallel_1", ctx)
     assert r["correct"] is True, r
-    assert r["max_abs_diff"] <= 1e-5 and r["syncs"] == "n/a (CPU)", r
+    # 2 % of lr: AdamW's first update amplifies the chunked loss's rounding where a gradient is near eps
+    assert r["tolerance"] == 2e-5 and r["max_abs_diff"] <= 2e-5 and r["syncs"] == "n/a (CPU)", r

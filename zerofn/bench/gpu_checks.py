@@ -427,8 +427,12 @@ def _context_parallel_1(ctx: Ctx, record: dict):
         return apply, context_parallel(remat(step, offload="cpu"), 1, mlp_tiles=2)
 
     _, _, _, got, _, _ = _zf_train(build, fed, watch=None, ctx=ctx, record=record)
-    why = "the loss summed by chunks of tokens, the MLPs by tiles"
-    _compare(record, got, want, again, tol=1e-5, bitwise=False, why=why)
+    # The loss summed by chunks rounds a gradient unlike torch's whole-logits loss. AdamW's first update of an
+    # element is lr * g / (|g| + eps): a rounding of d in a gradient near eps moves it by up to lr * d / eps. On
+    # an AVX-512 CPU 2 of 90 K elements of the tiny Llama move by 1.13e-5 in the first step (1.1 % of lr), and
+    # by no more in ten.
+    why = "the loss summed by chunks of tokens, the MLPs by tiles; 2 % of lr"
+    _compare(record, got, want, again, tol=2e-5, bitwise=False, why=why)
     _sync_runs(ctx, build, fed, record)
 
 
