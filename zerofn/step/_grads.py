@@ -34,7 +34,7 @@ def unscale(precision: Precision, grads: dict, factors: list | None, norm_scales
     if any(isinstance(f, torch.Tensor) for f in factors):  # a loss scale on the device
         for g, f in zip(grads.values(), factors):
             g.mul_(f)
-    else:
+    elif any(f != 1.0 for f in factors):  # one rank, one micro-step, no loss scale: x * 1.0 is x, bit for bit
         torch._foreach_mul_(list(grads.values()), factors)
     return grads, torch._foreach_norm(list(grads.values()))
 
