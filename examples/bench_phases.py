@@ -39,6 +39,10 @@ machine the CPU time moves far less than the wall time.
 
 ``--no-phases`` wraps and times nothing inside a step (the loops alone): a
 step's own overhead at ``--world 1`` without the wrappers' share of it.
+``--in-process`` (``--world 1`` only) runs the one rank in this process, its
+gloo group initialised directly as under torchrun, instead of in a rank that
+``zf.spawn`` starts: the same calls have timed differently in the two kinds
+of process (docs/benchmarks.md).
 
 Rounds in which other processes used more than ``--quiet`` of the
 machine's CPU time (``/proc/stat`` less the ranks' own, in any system's
@@ -333,6 +337,20 @@ def report(per_rank: list[dict], quiet: float) -> str:
     return "\n".join(lines)
 
 
+def _in_process(cfg: Config, names: list[str], phases: bool) -> dict:
+    """:func:`rank_fn` as the only rank, in this process, over a gloo group of one made here."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=0, world_size=1)
+        try:
+            return rank_fn(cfg, names, phases)
+        finally:
+            dist.destroy_process_group()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=list(SHAPES), default="v512")
@@ -351,13 +369,23 @@ def main(argv=None):
     p.add_argument(
         "--no-phases", action="store_true", help="time each system's loop alone: no phase wrapped or timed in a step"
     )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="--world 1 only: run the rank here, its gloo group initialised directly as torchrun leaves it",
+    )
     args = p.parse_args(argv)
+    if args.in_process and args.world != 1:
+        p.error(f"--in-process runs one rank in this process, so it needs --world 1 (got --world {args.world})")
     sizes = dict(SHAPES[args.shape])
     for key in ("dim", "layers", "seq_len", "batch", "bucket_mb"):
         if getattr(args, key) is not None:
             sizes[key] = getattr(args, key)
     cfg = Config(systems=(), rounds=args.rounds, steps=args.steps, warmup=args.warmup, world=args.world, **sizes)
-    per_rank = zf.spawn(rank_fn, cfg.world, cfg, list(args.systems), not args.no_phases)
+    if args.in_process:
+        per_rank = [_in_process(cfg, list(args.systems), not args.no_phases)]
+    else:
+        per_rank = zf.spawn(rank_fn, cfg.world, cfg, list(args.systems), not args.no_phases)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(per_rank, f)

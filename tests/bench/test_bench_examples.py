@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -164,14 +166,17 @@ def test_bench_phases_py_breaks_the_step_into_phases():
     assert ("zf2", "in forward and backward: launch a unit's all-gathers") not in phases, out
 
 
-def test_bench_phases_py_without_phases_times_the_loops_alone():
+@pytest.mark.parametrize("where", ["spawned", "in-process"])
+def test_bench_phases_py_without_phases_times_the_loops_alone(where):
     """``--no-phases`` at world size 1: every system's loop and its CPU over the model alone, and no phase timed
-    inside a step (nothing wrapped)."""
+    inside a step (nothing wrapped); in a rank ``zf.spawn`` starts, or with ``--in-process`` in the script's
+    own process."""
     out = _run(
         "examples/bench_phases.py",
         *("--world", "1", "--dim", "32", "--layers", "1", "--seq-len", "16", "--batch", "2"),
         *("--rounds", "1", "--steps", "1", "--warmup", "1", "--no-phases"),
         *("--systems", "torch", "zf0", "zf3"),
+        *(["--in-process"] if where == "in-process" else []),
     )
     rows = dict(re.findall(r"^(torch|zf0|zf3)\s+([\d.]+)\s", out, re.M))
     assert set(rows) == {"torch", "zf0", "zf3"} and all(float(v) > 0 for v in rows.values()), out
