@@ -124,6 +124,40 @@ def test_deepspeed_trains_with_the_others_optimizer_and_no_clipping():
     assert params == adamw.torch_kwargs()  # what torch.optim.AdamW gets in the torch systems
     assert config["zero_optimization"]["stage"] == 2 and config["train_micro_batch_size_per_gpu"] == 4
     assert len(DEEPSPEED) == 3
+    # ZeRO-3's default replaces torch.nn.functional.linear for the whole process (every system's timed steps)
+    assert deepspeed_config(3, 2**20, 4, adamw)["zero_optimization"]["memory_efficient_linear"] is False
+
+
+def test_a_system_that_replaces_a_torch_function_is_refused(monkeypatch):
+    """A system whose building replaces a function of torch.nn.functional would have every other system in the
+    ranks time the replacement: the harness says which system and which function, and what to do."""
+    import torch.nn.functional as F
+
+    from zerofn.bench import harness
+
+    before = harness._torch_functions()
+    harness._check_torch_kept("torch DDP", before)  # nothing replaced
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: x @ w.t())
+    with pytest.raises(RuntimeError, match=r"'DeepSpeed ZeRO-3' replaced torch.nn.functional.linear.*turn"):
+        harness._check_torch_kept("DeepSpeed ZeRO-3", before)
+
+
+def _zero3_linear() -> tuple[bool, bool]:
+    import torch.nn.functional as F
+
+    from zerofn.bench.gpt import GPTConfig
+    from zerofn.bench.systems import build
+
+    linear = F.linear
+    build(DEEPSPEED[2], GPTConfig(dim=32, layers=1, seq_len=16), 2**20, 2, AdamWConfig())
+    return F.linear is linear, getattr(F.linear, "__module__", "").startswith("torch")
+
+
+@pytest.mark.skipif(not deepspeed_installed(), reason="DeepSpeed is not installed")
+def test_deepspeed_zero3_leaves_torchs_linear_in_place():
+    import zerofn as zf
+
+    assert zf.spawn(_zero3_linear, 1)[0] == (True, True)
 
 
 def _clipped_and_unclipped(steps: int) -> dict[str, list[float]]:

@@ -44,8 +44,10 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 import zerofn as zf
@@ -240,6 +242,25 @@ def _try_build(name, make):
     return (None, errors[0]) if errors else (value, None)
 
 
+def _torch_functions() -> dict[str, Any]:
+    """``torch.nn.functional``'s functions, by name: what every system's model calls."""
+    return {k: v for k, v in vars(F).items() if callable(v) and not k.startswith("_")}
+
+
+def _check_torch_kept(name: str, before: dict[str, Any]) -> None:
+    """Raise if building ``name`` replaced a function of ``torch.nn.functional``: every system in these ranks
+    would then run the replacement in its timed steps."""
+    after = _torch_functions()
+    changed = sorted(k for k in before if after.get(k) is not before[k])
+    if changed:
+        raise RuntimeError(
+            f"building {name!r} replaced torch.nn.functional.{', '.join(changed)} for the whole process, so every "
+            "system in these ranks would time that instead of torch's own; turn the replacement off in that "
+            "system's configuration (DeepSpeed ZeRO-3: zero_optimization.memory_efficient_linear = false), or "
+            "benchmark it in a run of its own"
+        )
+
+
 def bench_rank(cfg: Config) -> tuple[dict[str, dict], dict[str, str]]:
     """Measure every system of ``cfg`` on this rank; returns (figures by system, skipped systems)."""
     rank, world = C.rank(), C.world_size()
@@ -257,11 +278,13 @@ def bench_rank(cfg: Config) -> tuple[dict[str, dict], dict[str, str]]:
         return system
 
     for name in tqdm(cfg.systems, desc="build and measure", disable=not show, leave=False):
+        before = _torch_functions()
         with zf.memory.track() as t:
             system, error = _try_build(name, functools.partial(warmed_up, name))
         if error:
             skipped[name] = error
             continue
+        _check_torch_kept(name, before)
         held = t.current  # set-up and warm-up: what stays allocated between steps
         with zf.memory.track() as t:
             system.step(batch)

@@ -329,16 +329,27 @@ def deepspeed_config(stage: int, bucket_bytes: int, batch_per_rank: int, adamw: 
     DeepSpeed clips the global gradient norm to ``gradient_clipping``, 1.0 when the config leaves it
     out (``GRADIENT_CLIPPING_DEFAULT`` in ``deepspeed/runtime/constants.py``); the config sets it to 0.
 
+    ZeRO-3 replaces ``torch.nn.functional.linear`` for the whole process with its own autograd function
+    (``zero_optimization.memory_efficient_linear``, on by default; DeepSpeed says it "will persist unless
+    manually reset"). Every system in the benchmark's ranks would then run DeepSpeed's linear in its timed
+    steps, and the systems built after it would reach another loss; the config turns it off, so every system,
+    DeepSpeed's included, runs torch's linear.
+
     Example:
         >>> c = deepspeed_config(1, 2**20, 8, AdamWConfig())
         >>> c["gradient_clipping"], c["optimizer"]["params"]["weight_decay"]
         (0.0, 0.1)
+        >>> deepspeed_config(3, 2**20, 8, AdamWConfig())["zero_optimization"]["memory_efficient_linear"]
+        False
     """
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket_bytes // 4}
+    if stage == 3:
+        zero["memory_efficient_linear"] = False  # it would replace torch's linear for every system
     return {
         "train_micro_batch_size_per_gpu": batch_per_rank,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket_bytes // 4},
+        "zero_optimization": zero,
         "optimizer": {
             "type": "AdamW",
             "params": {
