@@ -277,14 +277,14 @@ def bench_rank(cfg: Config) -> tuple[dict[str, dict], dict[str, str]]:
             system.step(batch)
         return system
 
+    torch_functions = _torch_functions()  # every build is checked against them: one that changes any raises
     for name in tqdm(cfg.systems, desc="build and measure", disable=not show, leave=False):
-        before = _torch_functions()
         with zf.memory.track() as t:
             system, error = _try_build(name, functools.partial(warmed_up, name))
         if error:
             skipped[name] = error
             continue
-        _check_torch_kept(name, before)
+        _check_torch_kept(name, torch_functions)
         held = t.current  # set-up and warm-up: what stays allocated between steps
         with zf.memory.track() as t:
             system.step(batch)
