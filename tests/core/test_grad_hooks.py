@@ -45,6 +45,12 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).mean()
 
 
+def _compose(transform: str, step):
+    if transform == "shard_params":  # two units: the head, and the root holding the routed layers' buckets
+        return shard_params(step, units=["head"])
+    return shard_grads(step) if transform == "shard_grads" else step
+
+
 def _rank_routes(transform: str, bucket_bytes: int | None):
     from zerofn.storage import Closers
 
@@ -59,10 +65,7 @@ def _rank_routes(transform: str, bucket_bytes: int | None):
 
     kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     step = zf.train_step(loss_fn, zf.optim.adamw(LR, weight_decay=0.0), **kw)
-    if transform == "shard_params":  # two units: the head, and the root holding the routed layers' buckets
-        step = shard_params(step, units=["head"])
-    elif transform == "shard_grads":
-        step = shard_grads(step)
+    step = _compose(transform, step)
     state = step.init(apply.params)
     calls, arrive = [0], Closers._arrive
 
@@ -122,9 +125,7 @@ def _rank_micro_routes(transform: str):
         return _loss(apply(params, batch["x"], route[0]), batch["y"])
 
     step = zf.train_step(loss_fn, zf.optim.adamw(LR, weight_decay=0.0), 2, bucket_bytes=200)
-    step = {"plain": lambda s: s, "shard_grads": shard_grads}.get(transform, lambda s: shard_params(s, units=["head"]))(
-        step
-    )
+    step = _compose(transform, step)
     state = step.init(apply.params)
     for i, r in enumerate(ROUTES):
         local = rank_slice(_batch(i), rank, world)
